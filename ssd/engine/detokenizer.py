@@ -1,0 +1,47 @@
+"""Incremental detokenization with stop strings.
+
+Text is only released once it is stable: a token that ends inside a multi-byte
+character decodes to U+FFFD until the next token completes it, and text that could
+still become the start of a stop string is held back.
+"""
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TextStream:
+    tokenizer: object
+    stop: list[str]
+    ids: list[int] = field(default_factory=list)
+    text: str = ""  # all stable text so far (cut at a stop string once one is seen)
+    emitted: int = 0  # characters of text already handed out
+    stopped: bool = False
+    _prefix: int = 0  # ids[_prefix:_read] decode to the tail of text already counted
+    _read: int = 0
+
+    def push(self, new_ids: list[int]) -> None:
+        if self.stopped:
+            return
+        self.ids.extend(new_ids)
+        before = self._decode(self.ids[self._prefix:self._read])
+        after = self._decode(self.ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return
+        start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+        self.text += after[len(before):]
+        self._prefix, self._read = self._read, len(self.ids)
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def take(self, final: bool = False) -> str:
+        """Text not handed out yet that can no longer turn into a stop string."""
+        end = len(self.text)
+        if not (final or self.stopped) and self.stop:
+            end -= max(len(s) for s in self.stop) - 1
+        piece = self.text[self.emitted:max(end, self.emitted)]
+        self.emitted += len(piece)
+        return piece
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""

@@ -1,0 +1,204 @@
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from ssd.engine.detokenizer import TextStream
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.engine.sampler import next_tokens
+from ssd.engine.scheduler import Scheduler, Work
+from ssd.engine.sequence import Sequence
+from ssd.errors import PromptError, SSDError
+from ssd.models.loader import load_model
+from ssd.outputs import RequestOutput, StreamChunk
+from ssd.sampling_params import SamplingParams
+from ssd.store import resolve_model
+
+Prompt = str | list[dict]
+MODES = ("ar",)
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SSDError("device cuda was asked for but this machine has no usable CUDA GPU")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SSDError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+class LLM:
+    """Generate text with one model: `LLM("smollm2-135m-instruct").generate(prompts, params)`.
+
+    model: a store name, a Hugging Face style folder or a .gguf file.
+    """
+
+    def __init__(self, model: str | os.PathLike, *, draft: str | os.PathLike | None = None,
+                 mode: str = "ar", device: str | torch.device | None = None,
+                 dtype: str | torch.dtype | None = None, max_model_len: int | None = None,
+                 threads: int | None = None, max_num_seqs: int = 16,
+                 max_num_batched_tokens: int = 512, kv_cache_tokens: int | None = None,
+                 block_size: int = 16, seed: int | None = None):
+        if mode not in MODES:
+            raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+        if draft is not None:
+            raise SSDError(f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
+        if threads is not None:
+            if threads < 1:
+                raise SSDError(f"threads must be >= 1, got {threads}")
+            torch.set_num_threads(threads)
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.folder: Path = resolve_model(model)
+        self.model = load_model(self.folder, self.device, self.dtype)
+        self.config = self.model.config
+        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        limit = self.config.max_position_embeddings
+        self.max_model_len = max_model_len or limit
+        if not 1 < self.max_model_len <= limit:
+            raise SSDError(f"max_model_len must be in 2..{limit} for this model, got {max_model_len}")
+        self.eos_ids = set(self.config.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.cache = PagedKVCache(self.config, kv_cache_tokens or max(self.max_model_len, 16384),
+                                  block_size, self.device, self.dtype)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.generator = torch.Generator(self.device)
+        self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+    # ---- public API -------------------------------------------------------------------
+    def generate(self, prompts: Prompt | list[Prompt],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
+                                        and isinstance(prompts[0], dict)):
+            prompts = [prompts]
+        if not isinstance(sampling_params, list):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise SSDError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        try:
+            while self.scheduler.has_work:
+                for seq, _ in self._step():
+                    if seq.finished:
+                        bar.update(1)
+        finally:
+            bar.close()
+            self._abort(seqs)
+        return [self._output(s) for s in seqs]
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
+               ) -> Iterator[StreamChunk]:
+        """Yield StreamChunks as tokens are made; the last one has finish_reason and metrics."""
+        seq = self._new_sequence(prompt, sampling_params or SamplingParams())
+        self.scheduler.add(seq)
+        try:
+            while not seq.finished:
+                for s, new in self._step():
+                    if s is seq:
+                        text = seq.text.take(final=seq.finished)
+                        yield StreamChunk(text, new, [False] * len(new),
+                                          seq.finish_reason, seq.metrics() if seq.finished else None)
+        finally:
+            self._abort([seq])
+
+    def close(self) -> None:
+        self._abort(list(self.scheduler.running) + list(self.scheduler.waiting))
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- internals --------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise PromptError("the prompt is empty")
+            return self.tokenizer(prompt).input_ids
+        if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise PromptError("a chat prompt must be a non-empty list of {'role': ..., 'content': ...}")
+        if not self.tokenizer.chat_template:
+            raise PromptError(f"model {self.folder.name} has no chat template; pass a plain string")
+        text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def _new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        ids = self.encode(prompt)
+        if not ids:
+            raise PromptError("the prompt encodes to no tokens")
+        if len(ids) >= self.max_model_len:
+            raise PromptError(f"the prompt has {len(ids)} tokens but the context holds "
+                              f"{self.max_model_len}, leaving no room for output")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(self.device)
+            gen.manual_seed(params.seed)
+        label = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return Sequence(label, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
+
+    def _step(self) -> list[tuple[Sequence, list[int]]]:
+        """Run one forward pass; return (sequence, new token ids) for sequences that got tokens."""
+        work = self.scheduler.schedule()
+        logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.seq.num_cached:][:w.num_new],
+                                            w.seq.num_cached, int(w.samples)) for w in work])
+        now = time.perf_counter()
+        events, row = [], 0
+        for w in work:
+            seq, samples = w.seq, w.samples
+            seq.num_cached += w.num_new
+            if not samples:
+                continue
+            token = int(next_tokens(logits[row:row + 1], seq.params, seq.generator)[0])
+            row += 1
+            self._append(seq, [token], now)
+            events.append((seq, [token]))
+        return events
+
+    def _append(self, seq: Sequence, tokens: list[int], now: float) -> None:
+        for token in tokens:
+            seq.token_ids.append(token)
+            seq.text.push([token])
+            seq.first_token_at = seq.first_token_at or now
+            seq.last_token_at = now
+            p = seq.params
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or seq.text.stopped:
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finished:
+                self.scheduler.finish(seq)
+                return
+
+    def _abort(self, seqs: list[Sequence]) -> None:
+        """Free what unfinished sequences hold (after an error or Ctrl-C)."""
+        for seq in seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(seq.prompt, seq.text.text, list(seq.output_ids),
+                             seq.finish_reason or "length", seq.metrics())

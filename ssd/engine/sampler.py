@@ -1,0 +1,45 @@
+"""Turning logits into the processed distribution and drawing tokens from it.
+
+`probs_from_logits` is the single definition of "the distribution" for a request:
+the verifier applies the same function to the target's and the draft's logits.
+"""
+import torch
+
+from ssd.sampling_params import SamplingParams
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Rows of logits [N, V] → probabilities after temperature, top-k and top-p (float32).
+
+    Greedy (temperature 0) gives a one-hot row on the argmax."""
+    logits = logits.float()
+    if params.greedy_decoding:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_p, order = probs.sort(-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass
+        # before it already does.
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= params.top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [N, V], by the exponential race (argmax p / E, E ~ Exp(1)),
+    which draws exactly from p."""
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / race).argmax(-1)
+
+
+def next_tokens(logits: torch.Tensor, params: SamplingParams,
+                generator: torch.Generator | None) -> torch.Tensor:
+    if params.greedy_decoding:
+        return logits.argmax(-1)
+    return sample(probs_from_logits(logits, params), generator)

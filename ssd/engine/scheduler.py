@@ -1,0 +1,92 @@
+"""Which sequences run in the next forward pass, and how many of their tokens.
+
+Every step is one forward pass over a token budget: sequences that are decoding feed
+their one newest token, and the rest of the budget goes to prompt chunks of sequences
+being prefilled (chunked prefill), so long prompts never stall decoding for long.
+When the KV cache runs out, the most recently admitted sequence is preempted: its
+blocks are freed and it is prefilled again later from its tokens so far.
+"""
+from collections import deque
+from dataclasses import dataclass
+
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.sequence import Sequence
+
+
+@dataclass
+class Work:
+    seq: Sequence
+    num_new: int  # feed token_ids[num_cached : num_cached + num_new]
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the newest token, so a next token is drawn after it."""
+        return self.seq.num_cached + self.num_new == self.seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int):
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def schedule(self) -> list[Work]:
+        while (self.waiting and len(self.running) < self.max_num_seqs
+               and self.cache.can_reserve(self.waiting[0].seq_id, self.waiting[0].num_tokens + 1)):
+            self.running.append(self.waiting.popleft())
+        if not self.running and self.waiting:
+            seq = self.waiting[0]
+            raise RuntimeError(f"KV cache too small for one sequence of {seq.num_tokens} tokens")
+
+        work: list[Work] = []
+        budget = self.budget
+        for seq in list(self.running):
+            if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
+                continue
+            while not self.cache.can_reserve(seq.seq_id, seq.num_tokens):
+                victim = self.running[-1]
+                self.preempt(victim)
+                work = [w for w in work if w.seq is not victim]
+                if victim is seq:
+                    break
+            if seq in self.running:
+                self.cache.reserve(seq.seq_id, seq.num_tokens)
+                work.append(Work(seq, 1))
+                budget -= 1
+        for seq in self.running:
+            remaining = seq.num_tokens - seq.num_cached
+            if remaining <= 1 or budget <= 0:
+                continue
+            n = min(remaining, budget)
+            if not self.cache.can_reserve(seq.seq_id, seq.num_cached + n):
+                break
+            self.cache.reserve(seq.seq_id, seq.num_cached + n)
+            work.append(Work(seq, n))
+            budget -= n
+        if not work and len(self.running) > 1:
+            # Admitted prompts overcommitted the cache: make room and try again.
+            self.preempt(self.running[-1])
+            return self.schedule()
+        return work
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.release(seq.seq_id)
+        seq.num_cached = 0
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.release(seq.seq_id)

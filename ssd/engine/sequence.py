@@ -1,0 +1,50 @@
+import time
+from dataclasses import dataclass, field
+from itertools import count
+
+import torch
+
+from ssd.engine.detokenizer import TextStream
+from ssd.outputs import RequestMetrics
+from ssd.sampling_params import SamplingParams
+
+_ids = count()
+
+
+@dataclass
+class Sequence:
+    """One request: its tokens, how many of them are in the KV cache, and its progress."""
+
+    prompt: str
+    token_ids: list[int]  # prompt followed by the output so far
+    params: SamplingParams
+    text: TextStream = field(repr=False)
+    generator: torch.Generator | None = field(default=None, repr=False)
+    num_prompt_tokens: int = 0
+    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    finish_reason: str | None = None
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def metrics(self) -> RequestMetrics:
+        first, last = self.first_token_at or self.arrival, self.last_token_at or self.arrival
+        return RequestMetrics(prompt_tokens=self.num_prompt_tokens, output_tokens=len(self.output_ids),
+                              ttft_s=first - self.arrival, decode_s=last - first,
+                              e2e_s=last - self.arrival)

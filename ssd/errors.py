@@ -1,0 +1,26 @@
+"""The errors a user can cause. All are ValueError subclasses so callers can catch one type;
+the CLI turns them into one line on stderr and exit code 2."""
+
+
+class SSDError(ValueError):
+    """Base class for every user-facing error of the engine."""
+
+
+class ModelNotFoundError(SSDError):
+    """A model name is not in the store and is not a folder or a .gguf file."""
+
+
+class ModelFileError(SSDError):
+    """Model files are missing, corrupt (sha256 mismatch) or unreadable."""
+
+
+class UnsupportedModelError(SSDError):
+    """The model's architecture is not one the engine implements."""
+
+
+class PromptError(SSDError):
+    """The prompt is empty or longer than the context."""
+
+
+class SamplingParamsError(SSDError):
+    """A sampling value is out of range."""

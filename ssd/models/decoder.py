@@ -1,0 +1,66 @@
+"""One decoder-only transformer covering Llama (3.x, SmolLM2), Qwen2 and Qwen3.
+
+The three differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3) and RoPE
+scaling (Llama 3); ModelConfig carries those as flags.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ssd.layers.attention import Attention, AttentionBatch
+from ssd.layers.norm import RMSNorm
+from ssd.layers.rotary import RotaryEmbedding
+from ssd.models.config import ModelConfig
+
+
+class MLP(nn.Module):
+    """SwiGLU with the gate and up projections fused into one matrix."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                   rotary, cfg.qkv_bias, cfg.qk_norm, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, positions, batch, kv):
+        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions: [T] flat new tokens; kv: [layers, 2, slots, kv_heads, head_dim].
+
+        Returns logits for the rows in logits_index (all rows if None)."""
+        x = self.embed_tokens(input_ids)
+        for layer, layer_kv in zip(self.layers, kv):
+            x = layer(x, positions, batch, layer_kv)
+        if logits_index is not None:
+            x = x[logits_index]
+        return self.lm_head(self.norm(x))

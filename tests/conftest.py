@@ -1,0 +1,55 @@
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+SMOLLM = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm_dir() -> Path:
+    from ssd.store import resolve_model
+    return resolve_model(SMOLLM)
+
+
+@pytest.fixture(scope="session")
+def smollm(smollm_dir):
+    from ssd import LLM
+    with LLM(smollm_dir) as llm:
+        yield llm
+
+
+def tiny_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
+    """Small configs of the three supported architectures, each with its own quirk on."""
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    if arch == "llama":
+        return transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64})
+    if arch == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, smollm_dir) -> dict[str, Path]:
+    """Random-weight models of each architecture, saved as Hugging Face folders that carry
+    SmolLM2's tokenizer so the whole engine can run them."""
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
+    out = {}
+    for arch in ("llama", "qwen2", "qwen3"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, len(tok)), dtype=torch.float32)
+        folder = tmp_path_factory.mktemp(arch)
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        out[arch] = folder
+    return out
+
+
+def copy_model(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst

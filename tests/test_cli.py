@@ -1,0 +1,44 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def ssd(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ssd.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_prints_exactly_one_object():
+    r = ssd("generate", "--model", "smollm2-135m-instruct", "--prompt", "What is the capital of France?",
+            "--chat", "--temperature", "0", "--max-tokens", "16", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)  # fails if anything else is on stdout
+    assert set(out) == {"text", "token_ids", "finish_reason", "metrics"}
+    assert "Paris" in out["text"] and out["finish_reason"] in ("stop", "length")
+    assert {"prompt_tokens", "output_tokens", "ttft_s", "tokens_per_second"} <= set(out["metrics"])
+    assert out["metrics"]["output_tokens"] == len(out["token_ids"])
+
+
+def test_generate_streams_text_then_metrics_line():
+    r = ssd("generate", "--model", "smollm2-135m-instruct", "--prompt", "Once upon a time",
+            "--temperature", "0", "--max-tokens", "8", "--ignore-eos")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() and "tok/s" in r.stderr and "8 tokens" in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [[], ["generate"], ["pull"], ["models"]])
+def test_help_is_complete(cmd):
+    r = ssd(*cmd, "--help")
+    assert r.returncode == 0 and "usage: ssd" in r.stdout
+    if cmd == ["generate"]:
+        for flag in ("--model", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-k",
+                     "--top-p", "--seed", "--json", "--threads"):
+            assert flag in r.stdout
+
+
+def test_models_lists_known_models():
+    r = ssd("models", "--json")
+    names = {m["name"]: m for m in json.loads(r.stdout)}
+    assert {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"} <= set(names)
+    assert names["smollm2-135m-instruct"]["present"]

@@ -1,0 +1,59 @@
+"""Our model implementations against transformers on the same weights (fp32)."""
+import pytest
+import torch
+import transformers
+
+from ssd import LLM, SamplingParams
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.models.loader import load_model
+
+CPU = torch.device("cpu")
+
+
+def our_logits(folder, ids: list[int], split: int) -> torch.Tensor:
+    """Logits at every position: a prefill of ids[:split], then one decode step per token."""
+    model = load_model(folder, CPU, torch.float32)
+    cache = PagedKVCache(model.config, 1024, 16, CPU, torch.float32)
+    runner = ModelRunner(model, cache, CPU)
+    cache.reserve(0, len(ids))
+    rows = [runner.forward([Chunk(0, ids[:split], 0, split)])]
+    rows += [runner.forward([Chunk(0, [t], i, 1)]) for i, t in enumerate(ids[split:], split)]
+    return torch.cat(rows)
+
+
+def hf_logits(folder, ids: list[int]) -> torch.Tensor:
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_random_weights_match_transformers(tiny_models, arch):
+    ids = torch.randint(0, 1000, (70,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours, ref = our_logits(tiny_models[arch], ids, 50), hf_logits(tiny_models[arch], ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-5)
+
+
+def test_smollm2_logits_match_transformers(smollm_dir):
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
+    ids = tok("def fibonacci(n):\n    if n <= 1:\n        return n\n").input_ids
+    ours, ref = our_logits(smollm_dir, ids, len(ids) - 6), hf_logits(smollm_dir, ids)
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-4)
+
+
+def test_smollm2_greedy_generation_matches_transformers(smollm, smollm_dir):
+    prompt = "The three primary colors are"
+    out = smollm.generate(prompt, SamplingParams.greedy(max_tokens=24, ignore_eos=True))[0]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    ids = smollm.tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
+    assert out.token_ids == ref.tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_random_weight_models_generate(tiny_models, arch):
+    with LLM(tiny_models[arch]) as llm:
+        out = llm.generate("hello there", SamplingParams.greedy(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8 and out.finish_reason == "length"

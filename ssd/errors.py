@@ -24,3 +24,7 @@ class PromptError(SSDError):
 
 class SamplingParamsError(SSDError):
     """A sampling value is out of range."""
+
+
+class VocabularyMismatchError(SSDError):
+    """A draft model whose vocabulary differs from the target's."""

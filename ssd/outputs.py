@@ -9,14 +9,48 @@ class RequestMetrics:
     ttft_s: float = 0.0  # request arrival to first output token
     decode_s: float = 0.0  # first output token to last
     e2e_s: float = 0.0
+    # Speculative rounds (SD/SSD); zero in AR mode.
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_hist: list[int] = field(default_factory=list)  # [k] = rounds that accepted k drafts
+    accepted_by_position: list[int] = field(default_factory=list)  # [i] = rounds accepting draft i+1
+    drafted_by_position: list[int] = field(default_factory=list)  # [i] = rounds proposing draft i+1
+    draft_s: float = 0.0  # wall time of the draft passes of the rounds this request was in
+    verify_s: float = 0.0  # same, of the target's verify passes
 
     @property
     def tokens_per_second(self) -> float:
         """Decode speed: tokens after the first over the time after the first."""
         return (self.output_tokens - 1) / self.decode_s if self.decode_s > 0 else 0.0
 
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens gained per target verify pass: 1 + accepted drafts per round."""
+        return 1 + self.accepted / self.rounds if self.rounds else 0.0
+
+    def record_round(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = lambda xs, n: xs.extend([0] * (n - len(xs)))  # noqa: E731
+        grow(self.accepted_hist, drafted + 1)
+        grow(self.accepted_by_position, drafted)
+        grow(self.drafted_by_position, drafted)
+        self.accepted_hist[accepted] += 1
+        for i in range(drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += i < accepted
+        self.draft_s += draft_s
+        self.verify_s += verify_s
+
     def as_dict(self) -> dict:
-        return {**asdict(self), "tokens_per_second": self.tokens_per_second}
+        return {**asdict(self), "tokens_per_second": self.tokens_per_second,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length}
 
 
 @dataclass
@@ -26,6 +60,7 @@ class RequestOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" or "length"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    from_draft: list[bool] = field(default_factory=list)  # per token: an accepted draft proposal?
 
     def __getitem__(self, key: str):  # out["text"], as the reference engine's dicts allow
         return getattr(self, key)

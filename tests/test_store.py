@@ -120,7 +120,8 @@ def test_gguf_path_converted_once(smol: Path, tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(store, "convert_gguf", counting_convert)
     first = store.resolve_model(gguf)
-    assert first.parent == tmp_path / "home" / "converted" and first.name.startswith("SmolLM2-")
+    # Named after the symlink's target: the key is the real file's path, size and mtime.
+    assert first.parent == tmp_path / "home" / "converted" and first.name.startswith(f"{SMOL}-")
     assert store.resolve_model(str(gguf)) == first
     assert len(calls) == 1
     assert sorted(p.name for p in first.parent.iterdir()) == [first.name]  # no temp folder left

@@ -10,17 +10,20 @@ from transformers import AutoTokenizer
 from ssd.engine.detokenizer import TextStream
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import next_tokens
+from ssd.engine.sampler import next_tokens, probs_from_logits
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
 from ssd.errors import PromptError, SSDError
 from ssd.models.loader import load_model
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
+from ssd.spec.drafter import Drafter
+from ssd.spec.verifier import verify
+from ssd.spec.vocab import check_same_vocabulary
 from ssd.store import resolve_model
 
 Prompt = str | list[dict]
-MODES = ("ar",)
+MODES = ("ar", "sd")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -55,11 +58,15 @@ class LLM:
                  dtype: str | torch.dtype | None = None, max_model_len: int | None = None,
                  threads: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, seed: int | None = None):
+                 block_size: int = 16, seed: int | None = None, speculate_k: int = 4):
         if mode not in MODES:
             raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
-        if draft is not None:
-            raise SSDError(f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
+        if (draft is None) != (mode == "ar"):
+            raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
+                           else f"a draft model needs mode 'sd', not {mode!r}")
+        if mode != "ar" and not 1 <= speculate_k <= 32:
+            raise SSDError(f"speculate_k must be in 1..32, got {speculate_k}")
+        self.mode, self.k = mode, speculate_k
         if threads is not None:
             if threads < 1:
                 raise SSDError(f"threads must be >= 1, got {threads}")
@@ -77,10 +84,22 @@ class LLM:
         self.eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
-        self.cache = PagedKVCache(self.config, kv_cache_tokens or max(self.max_model_len, 16384),
-                                  block_size, self.device, self.dtype)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens)
+        cache_tokens = kv_cache_tokens or max(self.max_model_len, 16384)
+        self.cache = PagedKVCache(self.config, cache_tokens, block_size, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.drafter: Drafter | None = None
+        if draft is not None:
+            draft_model = load_model(resolve_model(draft), self.device, self.dtype)
+            check_same_vocabulary(self.tokenizer, AutoTokenizer.from_pretrained(resolve_model(draft)),
+                                  self.config, draft_model.config)
+            # Room for every sequence's K proposals on top of what the target may hold.
+            extra = max_num_seqs * (speculate_k + block_size)
+            self.drafter = Drafter(draft_model, PagedKVCache(draft_model.config, cache_tokens + extra,
+                                                            block_size, self.device, self.dtype),
+                                   self.device)
+        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
+                                   lookahead=self.k if self.drafter else 0,
+                                   on_release=self.drafter.release if self.drafter else None)
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
@@ -101,7 +120,7 @@ class LLM:
             self.scheduler.add(seq)
         try:
             while self.scheduler.has_work:
-                for seq, _ in self._step():
+                for seq, _, _ in self._step():
                     if seq.finished:
                         bar.update(1)
         finally:
@@ -116,10 +135,10 @@ class LLM:
         self.scheduler.add(seq)
         try:
             while not seq.finished:
-                for s, new in self._step():
+                for s, new, from_draft in self._step():
                     if s is seq:
                         text = seq.text.take(final=seq.finished)
-                        yield StreamChunk(text, new, [False] * len(new),
+                        yield StreamChunk(text, new, from_draft,
                                           seq.finish_reason, seq.metrics() if seq.finished else None)
         finally:
             self._abort([seq])
@@ -160,9 +179,17 @@ class LLM:
         label = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         return Sequence(label, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
 
-    def _step(self) -> list[tuple[Sequence, list[int]]]:
-        """Run one forward pass; return (sequence, new token ids) for sequences that got tokens."""
+    def _step(self) -> list[tuple[Sequence, list[int], list[bool]]]:
+        """Run one scheduled step; return (sequence, new tokens, from_draft flags) for each
+        sequence that got tokens. Prompt chunks run through the target alone; in SD mode
+        the sequences that are decoding run one speculative round."""
         work = self.scheduler.schedule()
+        decoding = [w.seq for w in work if self.drafter and w.num_new == 1 and w.samples]
+        plain = [w for w in work if w.seq not in decoding]
+        events = self._forward(plain) if plain else []
+        return events + (self._speculate(decoding) if decoding else [])
+
+    def _forward(self, work: list[Work]) -> list[tuple[Sequence, list[int], list[bool]]]:
         logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.seq.num_cached:][:w.num_new],
                                             w.seq.num_cached, int(w.samples)) for w in work])
         now = time.perf_counter()
@@ -174,13 +201,42 @@ class LLM:
                 continue
             token = int(next_tokens(logits[row:row + 1], seq.params, seq.generator)[0])
             row += 1
-            self._append(seq, [token], now)
-            events.append((seq, [token]))
+            events.append(self._append(seq, [token], [False], now))
         return events
 
-    def _append(self, seq: Sequence, tokens: list[int], now: float) -> None:
-        for token in tokens:
+    def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int], list[bool]]]:
+        """One synchronous speculative round: the draft proposes K tokens per sequence, the
+        target scores [last, d_1..d_K] in one pass, and the verifier keeps an exact prefix."""
+        # No more drafts than the sequence can still use (its max_tokens and the context).
+        ks = [max(0, min(self.k, s.params.max_tokens - len(s.output_ids) - 1,
+                         self.max_model_len - s.num_tokens - 1)) for s in seqs]
+        t0 = time.perf_counter()
+        proposals = self.drafter.propose(seqs, ks)
+        t1 = time.perf_counter()
+        logits = self.runner.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens, s.num_tokens - 1, k + 1)
+                                      for s, p, k in zip(seqs, proposals, ks)])
+        t2 = time.perf_counter()
+        events, row = [], 0
+        for seq, prop, k in zip(seqs, proposals, ks):
+            p = probs_from_logits(logits[row:row + k + 1], seq.params)
+            row += k + 1
+            q = torch.nn.functional.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
+            verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
+            valid = seq.num_tokens + verdict.accepted  # the old tokens and the accepted drafts
+            seq.num_cached = valid
+            self.cache.truncate(seq.seq_id, valid)
+            self.drafter.rollback(seq, valid)
+            seq.stats.record_round(k, verdict.accepted, t1 - t0, t2 - t1)
+            tokens = prop.tokens[:verdict.accepted] + [verdict.token]
+            events.append(self._append(seq, tokens, [True] * verdict.accepted + [False], t2))
+        return events
+
+    def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float
+                ) -> tuple[Sequence, list[int], list[bool]]:
+        """Add tokens up to the first that finishes the sequence; return what was added."""
+        for i, token in enumerate(tokens):
             seq.token_ids.append(token)
+            seq.from_draft.append(from_draft[i])
             seq.text.push([token])
             seq.first_token_at = seq.first_token_at or now
             seq.last_token_at = now
@@ -191,7 +247,8 @@ class LLM:
                 seq.finish_reason = "length"
             if seq.finished:
                 self.scheduler.finish(seq)
-                return
+                return seq, tokens[:i + 1], from_draft[:i + 1]
+        return seq, tokens, from_draft
 
     def _abort(self, seqs: list[Sequence]) -> None:
         """Free what unfinished sequences hold (after an error or Ctrl-C)."""
@@ -201,4 +258,4 @@ class LLM:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt, seq.text.text, list(seq.output_ids),
-                             seq.finish_reason or "length", seq.metrics())
+                             seq.finish_reason or "length", seq.metrics(), list(seq.from_draft))

@@ -35,6 +35,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """One token per row of probs [N, V], by the exponential race (argmax p / E, E ~ Exp(1)),
     which draws exactly from p."""
     race = torch.empty_like(probs).exponential_(generator=generator)
+    race.clamp_min_(torch.finfo(race.dtype).tiny)  # CPU exponential_ can return exactly 0
     return (probs / race).argmax(-1)
 
 

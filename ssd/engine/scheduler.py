@@ -25,8 +25,11 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: int = 0, on_release=None):
         self.cache = cache
+        self.lookahead = lookahead  # extra slots a decoding sequence needs (K draft tokens in SD)
+        self.on_release = on_release or (lambda seq: None)  # frees what others hold for seq
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -52,14 +55,15 @@ class Scheduler:
         for seq in list(self.running):
             if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
                 continue
-            while not self.cache.can_reserve(seq.seq_id, seq.num_tokens):
+            need = seq.num_tokens + self.lookahead
+            while not self.cache.can_reserve(seq.seq_id, need):
                 victim = self.running[-1]
                 self.preempt(victim)
                 work = [w for w in work if w.seq is not victim]
                 if victim is seq:
                     break
             if seq in self.running:
-                self.cache.reserve(seq.seq_id, seq.num_tokens)
+                self.cache.reserve(seq.seq_id, need)
                 work.append(Work(seq, 1))
                 budget -= 1
         for seq in self.running:
@@ -81,6 +85,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.cache.release(seq.seq_id)
+        self.on_release(seq)
         seq.num_cached = 0
         self.waiting.appendleft(seq)
 
@@ -90,3 +95,4 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.cache.release(seq.seq_id)
+        self.on_release(seq)

@@ -1,3 +1,4 @@
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from itertools import count
@@ -21,8 +22,10 @@ class Sequence:
     text: TextStream = field(repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
     num_prompt_tokens: int = 0
-    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    num_cached: int = 0  # leading tokens whose K/V are in the target's cache
     finish_reason: str | None = None
+    from_draft: list[bool] = field(default_factory=list)  # per output token
+    stats: RequestMetrics = field(default_factory=RequestMetrics)  # speculation counters
     seq_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None
@@ -45,6 +48,6 @@ class Sequence:
 
     def metrics(self) -> RequestMetrics:
         first, last = self.first_token_at or self.arrival, self.last_token_at or self.arrival
-        return RequestMetrics(prompt_tokens=self.num_prompt_tokens, output_tokens=len(self.output_ids),
-                              ttft_s=first - self.arrival, decode_s=last - first,
-                              e2e_s=last - self.arrival)
+        return dataclasses.replace(
+            self.stats, prompt_tokens=self.num_prompt_tokens, output_tokens=len(self.output_ids),
+            ttft_s=first - self.arrival, decode_s=last - first, e2e_s=last - self.arrival)

@@ -1,0 +1,494 @@
+"""Batch-invariant fp32 CPU linear kernel: ``y = x @ W.T (+ b)``.
+
+Why: exact speculative decoding needs row ``m`` of a linear layer to come out bit for bit
+the same whether the target scores 1 token (decode, M=1) or K+1 tokens (verify), and
+torch's ``F.linear`` picks gemv or gemm paths by M, with different summation orders. This
+kernel fixes the order of every reduction, whatever M, the other rows or the thread count:
+
+    lane j (0..7) of output (m, n) accumulates fma(x[m,k], W[n,k], lane) over
+    k = j, j+8, j+16, ... (ascending) for k < K8 = K - K % 8, starting from 0;
+    the K % 8 tail elements k = K8 + j go into lane j (fma);
+    y = ((l0+l4) + (l2+l6)) + ((l1+l5) + (l3+l7)), then + b[n].
+
+It is also fast for small M: each call reads W once (register tiles of up to 4 rows of x,
+8 with AVX-512, share every load of W), so scoring 5 tokens costs little more than
+scoring 1 on a memory-bound CPU.
+
+The C++ source below is compiled on first use (never at import) with
+``torch.utils.cpp_extension`` into ``$SSD_HOME/kernels`` (default
+``~/.cache/ssd-engine/kernels``), once per machine and torch version, for the best ISA
+the CPU has: ``avx512`` (AVX-512F/DQ: two rows of x per zmm, each half doing exactly the
+8-lane AVX2 arithmetic), ``avx2`` (AVX2 + FMA) or ``portable`` (plain C++, std::fma). All
+three perform the same operations in the same order: they give the same bits. If no build
+is possible, :func:`available` is False and :func:`linear` falls back to ``F.linear``
+(not batch-invariant) after one line on stderr.
+
+``SSD_LINEAR_KERNEL``: ``auto`` (default), ``avx512``, ``avx2``, ``portable``, or ``off``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+_SOURCE = r"""
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SSD_AVX2 1
+#else
+#define SSD_AVX2 0
+#endif
+#if SSD_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define SSD_AVX512 1
+#else
+#define SSD_AVX512 0
+#endif
+
+namespace {
+
+// Eight fp32 lanes. The portable V8 does per lane exactly what the AVX2 one does.
+#if SSD_AVX2
+using V8 = __m256;
+static inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a); }
+static inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void prefetch(const float* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+#else
+struct V8 { float v[8]; };
+static inline V8 vload(const float* p) {
+  V8 r; for (int j = 0; j < 8; ++j) r.v[j] = p[j]; return r;
+}
+static inline void vstore(float* p, V8 a) { for (int j = 0; j < 8; ++j) p[j] = a.v[j]; }
+static inline V8 vfma(V8 a, V8 b, V8 c) {
+  V8 r; for (int j = 0; j < 8; ++j) r.v[j] = std::fma(a.v[j], b.v[j], c.v[j]); return r;
+}
+static inline void prefetch(const float* p) { __builtin_prefetch(p); }
+#endif
+
+// Blocking. None of these changes the arithmetic, only the speed.
+constexpr int64_t KC = 512;  // K chunk: an NR x KC tile of W stays in L1 across M tiles
+constexpr int64_t MC = 48;   // M block (even): rows of x that pass over one W tile
+constexpr int64_t NB = 48;   // rows of W per work unit handed to a thread (multiple of NR)
+constexpr int64_t PF = 256;  // software prefetch distance along W rows (floats)
+
+// One register tile: MT rows of x times NR rows of W over k in [k0, k1), (k1-k0) % 8 == 0.
+// acc holds the [MT][NR] 8-lane vectors between K chunks.
+template <int MT, int NR>
+static void micro(const float* __restrict x, int64_t ldx, const float* __restrict w,
+                  int64_t ldw, int64_t k0, int64_t k1, float* __restrict acc) {
+  V8 a[MT][NR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) a[m][r] = vload(acc + (m * NR + r) * 8);
+  for (int64_t k = k0; k < k1; k += 8) {
+    if (((k - k0) & 15) == 0) {
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) prefetch(w + r * ldw + k + PF);
+    }
+    V8 wv[NR];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) wv[r] = vload(w + r * ldw + k);
+#pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) {
+      V8 xv = vload(x + m * ldx + k);
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) a[m][r] = vfma(xv, wv[r], a[m][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) vstore(acc + (m * NR + r) * 8, a[m][r]);
+}
+
+#if SSD_AVX512
+// The same 8-lane arithmetic, two rows of x per zmm: the low half carries row 2p, the high
+// half row 2p+1, and every 8-float piece of W is broadcast to both halves. xp holds the
+// rows packed in pairs: pair p, k block kb at xp[p * ldp + kb * 16] (16 floats).
+template <int MP, int NR>
+static void micro2(const float* __restrict xp, int64_t ldp, const float* __restrict w,
+                   int64_t ldw, int64_t k0, int64_t k1, float* __restrict acc) {
+  __m512 a[MP][NR];
+#pragma GCC unroll 16
+  for (int p = 0; p < MP; ++p)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r)
+      a[p][r] = _mm512_insertf32x8(
+          _mm512_castps256_ps512(_mm256_loadu_ps(acc + (2 * p * NR + r) * 8)),
+          _mm256_loadu_ps(acc + ((2 * p + 1) * NR + r) * 8), 1);
+  for (int64_t k = k0; k < k1; k += 8) {
+    if (((k - k0) & 15) == 0) {
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) prefetch(w + r * ldw + k + PF);
+    }
+    __m512 xv[MP];
+#pragma GCC unroll 16
+    for (int p = 0; p < MP; ++p) xv[p] = _mm512_loadu_ps(xp + p * ldp + 2 * k);
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const __m512 wv = _mm512_broadcast_f32x8(_mm256_loadu_ps(w + r * ldw + k));
+#pragma GCC unroll 16
+      for (int p = 0; p < MP; ++p) a[p][r] = _mm512_fmadd_ps(xv[p], wv, a[p][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < MP; ++p)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(acc + (2 * p * NR + r) * 8, _mm512_castps512_ps256(a[p][r]));
+      _mm256_storeu_ps(acc + ((2 * p + 1) * NR + r) * 8, _mm512_extractf32x8_ps(a[p][r], 1));
+    }
+}
+#endif
+
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+
+template <int NR, bool PAIRED>
+static MicroFn micro_for(int mt) {  // mt: rows of x per tile (even when PAIRED)
+#if SSD_AVX512
+  if (PAIRED) {
+    switch (mt) {
+      case 2: return &micro2<1, NR>;
+      case 4: return &micro2<2, NR>;
+      case 6: return &micro2<3, NR>;
+      default: return &micro2<4, NR>;
+    }
+  }
+#endif
+  switch (mt) {
+    case 1: return &micro<1, NR>;
+    case 2: return &micro<2, NR>;
+    case 3: return &micro<3, NR>;
+    default: return &micro<4, NR>;
+  }
+}
+
+struct Args {
+  const float* x; int64_t ldx;
+  const float* w; int64_t ldw;
+  const float* b;
+  float* y; int64_t ldy;
+  int64_t M, N, K;
+  const float* xp; int64_t ldp;  // x packed in pairs of rows (PAIRED path)
+};
+
+// Rows [mb0, mb0 + mb) of x times W rows n0 .. n0+NR-1, in register tiles of mt rows.
+template <int NR, bool PAIRED>
+static void tile(const Args& A, int64_t mb0, int64_t mb, int64_t n0, int mt, float* acc) {
+  const int64_t K8 = A.K & ~int64_t(7);
+  const float* w = A.w + n0 * A.ldw;
+  const int64_t rows = PAIRED ? (mb + 1) & ~int64_t(1) : mb;  // + a zero pad row if odd
+  const float* xs = PAIRED ? A.xp + (mb0 / 2) * A.ldp : A.x + mb0 * A.ldx;
+  const int64_t ld = PAIRED ? A.ldp : A.ldx;
+  std::fill(acc, acc + rows * NR * 8, 0.f);
+  const MicroFn full = micro_for<NR, PAIRED>(mt), last = micro_for<NR, PAIRED>(int(rows % mt));
+  for (int64_t k0 = 0; k0 < K8; k0 += KC) {
+    const int64_t k1 = std::min(K8, k0 + KC);
+    int64_t m0 = 0;
+    for (; m0 + mt <= rows; m0 += mt)
+      full(xs + (PAIRED ? m0 / 2 : m0) * ld, ld, w, A.ldw, k0, k1, acc + m0 * NR * 8);
+    if (m0 < rows) last(xs + (PAIRED ? m0 / 2 : m0) * ld, ld, w, A.ldw, k0, k1, acc + m0 * NR * 8);
+  }
+  const int64_t rem = A.K - K8;
+  for (int64_t m = 0; m < mb; ++m)
+    for (int r = 0; r < NR; ++r) {
+      float* l = acc + (m * NR + r) * 8;
+      const float* xt = A.x + (mb0 + m) * A.ldx + K8;
+      const float* wt = w + r * A.ldw + K8;
+      for (int64_t j = 0; j < rem; ++j) l[j] = std::fma(xt[j], wt[j], l[j]);
+      const float s0 = l[0] + l[4], s1 = l[1] + l[5], s2 = l[2] + l[6], s3 = l[3] + l[7];
+      const float t0 = s0 + s2, t1 = s1 + s3;
+      float s = t0 + t1;
+      if (A.b) s = s + A.b[n0 + r];
+      A.y[(mb0 + m) * A.ldy + n0 + r] = s;
+    }
+}
+
+template <int NR, bool PAIRED>
+static void unit(const Args& A, int64_t nbeg, int64_t nend, int mt, float* acc) {
+  for (int64_t mb0 = 0; mb0 < A.M; mb0 += MC) {
+    const int64_t mb = std::min(MC, A.M - mb0);
+    int64_t n0 = nbeg;
+    for (; n0 + NR <= nend; n0 += NR) tile<NR, PAIRED>(A, mb0, mb, n0, mt, acc);
+    for (; n0 < nend; ++n0) tile<1, PAIRED>(A, mb0, mb, n0, mt, acc);
+  }
+}
+
+template <bool PAIRED>
+static void unit_nr(const Args& A, int64_t nbeg, int64_t nend, int mt, int nr, float* acc) {
+  switch (nr) {
+    case 8: unit<8, PAIRED>(A, nbeg, nend, mt, acc); break;
+    case 6: unit<6, PAIRED>(A, nbeg, nend, mt, acc); break;
+    case 4: unit<4, PAIRED>(A, nbeg, nend, mt, acc); break;
+    default: unit<3, PAIRED>(A, nbeg, nend, mt, acc); break;
+  }
+}
+
+static void run(Args A) {
+  // Register tile (rows of x mt, rows of W nr) by M; 16 ymm (AVX2) or 32 zmm (AVX-512).
+  int mt, nr;
+  bool paired = false;
+  switch (A.M) {
+    case 1: mt = 1; nr = 8; break;
+    case 2: mt = 2; nr = 6; break;
+    case 3: mt = 3; nr = 4; break;
+    default: mt = 4; nr = 3; break;
+  }
+  at::Tensor xp;
+#if SSD_AVX512
+  if (A.M >= 2) {
+    paired = true;
+    switch (A.M) {
+      case 2: mt = 2; nr = 8; break;
+      case 3: case 4: mt = 4; nr = 8; break;
+      case 5: case 6: mt = 6; nr = 8; break;
+      default: mt = 8; nr = 6; break;
+    }
+    const int64_t K8 = A.K & ~int64_t(7), pairs = (A.M + 1) / 2;
+    A.ldp = 2 * K8;
+    xp = at::empty({pairs * A.ldp + 1}, at::kFloat);
+    float* dst = xp.data_ptr<float>();
+    at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t m = 2 * p + h;
+          float* d = dst + p * A.ldp + 8 * h;
+          if (m < A.M) {
+            const float* s = A.x + m * A.ldx;
+            for (int64_t kb = 0; kb < K8; kb += 8) std::memcpy(d + 2 * kb, s + kb, 32);
+          } else {
+            for (int64_t kb = 0; kb < K8; kb += 8) std::memset(d + 2 * kb, 0, 32);
+          }
+        }
+    });
+    A.xp = dst;
+  }
+#endif
+  const int64_t units = (A.N + NB - 1) / NB;
+  std::atomic<int64_t> next{0};
+  auto body = [&](int64_t, int64_t) {
+    alignas(64) float acc[MC * 8 * 8];
+    for (;;) {  // dynamic schedule: a thread slowed by a busy core takes fewer units
+      const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+      if (u >= units) break;
+      const int64_t nbeg = u * NB, nend = std::min(A.N, nbeg + NB);
+      if (paired) unit_nr<true>(A, nbeg, nend, mt, nr, acc);
+      else unit_nr<false>(A, nbeg, nend, mt, nr, acc);
+    }
+  };
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), units);
+  if (nt <= 1) body(0, 1);
+  else at::parallel_for(0, nt, 1, body);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "ssd linear: x and w must be 2-D");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "ssd linear: fp32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "ssd linear: CPU only");
+  TORCH_CHECK(x.size(1) == w.size(1), "ssd linear: x.size(1) != w.size(1)");
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "ssd linear: rows of x must be contiguous");
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) <= 1, "ssd linear: rows of w must be contiguous");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* bp = nullptr;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1 && b->size(0) == N &&
+                b->is_contiguous() && b->device().is_cpu(), "ssd linear: bad bias");
+    bp = b->data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return y;
+  run(Args{x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), bp,
+           y.data_ptr<float>(), N, M, N, K, nullptr, 0});
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(SSD_NS, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, &linear);
+}
+"""
+
+VARIANTS = ("avx512", "avx2", "portable")
+_ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"],
+              "avx2": ["-mavx2", "-mfma"], "portable": []}
+_CPU_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512dq"}, "avx2": {"avx2", "fma"},
+              "portable": set()}
+
+_locks = {v: threading.Lock() for v in VARIANTS}  # variants may build concurrently
+_ops: dict[str, object] = {}  # variant -> op, or None when it could not be built
+_MISSING = object()
+_warned = False
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()  # no /proc (macOS, Windows)
+    return frozenset(_CPU_FLAGS.get(cap.lower(), set()))
+
+
+def runnable_variants() -> list[str]:
+    """The builds this CPU can run, fastest first."""
+    return [v for v in VARIANTS if _CPU_FLAGS[v] <= _cpu_flags()]
+
+
+@functools.cache
+def default_variant() -> str | None:
+    """The build this machine uses (``avx512``, ``avx2`` or ``portable``), or None if switched
+    off by ``SSD_LINEAR_KERNEL`` (read once: ``default_variant.cache_clear()`` re-reads it)."""
+    env = os.environ.get("SSD_LINEAR_KERNEL", "auto").strip().lower()
+    if env in ("0", "off", "false", "no", "none"):
+        return None
+    if env in runnable_variants():
+        return env
+    return runnable_variants()[0]  # "auto", or an ISA this CPU lacks
+
+
+def build_dir(variant: str) -> Path:
+    root = Path(os.environ.get("SSD_HOME") or Path.home() / ".cache" / "ssd-engine").expanduser()
+    return root / "kernels" / f"linear_cpu-{variant}-{_tag(variant)}"
+
+
+def _flags(variant: str) -> list[str]:
+    return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS=ssd_linear_{variant}",
+            *_ISA_FLAGS[variant]]
+
+
+def _tag(variant: str) -> str:
+    h = hashlib.sha256("\0".join([_SOURCE, *_flags(variant), torch.__version__]).encode())
+    return h.hexdigest()[:12]
+
+
+def _build(variant: str):
+    from torch.utils import cpp_extension
+
+    name = f"ssd_linear_{variant}"
+    d = build_dir(variant)
+    d.mkdir(parents=True, exist_ok=True)
+    src = d / "linear_cpu.cpp"
+    if not src.exists() or src.read_text() != _SOURCE:
+        src.write_text(_SOURCE)
+    lock = d / "lock"  # left behind by a build that was killed: torch would wait forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+        lock.unlink(missing_ok=True)
+    if not (d / f"{name}.so").exists():
+        print(f"ssd-engine: compiling the CPU linear kernel ({variant}) into {d} "
+              "(once per machine, 10-20 s)", file=sys.stderr, flush=True)
+    cpp_extension.load(name=name, sources=[str(src)], extra_cflags=_flags(variant),
+                       extra_ldflags=["-fopenmp"], build_directory=str(d),
+                       is_python_module=False, verbose=False)
+    return getattr(torch.ops, name).linear
+
+
+def get_op(variant: str | None = None):
+    """The compiled op ``op(x2d, w, b_or_None) -> y`` for a variant (default: this
+    machine's), building it on first use; None if it cannot be built. Never raises."""
+    global _warned
+    variant = variant or default_variant()
+    if variant is None:
+        return None
+    op = _ops.get(variant, _MISSING)
+    if op is not _MISSING:
+        return op
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown linear kernel variant {variant!r}; known: {VARIANTS}")
+    if variant not in runnable_variants():  # would die on an illegal instruction
+        return None
+    if variant not in _ops:
+        with _locks[variant]:
+            if variant not in _ops:
+                try:
+                    _ops[variant] = _build(variant)
+                except Exception as e:  # no compiler, no ninja, read-only home, ...
+                    _ops[variant] = None
+                    if not _warned:
+                        _warned = True
+                        print(f"ssd-engine: CPU linear kernel ({variant}) unavailable, using "
+                              f"F.linear, not batch-invariant: {type(e).__name__}: "
+                              f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
+                              file=sys.stderr, flush=True)
+    return _ops[variant]
+
+
+def available(variant: str | None = None) -> bool:
+    """Whether the kernel can run here (builds it on first call)."""
+    return get_op(variant) is not None
+
+
+class _LinearFn(torch.autograd.Function):
+    """The kernel forward with a plain backward, for the rare call that needs gradients."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, op):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return op(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        return g @ weight, g.t() @ x, (g.sum(0) if ctx.has_bias else None), None
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`linear` would use the kernel for these tensors (CPU, fp32)."""
+    return (x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu and weight.is_cpu
+            and weight.dim() == 2 and (bias is None or (bias.dtype is _F32 and bias.is_cpu)))
+
+
+_F32 = torch.float32
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           variant: str | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed by the batch-invariant kernel when the tensors
+    are fp32 on the CPU and the kernel is available, else by ``F.linear``. x: [..., K]."""
+    op = get_op(variant) if supported(x, weight, bias) else None
+    if op is None:
+        return F.linear(x, weight, bias)
+    x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if weight.stride(-1) != 1:
+        weight = weight.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (bias is not None and bias.requires_grad)):
+        y = _LinearFn.apply(x2, weight, bias, op)
+    else:
+        y = op(x2, weight, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])

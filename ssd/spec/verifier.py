@@ -1,0 +1,73 @@
+"""Exact verification of K draft tokens against the target (the rule of speculative sampling).
+
+At each scored position i = 0..K-1 the draft proposed d_i from q_i; p_i is the target's
+processed distribution there, and p has one more row, p_K, for the bonus token:
+
+    accept d_i with probability min(1, p_i(d_i) / q_i(d_i))
+    at the first rejection i:  t ~ norm(max(0, p_i - q_i))      (the recovery token)
+    if all K are accepted:     t ~ p_K                          (the bonus token)
+
+Every emitted token is then distributed exactly as the target's. With one-hot (greedy) rows
+the same formula accepts exactly the prefix where d_i == argmax p_i and gives t = argmax p_i,
+whether q is one-hot, soft, or None.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ssd.engine.sampler import sample
+
+
+@dataclass
+class Verdict:
+    accepted: int  # k: how many draft tokens were accepted (0..K)
+    token: int  # t: the recovery token (k < K) or the bonus token (k == K)
+
+
+def verify(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
+           generator: torch.Generator | None) -> Verdict:
+    """One round. p [K+1, V]: the target's processed distributions at the scored positions;
+    draft [K]: the proposed tokens; q [K, V]: the processed draft distributions they were
+    sampled from, or None when they were not sampled from any q (placeholders, a greedy draft
+    for a sampled target): each is then verified as if q were one-hot on it.
+
+    Draws K uniforms, then V exponentials (one `sample` row) from the generator, whatever the
+    outcome, so a seeded request is reproducible."""
+    k, t = verify_many(p.unsqueeze(0), draft.unsqueeze(0), None if q is None else q.unsqueeze(0), generator)
+    return Verdict(accepted=int(k[0]), token=int(t[0]))
+
+
+def verify_many(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """N rounds at once that share one generator: p [N, K+1, V], draft [N, K], q [N, K, V] or
+    None. Returns (accepted [N], token [N])."""
+    N, K = draft.shape
+    V = p.shape[-1]
+    assert p.shape == (N, K + 1, V) and (q is None or q.shape == (N, K, V)), (p.shape, draft.shape)
+    draft = draft.to(p.device)
+    if q is None:
+        q = F.one_hot(draft, V).to(p.dtype)
+    p_d = p[:, :K].gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+    q_d = q.gather(-1, draft.unsqueeze(-1)).squeeze(-1)
+
+    # u in [0, 1); accept iff u < p/q, written u·q < p. A product of two float32 values is
+    # exact in float64, so p(d) == q(d) always accepts and p(d) == 0 never does.
+    u = torch.rand(N, K, generator=generator, device=p.device, dtype=torch.float32)
+    accepted = u.double() * q_d.double() < p_d.double()
+
+    # k = the first rejected position; the appended True column stands for "all K accepted".
+    k = torch.cat([~accepted, accepted.new_ones(N, 1)], dim=1).byte().argmax(dim=1)
+
+    # With a zero row appended to q, the bonus p_K = max(0, p_K - 0) is the k == K case of the
+    # residual. For q = None, max(0, p - onehot(d)) is p with d removed.
+    q = torch.cat([q, q.new_zeros(N, 1, V)], dim=1)
+    rows = torch.arange(N, device=p.device)
+    p_k, q_k = p[rows, k], q[rows, k]
+    residual = (p_k - q_k).clamp_min(0)
+    # A rejection implies p_k(d) < q_k(d), so in exact arithmetic the residual has mass. In
+    # float it can round to all zeros only where p_k and q_k agree to within rounding (there a
+    # rejection has probability ~1e-7); p_k is the natural limit.
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_k)
+    # `sample` draws from a row up to scale, so the residual needs no normalising.
+    return k, sample(residual, generator)

@@ -1,0 +1,116 @@
+"""Synchronous speculative decoding: exactly AR's output, with real draft models."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoTokenizer
+
+from ssd import LLM, SamplingParams
+from ssd.errors import SSDError, VocabularyMismatchError
+
+PROMPTS = ["def fibonacci(n):", "The capital of France is",
+           "Write a haiku about the sea.", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="session")
+def truncated_draft(smollm_dir, tmp_path_factory):
+    """SmolLM2 cut to its first 12 of 30 layers: a real draft that often disagrees."""
+    folder = tmp_path_factory.mktemp("smollm-12-layers")
+    for f in smollm_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, folder / f.name)
+    cfg = json.loads((smollm_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = 12
+    (folder / "config.json").write_text(json.dumps(cfg))
+    weights = {}
+    for f in smollm_dir.glob("*.safetensors"):
+        weights.update(load_file(f))
+    keep = {k: v for k, v in weights.items() if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= 12)}
+    save_file(keep, folder / "model.safetensors")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def ar_outputs(smollm):
+    def run(prompts, params):
+        return [o.token_ids for o in smollm.generate(prompts, params)]
+    return run
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+def test_greedy_sd_equals_ar(smollm_dir, truncated_draft, ar_outputs, k):
+    params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=k) as sd:
+        batch = sd.generate(PROMPTS, params)
+        alone = [sd.generate(p, params)[0] for p in PROMPTS[:2]]
+    expected = ar_outputs(PROMPTS, params)
+    assert [o.token_ids for o in batch] == expected
+    assert [o.token_ids for o in alone] == expected[:2]
+    m = batch[0].metrics
+    assert 0 < m.acceptance_rate < 1, "a truncated draft should be right sometimes, not always"
+    assert m.drafted <= m.rounds * k and sum(batch[0].from_draft) == m.accepted
+    assert sum(m.accepted_hist) == m.rounds and len(m.accepted_hist) <= k + 1
+
+
+def test_model_as_its_own_draft_accepts_every_token(smollm_dir, ar_outputs):
+    params = SamplingParams.greedy(max_tokens=30, ignore_eos=True)
+    with LLM(smollm_dir, draft=smollm_dir, mode="sd", speculate_k=4) as sd:
+        outs = sd.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], params)
+    for o in outs:
+        assert o.metrics.acceptance_rate == 1.0
+        assert o.metrics.mean_accepted_length > 4
+
+
+def test_sd_respects_stop_strings_eos_and_context(smollm_dir, truncated_draft):
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    cases = [(chat, SamplingParams.greedy(max_tokens=40)),  # ends on eos
+             ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=40, stop=[" 9"])),
+             ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=200, ignore_eos=True)),  # context end
+             ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=7, ignore_eos=True))]
+    with LLM(smollm_dir, max_model_len=64) as ar, \
+            LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=5, max_model_len=64) as sd:
+        for prompt, params in cases:
+            got, want = sd.generate(prompt, params)[0], ar.generate(prompt, params)[0]
+            assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+
+
+def test_sd_stream_marks_tokens_from_draft(smollm_dir, truncated_draft):
+    params = SamplingParams.greedy(max_tokens=30, ignore_eos=True)
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=4) as sd:
+        chunks = list(sd.stream("def fibonacci(n):", params))
+        full = sd.generate("def fibonacci(n):", params)[0]
+    assert [t for c in chunks for t in c.token_ids] == full.token_ids
+    flags = [f for c in chunks for f in c.from_draft]
+    assert flags == full.from_draft and any(flags) and not all(flags)
+    assert all(c.from_draft[-1] is False for c in chunks[:-1])  # each round ends on the target's token
+    assert chunks[-1].metrics.rounds > 0
+
+
+def test_sampled_sd_is_reproducible_with_a_seed(smollm_dir, truncated_draft):
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=24, seed=7, ignore_eos=True)
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=3) as sd:
+        a = sd.generate("Once upon a time", params)[0]
+        b = sd.generate(["Once upon a time", "Hello"], [params, SamplingParams(max_tokens=5)])[0]
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+
+
+def test_draft_with_another_vocabulary_is_refused(smollm_dir, tmp_path):
+    other = tmp_path / "other-vocab"
+    shutil.copytree(smollm_dir, other)
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    tok.add_tokens(["<not-in-the-target>"])
+    tok.save_pretrained(other)
+    with pytest.raises(VocabularyMismatchError, match="token tables differ"):
+        LLM(smollm_dir, draft=other, mode="sd")
+
+
+def test_mode_and_draft_must_agree(smollm_dir):
+    with pytest.raises(SSDError, match="needs a draft"):
+        LLM(smollm_dir, mode="sd")
+    with pytest.raises(SSDError, match="mode"):
+        LLM(smollm_dir, draft=smollm_dir)
+    with pytest.raises(SSDError, match="speculate_k"):
+        LLM(smollm_dir, draft=smollm_dir, mode="sd", speculate_k=0)

@@ -1,4 +1,3 @@
-import shutil
 from pathlib import Path
 
 import pytest
@@ -49,7 +48,3 @@ def tiny_models(tmp_path_factory, smollm_dir) -> dict[str, Path]:
         out[arch] = folder
     return out
 
-
-def copy_model(src: Path, dst: Path) -> Path:
-    shutil.copytree(src, dst)
-    return dst

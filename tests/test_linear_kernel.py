@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ssd.kernels import linear_cpu as L
+from ssd.kernels.build import CppKernel
 from ssd.layers.linear import Linear
 
 MS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 300]
@@ -22,7 +23,7 @@ SHAPES = [(37, 19), (64, 7), (5, 3), (8, 8), (256, 96), (1000, 130)]  # (K_in, N
 @pytest.fixture(scope="module")
 def op():
     if L.default_variant() is None:
-        pytest.skip("SSD_LINEAR_KERNEL=off")
+        pytest.skip("SSD_CPU_KERNELS=off")
     for v in L.runnable_variants():  # build the other variants alongside (cold CI)
         if v != L.default_variant():
             threading.Thread(target=L.get_op, args=(v,), daemon=True).start()
@@ -120,16 +121,16 @@ def test_fallback_paths(op, monkeypatch, capfd, fresh_variant):
     assert torch.equal(L.linear(xb, wb, bb), F.linear(xb, wb, bb))  # not fp32: F.linear
     x64 = x.double()
     assert torch.equal(L.linear(x64, w.double()), F.linear(x64, w.double()))
-    monkeypatch.setenv("SSD_LINEAR_KERNEL", "off")
+    monkeypatch.setenv("SSD_CPU_KERNELS", "off")
     L.default_variant.cache_clear()
     assert not L.available()
     assert torch.equal(L.linear(x, w, b), F.linear(x, w, b))
     # a build that fails (no compiler, no ninja, ...) warns once and falls back
-    monkeypatch.setenv("SSD_LINEAR_KERNEL", "auto")
+    monkeypatch.setenv("SSD_CPU_KERNELS", "auto")
     L.default_variant.cache_clear()
-    monkeypatch.setattr(L, "_ops", {})
-    monkeypatch.setattr(L, "_warned", False)
-    monkeypatch.setattr(L, "_build", lambda v: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    broken = CppKernel("linear", L._SOURCE)
+    monkeypatch.setattr(broken, "_build", lambda v: (_ for _ in ()).throw(RuntimeError("no compiler")))
+    monkeypatch.setattr(L, "_KERNEL", broken)
     assert torch.equal(L.linear(x, w, b), F.linear(x, w, b))
     assert "unavailable" in capfd.readouterr().err
     assert not L.available()

@@ -32,30 +32,17 @@ class ModelRunner:
         slot_mapping = torch.cat([self.cache.slots(c.owner, c.start, c.start + n)
                                   for c, n in zip(chunks, lengths)])
         kv = [self.cache.slots(c.owner, 0, c.start + n) for c, n in zip(chunks, lengths)]
-        b, q, s = len(chunks), max(lengths), max(len(x) for x in kv)
-        kv_slots = torch.zeros(b, s, dtype=torch.long)
+        rows = torch.zeros(len(chunks), max(len(x) for x in kv), dtype=torch.long)
         for i, x in enumerate(kv):
-            kv_slots[i, :len(x)] = x
-
-        # Query i of chunk b sits at position start_b + i and sees keys at positions <= it.
-        # Padding rows get position 0 (they see key 0 only, so softmax stays finite).
-        q_pos = torch.zeros(b, q, dtype=torch.long)
-        for i, (c, n) in enumerate(zip(chunks, lengths)):
-            q_pos[i, :n] = torch.arange(c.start, c.start + n)
-        if b == 1 and q == 1:
-            mask, q_index = None, None
-        else:
-            mask = (torch.arange(s)[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
-            q_index = None if b == 1 else torch.cat(
-                [torch.arange(n) + i * q for i, n in enumerate(lengths)])
+            rows[i, :len(x)] = x
+        # Causal: token i of chunk b sits at position start_b + i and sees keys 0..start_b + i.
+        q_row = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
+        q_len = positions + 1
 
         row_ends = torch.tensor(lengths).cumsum(0)
         logits_index = torch.cat([torch.arange(end - c.num_logits, end)
                                   for c, end in zip(chunks, row_ends.tolist())])
         dev = self.device
-        batch = AttentionBatch(
-            slot_mapping=slot_mapping.to(dev), kv_slots=kv_slots.to(dev),
-            q_index=None if q_index is None else q_index.to(dev), num_queries=q,
-            mask=None if mask is None else mask.to(dev))
+        batch = AttentionBatch(slot_mapping.to(dev), rows.to(dev), q_row.to(dev), q_len.to(dev))
         return self.model(input_ids.to(dev), positions.to(dev), batch, self.cache.kv,
                           logits_index.to(dev))

@@ -14,30 +14,21 @@ It is also fast for small M: each call reads W once (register tiles of up to 4 r
 8 with AVX-512, share every load of W), so scoring 5 tokens costs little more than
 scoring 1 on a memory-bound CPU.
 
-The C++ source below is compiled on first use (never at import) with
-``torch.utils.cpp_extension`` into ``$SSD_HOME/kernels`` (default
-``~/.cache/ssd-engine/kernels``), once per machine and torch version, for the best ISA
-the CPU has: ``avx512`` (AVX-512F/DQ: two rows of x per zmm, each half doing exactly the
+The C++ source below is built on first use by ssd/kernels/build.py for the best ISA the
+CPU has: ``avx512`` (AVX-512F/DQ: two rows of x per zmm, each half doing exactly the
 8-lane AVX2 arithmetic), ``avx2`` (AVX2 + FMA) or ``portable`` (plain C++, std::fma). All
 three perform the same operations in the same order: they give the same bits. If no build
 is possible, :func:`available` is False and :func:`linear` falls back to ``F.linear``
-(not batch-invariant) after one line on stderr.
-
-``SSD_LINEAR_KERNEL``: ``auto`` (default), ``avx512``, ``avx2``, ``portable``, or ``off``.
+(not batch-invariant).
 """
 from __future__ import annotations
 
-import functools
-import hashlib
-import os
-import platform
-import sys
-import threading
-import time
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
+
+from ssd.kernels.build import VARIANTS, CppKernel, default_variant, runnable_variants
+
+__all__ = ["VARIANTS", "available", "default_variant", "get_op", "linear", "runnable_variants"]
 
 _SOURCE = r"""
 #include <ATen/core/Tensor.h>
@@ -333,114 +324,13 @@ TORCH_LIBRARY(SSD_NS, m) {
 }
 """
 
-VARIANTS = ("avx512", "avx2", "portable")
-_ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"],
-              "avx2": ["-mavx2", "-mfma"], "portable": []}
-_CPU_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512dq"}, "avx2": {"avx2", "fma"},
-              "portable": set()}
-
-_locks = {v: threading.Lock() for v in VARIANTS}  # variants may build concurrently
-_ops: dict[str, object] = {}  # variant -> op, or None when it could not be built
-_MISSING = object()
-_warned = False
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return frozenset()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    cap = torch.backends.cpu.get_cpu_capability()  # no /proc (macOS, Windows)
-    return frozenset(_CPU_FLAGS.get(cap.lower(), set()))
-
-
-def runnable_variants() -> list[str]:
-    """The builds this CPU can run, fastest first."""
-    return [v for v in VARIANTS if _CPU_FLAGS[v] <= _cpu_flags()]
-
-
-@functools.cache
-def default_variant() -> str | None:
-    """The build this machine uses (``avx512``, ``avx2`` or ``portable``), or None if switched
-    off by ``SSD_LINEAR_KERNEL`` (read once: ``default_variant.cache_clear()`` re-reads it)."""
-    env = os.environ.get("SSD_LINEAR_KERNEL", "auto").strip().lower()
-    if env in ("0", "off", "false", "no", "none"):
-        return None
-    if env in runnable_variants():
-        return env
-    return runnable_variants()[0]  # "auto", or an ISA this CPU lacks
-
-
-def build_dir(variant: str) -> Path:
-    root = Path(os.environ.get("SSD_HOME") or Path.home() / ".cache" / "ssd-engine").expanduser()
-    return root / "kernels" / f"linear_cpu-{variant}-{_tag(variant)}"
-
-
-def _flags(variant: str) -> list[str]:
-    return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS=ssd_linear_{variant}",
-            *_ISA_FLAGS[variant]]
-
-
-def _tag(variant: str) -> str:
-    h = hashlib.sha256("\0".join([_SOURCE, *_flags(variant), torch.__version__]).encode())
-    return h.hexdigest()[:12]
-
-
-def _build(variant: str):
-    from torch.utils import cpp_extension
-
-    name = f"ssd_linear_{variant}"
-    d = build_dir(variant)
-    d.mkdir(parents=True, exist_ok=True)
-    src = d / "linear_cpu.cpp"
-    if not src.exists() or src.read_text() != _SOURCE:
-        src.write_text(_SOURCE)
-    lock = d / "lock"  # left behind by a build that was killed: torch would wait forever
-    if lock.exists() and time.time() - lock.stat().st_mtime > 600:
-        lock.unlink(missing_ok=True)
-    if not (d / f"{name}.so").exists():
-        print(f"ssd-engine: compiling the CPU linear kernel ({variant}) into {d} "
-              "(once per machine, 10-20 s)", file=sys.stderr, flush=True)
-    cpp_extension.load(name=name, sources=[str(src)], extra_cflags=_flags(variant),
-                       extra_ldflags=["-fopenmp"], build_directory=str(d),
-                       is_python_module=False, verbose=False)
-    return getattr(torch.ops, name).linear
+_KERNEL = CppKernel("linear", _SOURCE)
 
 
 def get_op(variant: str | None = None):
     """The compiled op ``op(x2d, w, b_or_None) -> y`` for a variant (default: this
     machine's), building it on first use; None if it cannot be built. Never raises."""
-    global _warned
-    variant = variant or default_variant()
-    if variant is None:
-        return None
-    op = _ops.get(variant, _MISSING)
-    if op is not _MISSING:
-        return op
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown linear kernel variant {variant!r}; known: {VARIANTS}")
-    if variant not in runnable_variants():  # would die on an illegal instruction
-        return None
-    if variant not in _ops:
-        with _locks[variant]:
-            if variant not in _ops:
-                try:
-                    _ops[variant] = _build(variant)
-                except Exception as e:  # no compiler, no ninja, read-only home, ...
-                    _ops[variant] = None
-                    if not _warned:
-                        _warned = True
-                        print(f"ssd-engine: CPU linear kernel ({variant}) unavailable, using "
-                              f"F.linear, not batch-invariant: {type(e).__name__}: "
-                              f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}",
-                              file=sys.stderr, flush=True)
-    return _ops[variant]
+    return _KERNEL.op("linear", variant)
 
 
 def available(variant: str | None = None) -> bool:

@@ -1,9 +1,12 @@
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssd.kernels import attention_cpu
+from ssd.layers.linear import Linear
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
 
@@ -12,16 +15,33 @@ from ssd.layers.rotary import RotaryEmbedding
 class AttentionBatch:
     """Where one forward pass's new tokens go in the paged KV cache, and what each may see.
 
-    The T new tokens of all sequences are packed into one flat row for the projections;
-    attention itself runs on a padded [B, Q] layout so one SDPA call serves sequences of
-    different lengths.
+    The T new tokens of all sequences are packed into one flat row for the projections.
+    Token t attends to the keys in cache slots rows[q_row[t], :q_len[t]]: the tokens of a
+    causal chunk share their sequence's row with growing lengths; a draft-tree node may
+    have a row of its own (prefix plus ancestors).
     """
 
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    kv_slots: torch.Tensor  # [B, S] cache slots of each sequence's keys (padded)
-    q_index: torch.Tensor | None  # [T] place of each new token in the flat [B*Q] layout; None if B == 1
-    num_queries: int  # Q, the padded number of new tokens per sequence
-    mask: torch.Tensor | None  # [B, 1, Q, S] bool, True where a query may attend; None: all
+    rows: torch.Tensor  # [R, S] cache slots of keys, padded
+    q_row: torch.Tensor  # [T] row of each token
+    q_len: torch.Tensor  # [T] how many keys of its row each token sees
+
+    @functools.cached_property
+    def padded(self) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """For SDPA: (index of each token in a flat [R*Q] query layout, Q, mask [R, 1, Q, S]).
+        Padding queries see key 0 only, so their softmax stays finite."""
+        r, s = self.rows.shape
+        order = torch.argsort(self.q_row, stable=True)
+        counts = torch.bincount(self.q_row, minlength=r)
+        starts = torch.cumsum(counts, 0) - counts
+        rank = torch.empty_like(self.q_row)
+        rank[order] = torch.arange(len(order), device=order.device) - starts[self.q_row[order]]
+        nq = int(counts.max())
+        lens = torch.ones(r * nq, dtype=torch.long, device=self.q_row.device)
+        index = self.q_row * nq + rank
+        lens[index] = self.q_len
+        mask = torch.arange(s, device=lens.device)[None, :] < lens[:, None]
+        return index, nq, mask.view(r, 1, nq, s)
 
 
 class Attention(nn.Module):
@@ -30,8 +50,8 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=False)
+        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.rotary = rotary
@@ -49,19 +69,19 @@ class Attention(nn.Module):
         k_cache, v_cache = kv[0], kv[1]
         k_cache.index_copy_(0, batch.slot_mapping, k)
         v_cache.index_copy_(0, batch.slot_mapping, v)
+        o = attention_cpu.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len,
+                                    self.head_dim ** -0.5)
+        if o is None:
+            o = self._sdpa(q, k_cache, v_cache, batch)
+        return self.o_proj(o.reshape(t, self.q_size))
 
-        b, nq = batch.kv_slots.shape[0], batch.num_queries
-        if batch.q_index is None:
-            qp = q.view(1, t, self.num_heads, self.head_dim)
-        else:
-            qp = q.new_zeros(b * nq, self.num_heads, self.head_dim)
-            qp[batch.q_index] = q
-            qp = qp.view(b, nq, self.num_heads, self.head_dim)
-        keys = k_cache[batch.kv_slots].transpose(1, 2)
-        values = v_cache[batch.kv_slots].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values,
-                                           attn_mask=batch.mask, enable_gqa=True)
-        o = o.transpose(1, 2).reshape(b * nq, self.q_size)
-        if batch.q_index is not None:
-            o = o[batch.q_index]
-        return self.o_proj(o)
+    def _sdpa(self, q, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:
+        index, nq, mask = batch.padded
+        r = batch.rows.shape[0]
+        qp = q.new_zeros(r * nq, self.num_heads, self.head_dim)
+        qp[index] = q
+        qp = qp.view(r, nq, self.num_heads, self.head_dim).transpose(1, 2)
+        keys = k_cache[batch.rows].transpose(1, 2)
+        values = v_cache[batch.rows].transpose(1, 2)
+        o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, enable_gqa=True)
+        return o.transpose(1, 2).reshape(r * nq, self.num_heads, self.head_dim)[index]

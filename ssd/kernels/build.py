@@ -1,0 +1,135 @@
+"""Just-in-time builds of the C++ CPU kernels, one per ISA variant.
+
+Each kernel's source is compiled on first use (never at import) with
+``torch.utils.cpp_extension`` into ``$SSD_HOME/kernels`` (default
+``~/.cache/ssd-engine/kernels``), once per machine, source and torch version, for the best
+ISA the CPU has: ``avx512``, ``avx2`` (AVX2 + FMA) or ``portable`` (plain C++). If no
+build is possible the kernel reports itself unavailable and callers fall back to stock
+torch ops (not batch-invariant) after one line on stderr.
+
+``SSD_CPU_KERNELS``: ``auto`` (default), ``avx512``, ``avx2``, ``portable``, or ``off``.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = ("avx512", "avx2", "portable")
+_ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"],
+              "avx2": ["-mavx2", "-mfma"], "portable": []}
+_CPU_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512dq"}, "avx2": {"avx2", "fma"},
+              "portable": set()}
+_MISSING = object()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    cap = torch.backends.cpu.get_cpu_capability()  # no /proc (macOS, Windows)
+    return frozenset(_CPU_FLAGS.get(cap.lower(), set()))
+
+
+def runnable_variants() -> list[str]:
+    """The builds this CPU can run, fastest first."""
+    return [v for v in VARIANTS if _CPU_FLAGS[v] <= _cpu_flags()]
+
+
+@functools.cache
+def default_variant() -> str | None:
+    """The build this machine uses (``avx512``, ``avx2`` or ``portable``), or None if switched
+    off by ``SSD_CPU_KERNELS`` (read once: ``default_variant.cache_clear()`` re-reads it)."""
+    env = os.environ.get("SSD_CPU_KERNELS", "auto").strip().lower()
+    if env in ("0", "off", "false", "no", "none"):
+        return None
+    if env in runnable_variants():
+        return env
+    return runnable_variants()[0]  # "auto", or an ISA this CPU lacks
+
+
+class CppKernel:
+    """One C++ source defining ops in the torch library namespace ``SSD_NS`` (a macro set per
+    variant), built lazily per variant; ``op(name)`` returns the op or None if unavailable."""
+
+    def __init__(self, name: str, source: str):
+        self.name, self.source = name, source
+        self._locks = {v: threading.Lock() for v in VARIANTS}  # variants may build concurrently
+        self._built: dict[str, str | None] = {}  # variant -> torch.ops namespace, or None
+        self._warned = False
+
+    def flags(self, variant: str) -> list[str]:
+        return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}",
+                *_ISA_FLAGS[variant]]
+
+    def _ns(self, variant: str) -> str:
+        return f"ssd_{self.name}_{variant}"
+
+    def build_dir(self, variant: str) -> Path:
+        root = Path(os.environ.get("SSD_HOME") or Path.home() / ".cache" / "ssd-engine").expanduser()
+        tag = hashlib.sha256("\0".join([self.source, *self.flags(variant), torch.__version__])
+                             .encode()).hexdigest()[:12]
+        return root / "kernels" / f"{self.name}-{variant}-{tag}"
+
+    def _build(self, variant: str) -> str:
+        from torch.utils import cpp_extension
+
+        ns, d = self._ns(variant), self.build_dir(variant)
+        d.mkdir(parents=True, exist_ok=True)
+        src = d / f"{self.name}.cpp"
+        if not src.exists() or src.read_text() != self.source:
+            src.write_text(self.source)
+        lock = d / "lock"  # left behind by a build that was killed: torch would wait forever
+        if lock.exists() and time.time() - lock.stat().st_mtime > 600:
+            lock.unlink(missing_ok=True)
+        if not (d / f"{ns}.so").exists():
+            print(f"ssd-engine: compiling the CPU {self.name} kernel ({variant}) into {d} "
+                  "(once per machine, 10-20 s)", file=sys.stderr, flush=True)
+        cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
+                           extra_ldflags=["-fopenmp"], build_directory=str(d),
+                           is_python_module=False, verbose=False)
+        return ns
+
+    def op(self, op_name: str, variant: str | None = None):
+        """The compiled op for a variant (default: this machine's), building it on first
+        use; None if it cannot be built or is switched off. Never raises for a build error."""
+        variant = variant or default_variant()
+        if variant is None:
+            return None
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown CPU kernel variant {variant!r}; known: {VARIANTS}")
+        if variant not in runnable_variants():  # would die on an illegal instruction
+            return None
+        ns = self._built.get(variant, _MISSING)
+        if ns is _MISSING:
+            with self._locks[variant]:
+                if variant not in self._built:
+                    try:
+                        self._built[variant] = self._build(variant)
+                    except Exception as e:  # no compiler, no ninja, read-only home, ...
+                        self._built[variant] = None
+                        self._warn(variant, e)
+            ns = self._built[variant]
+        return None if ns is None else getattr(getattr(torch.ops, ns), op_name)
+
+    def _warn(self, variant: str, e: Exception) -> None:
+        if not self._warned:
+            self._warned = True
+            last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+            print(f"ssd-engine: CPU {self.name} kernel ({variant}) unavailable, using stock "
+                  f"torch ops, not batch-invariant: {type(e).__name__}: {last}",
+                  file=sys.stderr, flush=True)

@@ -73,8 +73,8 @@ class _Clock(BaseStreamer):
 
 def run_hf(target_folder: str | os.PathLike, prompt_token_ids: Sequence[Sequence[int]],
            prompt_ids: Sequence[str], max_tokens: int, *, draft_folder: str | os.PathLike | None = None,
-           dtype: torch.dtype = torch.float32, ignore_eos: bool = False, threads: int | None = None,
-           num_draft: int = 4) -> list[PeerResult] | PeerSkip:
+           dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", ignore_eos: bool = False,
+           threads: int | None = None, num_draft: int = 4) -> list[PeerResult] | PeerSkip:
     """Greedy `generate()` of stock transformers, batch 1; with `draft_folder`, assisted
     generation ("hf-assisted") drafting a constant `num_draft` tokens a step."""
     peer = "hf-assisted" if draft_folder is not None else "hf"
@@ -85,7 +85,7 @@ def run_hf(target_folder: str | os.PathLike, prompt_token_ids: Sequence[Sequence
             torch.set_num_threads(threads)
 
         def load(folder: str | os.PathLike) -> transformers.PreTrainedModel:
-            return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+            return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
 
         model = load(target_folder)
         kwargs: dict = {"do_sample": False}
@@ -102,7 +102,7 @@ def run_hf(target_folder: str | os.PathLike, prompt_token_ids: Sequence[Sequence
             kwargs["eos_token_id"] = None
 
         def generate(ids: Sequence[int], n: int, streamer: BaseStreamer | None = None) -> torch.Tensor:
-            x = torch.tensor([list(ids)])
+            x = torch.tensor([list(ids)], device=device)
             with torch.inference_mode():
                 out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
                                      streamer=streamer, **kwargs)

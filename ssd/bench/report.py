@@ -1,0 +1,217 @@
+"""The benchmark's summary table (text and markdown) and results.json: every per-prompt
+record, the summary rows, the machine and the full configuration."""
+import json
+import os
+import platform
+import subprocess
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from ssd.bench.prompts import PROMPT_SETS
+from ssd.bench.runner import ENGINE_MODES, BenchResult, PromptRecord, RunConfig
+
+SCHEMA = "ssd-bench/1"
+
+
+@dataclass
+class Row:
+    """One (prompt set, configuration) line of the table; None where a figure does not apply."""
+
+    set: str
+    config: str  # RunConfig.label
+    mode: str
+    prompts: int = 0
+    tok_s: float | None = None  # decode tok/s, mean over prompts
+    tok_s_agg: float | None = None  # all decode tokens / all decode seconds
+    e2e_tok_s: float | None = None  # all output tokens / wall time of the generate() calls, prefill included
+    ttft_s: float | None = None  # mean time to first token
+    acceptance: float | None = None  # accepted / drafted, over all prompts
+    accepted_len: float | None = None  # 1 + accepted / rounds: tokens per target pass
+    hit_rate: float | None = None  # SSD: rounds whose speculation was in the cache / all rounds
+    tokens_per_hit: float | None = None  # SSD: tokens gained per round on a hit
+    tokens_per_miss: float | None = None  # SSD: tokens gained per round on a miss
+    speedup: float | None = None  # tok_s_agg / AR's tok_s_agg, same set, same run
+    same_as_ar: str = "n.a."  # "yes" | "no (d/n)": d of n prompts differ | "ref" | "n.a."
+    skipped: str | None = None  # why the configuration did not run
+
+
+def _identity(c: RunConfig, records: list[PromptRecord]) -> str:
+    if c.mode == "ar":
+        return "ref"
+    checked = [r.same_as_ar for r in records if r.same_as_ar is not None]
+    if not checked:
+        return "n.a."
+    differ = checked.count(False)
+    return f"no ({differ}/{len(checked)})" if differ else "yes"
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _row(name: str, c: RunConfig, records: list[PromptRecord]) -> Row:
+    m = [r.metrics for r in records]
+
+    def total(key: str) -> float:
+        return sum(x.get(key) or 0 for x in m)
+
+    walls = {r.batch: r.batch_wall_s for r in records}  # one wall time per generate() call
+    rounds, accepted, hits, misses = total("rounds"), total("accepted"), total("hits"), total("misses")
+    return Row(
+        name, c.label, c.mode, len(records),
+        tok_s=total("tokens_per_second") / len(m),
+        tok_s_agg=_ratio(sum(max(0, x["output_tokens"] - 1) for x in m), total("decode_s")),
+        e2e_tok_s=_ratio(total("output_tokens"), sum(walls.values())),
+        ttft_s=total("ttft_s") / len(m),
+        acceptance=_ratio(accepted, total("drafted")),
+        accepted_len=1 + accepted / rounds if rounds else None,
+        hit_rate=_ratio(hits, hits + misses),
+        tokens_per_hit=_ratio(total("tokens_on_hit"), hits),
+        tokens_per_miss=_ratio(total("tokens_on_miss"), misses),
+        same_as_ar=_identity(c, records))
+
+
+def summarise(result: BenchResult) -> list[Row]:
+    """One row per prompt set and configuration, in the order of spec.configs."""
+    rows = []
+    for name in result.prompt_sets:
+        set_rows = []
+        for c in result.spec.configs:
+            records = [r for r in result.records if r.set == name and r.config == c.label]
+            set_rows.append(Row(name, c.label, c.mode, skipped=result.skipped[c.label]) if c.label in result.skipped
+                            else _row(name, c, records))
+        ar = next((r for r in set_rows if r.config == "ar" and r.tok_s_agg), None)
+        for r in set_rows:
+            if ar and r.tok_s_agg is not None:
+                r.speedup = r.tok_s_agg / ar.tok_s_agg
+        rows += set_rows
+    return rows
+
+
+COLUMNS = ("set", "config", "n", "tok/s", "tok/s all", "e2e tok/s", "TTFT s", "accept", "acc len", "hit",
+           "speedup", "=AR")
+
+
+def _cells(r: Row) -> list[str]:
+    if r.skipped is not None:
+        return [r.set, r.config, "0", "skipped", *["-"] * (len(COLUMNS) - 4)]
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    return [r.set, r.config, str(r.prompts), fmt(r.tok_s, ".1f"), fmt(r.tok_s_agg, ".1f"), fmt(r.e2e_tok_s, ".1f"),
+            fmt(r.ttft_s, ".3f"), fmt(r.acceptance, ".0%"), fmt(r.accepted_len, ".2f"), fmt(r.hit_rate, ".0%"),
+            "-" if r.speedup is None else f"{r.speedup:.2f}x", r.same_as_ar]
+
+
+def _notes(result: BenchResult, rows: Sequence[Row]) -> list[str]:
+    spec, machine = result.spec, machine_info()
+    gpu = f", {machine['gpu']}" if machine["gpu"] else ""
+    commit = (machine["git_commit"] or "unknown")[:12] + " (modified)" * bool(machine["git_dirty"])
+    notes = [f"{datetime.now():%Y-%m-%d %H:%M}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB"
+             f"{gpu}; commit {commit}",
+             f"model {spec.model}, draft {spec.draft or '-'}; {result.device} {result.dtype}; "
+             f"temperature {spec.temperature:g}; max {spec.max_tokens} tokens{' (ignore eos)' * spec.ignore_eos}; "
+             f"batch {spec.batch_size}; chat template {'on' if spec.chat_template else 'off'}",
+             "tok/s: decode speed (tokens after the first / time after the first), mean over prompts; "
+             "tok/s all: the same over all prompts together",
+             "e2e tok/s: all tokens / generate() wall time, prefill included; TTFT: mean time to first token",
+             "accept: accepted / drafted; acc len: tokens per target pass; hit: SSD cache hit rate",
+             "speedup: tok/s all vs AR in the same run; =AR: token-identical to AR on every prompt"]
+    if spec.temperature > 0:
+        notes.append("=AR is n.a. at temperature > 0: sampled outputs differ by design")
+    if any(c.is_peer for c in spec.configs) and spec.batch_size > 1:
+        notes.append("peers run one prompt at a time")
+    if any(r.mode.startswith("llamacpp") and not r.skipped for r in rows):
+        notes.append("llamacpp decodes the quantised GGUF with its own kernels (the engine and hf use the "
+                     "dequantised weights), so its tokens may differ from AR")
+    notes += [f"skipped {label}: {reason}" for label, reason in result.skipped.items()]
+    notes += [f"WARNING: {r.config} on {r.set} is not token-identical to AR at temperature 0"
+              for r in rows if r.same_as_ar.startswith("no") and r.mode in ENGINE_MODES]
+    return notes
+
+
+def format_table(result: BenchResult, rows: Sequence[Row], markdown: bool = False) -> str:
+    """The table with its notes below: aligned plain text, or markdown."""
+    cells = [_cells(r) for r in rows]
+    if markdown:
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|---|---|" + "---:|" * (len(COLUMNS) - 2)]
+        lines += ["| " + " | ".join(c) + " |" for c in cells]
+        return "\n".join(lines + [""] + [f"- {n}" for n in _notes(result, rows)]) + "\n"
+    widths = [max(len(x) for x in col) for col in zip(COLUMNS, *cells)]
+    line = lambda xs: "  ".join(x.ljust(w) if i < 2 else x.rjust(w)  # noqa: E731
+                                for i, (x, w) in enumerate(zip(xs, widths))).rstrip()
+    lines = [line(COLUMNS), "  ".join("-" * w for w in widths)]
+    for i, (r, c) in enumerate(zip(rows, cells)):
+        if i and r.set != rows[i - 1].set:
+            lines.append("")
+        lines.append(line(c))
+    return "\n".join(lines + [""] + _notes(result, rows)) + "\n"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _git(*args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(Path(__file__).parent), *args], capture_output=True, text=True,
+                              timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def machine_info() -> dict:
+    commit = _git("rev-parse", "HEAD")
+    return {
+        "cpu": _cpu_model(),
+        "cores": os.cpu_count(),
+        "ram_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "os": platform.platform(),
+        "python": platform.python_version(),
+        "versions": {d: _version(d) for d in ("ssd-engine", "torch", "transformers", "llama-cpp-python")},
+        "git_commit": commit,
+        "git_dirty": bool(_git("status", "--porcelain")) if commit else None,
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def results_dict(result: BenchResult, rows: Sequence[Row], cli_args: dict | None = None) -> dict:
+    return {
+        "schema": SCHEMA,
+        "created": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "cli_args": cli_args,  # the `ssd bench` options, defaults included, when run from the command line
+        "machine": machine_info(),
+        "config": {**asdict(result.spec), "device_resolved": result.device, "dtype_resolved": result.dtype,
+                   "configs": [{"label": c.label, **asdict(c)} for c in result.spec.configs]},
+        "prompt_sets": {name: {"selection": PROMPT_SETS[name].selection if name in PROMPT_SETS else "file order",
+                               "prompt_ids": [p.id for p in ps]} for name, ps in result.prompt_sets.items()},
+        "summary": [asdict(r) for r in rows],
+        "skipped": result.skipped,
+        "records": [asdict(r) for r in result.records],
+    }
+
+
+def write_report(out: Path, result: BenchResult, rows: Sequence[Row], cli_args: dict | None = None) -> list[Path]:
+    """results.json and table.md in `out` (created if needed)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results_dict(result, rows, cli_args), indent=1) + "\n")
+    (out / "table.md").write_text(format_table(result, rows, markdown=True))
+    return [out / "results.json", out / "table.md"]

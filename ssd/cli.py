@@ -1,9 +1,28 @@
-"""The `ssd` command: generate, pull, models."""
+"""The `ssd` command: generate, bench, pull, models, worker."""
 import argparse
 import json
 import sys
 
+from ssd.errors import SSDError
+
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def fan_out(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -13,6 +32,55 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+
+
+def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    s = p.add_argument_group("speculative decoding (--mode sd / ssd)")
+    s.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar",
+                   help="ar: plain decoding; sd: speculative decoding, draft in this process; ssd: speculative "
+                        "speculative decoding, draft in a worker on its own cores/GPU (default: ar)")
+    s.add_argument("--draft", help=f"draft model: store name, folder or .gguf (default with sd/ssd: {DEFAULT_DRAFT}; "
+                                   f"the target then defaults to {DEFAULT_TARGET})")
+    s.add_argument("--k", type=int, default=4, help="draft tokens per round (default: 4)")
+    s.add_argument("--draft-quantization", choices=["auto", "int8", "none"], default="auto",
+                   help="the draft's weights: int8 (4x fewer bytes to read per token; the output stays exact, "
+                        "only acceptance may change), none (the target's dtype), auto: int8 for a draft on a "
+                        "CPU (default: auto)")
+    s.add_argument("--f", type=fan_out, default=3, metavar="F|auto",
+                   help="ssd: fork tokens per depth of the speculation tree, or auto (sized from measured "
+                        "acceptance) (default: 3)")
+    s.add_argument("--fan-out-hit", type=int_list, metavar="F0,F1,..,FK",
+                   help="ssd: K+1 fork counts per depth after a cache hit (overrides --f)")
+    s.add_argument("--fan-out-miss", type=int_list, metavar="F0,F1,..,FK",
+                   help="ssd: K+1 fork counts per depth after a miss (default: as after a hit)")
+    s.add_argument("--tree-budget", type=int, help="ssd with --f auto: branches per tree (default: 3*(K+1))")
+    s.add_argument("--backup", choices=["jit", "fast"], default="jit",
+                   help="ssd: on a cache miss draft on the spot (jit) or send placeholders (fast) (default: jit)")
+    s.add_argument("--saguaro-c", type=float, metavar="C",
+                   help="ssd, temperature > 0: Saguaro sampling, scale the draft's top tokens by C in (0, 1)")
+    s.add_argument("--target-device", metavar="DEV", help="ssd: the target's device, e.g. cpu:0 or cuda:0 "
+                   "(default: first half of the CPU cores / cuda:0)")
+    s.add_argument("--draft-device", metavar="DEV", help="ssd: the draft worker's device, e.g. cpu:1 or cuda:1 "
+                   "(default: the other CPU cores / cuda:1)")
+    s.add_argument("--draft-address", metavar="HOST:PORT",
+                   help="ssd: wait here for a worker started by hand (`ssd worker --connect HOST:PORT`) "
+                        "instead of starting one")
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) arguments from the engine and speculation options."""
+    kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len)
+    if args.mode == "ar":
+        if args.draft:
+            raise SSDError("--draft needs --mode sd or --mode ssd")
+        return kw
+    kw.update(draft=args.draft or DEFAULT_DRAFT, mode=args.mode, speculate_k=args.k,
+              draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization)
+    if args.mode == "ssd":
+        kw.update(fan_out=args.fan_out_hit or args.f, fan_out_miss=args.fan_out_miss, tree_budget=args.tree_budget,
+                  backup=args.backup, saguaro_c=args.saguaro_c, target_device=args.target_device,
+                  draft_device=args.draft_device, draft_address=args.draft_address)
+    return kw
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -38,8 +106,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
-    with LLM(args.model, device=args.device, dtype=args.dtype, threads=args.threads,
-             max_model_len=args.max_model_len) as llm:
+    with LLM(args.model, **llm_kwargs(args)) as llm:
         text, ids, last = [], [], None
         for chunk in llm.stream(prompt, params):
             text.append(chunk.text)
@@ -55,6 +122,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
         print()
         print(f"[{m.output_tokens} tokens, finish {last.finish_reason}, prompt {m.prompt_tokens} tokens, "
               f"ttft {m.ttft_s:.3f} s, {m.tokens_per_second:.1f} tok/s]", file=sys.stderr)
+        if m.rounds:
+            print(f"[{m.rounds} rounds, acceptance {m.acceptance_rate:.0%}, mean accepted length "
+                  f"{m.mean_accepted_length:.2f}, accepted by length {m.accepted_hist}, draft {m.draft_s:.2f} s, "
+                  f"verify {m.verify_s:.2f} s]", file=sys.stderr)
+        if m.hits + m.misses:
+            print(f"[cache hit rate {m.cache_hit_rate:.0%} ({m.hits}/{m.hits + m.misses}), tokens per round "
+                  f"{m.tokens_per_round_hit:.2f} on hit / {m.tokens_per_round_miss:.2f} on miss, draft tree "
+                  f"{m.tree_s:.2f} s, backups {m.backup_s:.2f} s, draft idle {m.draft_idle_s:.2f} s"
+                  + (f", draft worker failures {m.draft_failures}" if m.draft_failures else "") + "]",
+                  file=sys.stderr)
 
 
 def cmd_pull(args: argparse.Namespace) -> None:
@@ -82,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate text from one prompt and stream it to stdout; a metrics "
                                    "line follows on stderr. With --json, print one JSON object instead.")
     add_engine_args(g)
+    add_speculation_args(g)
     g.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
     add_sampling_args(g)
@@ -100,12 +178,21 @@ def build_parser() -> argparse.ArgumentParser:
                        description="List the models the store knows and whether each is pulled.")
     m.add_argument("--json", action="store_true", help="print as JSON")
     m.set_defaults(func=cmd_models)
+    from ssd.bench.cli import add_bench_parser
+    add_bench_parser(sub)
+
+    from ssd.spec import worker
+    w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",
+                       description="Run an SSD draft worker that connects to a target waiting at HOST:PORT "
+                                   "(LLM(..., mode='ssd', draft_address='HOST:PORT') or "
+                                   "`ssd generate --mode ssd --draft-address HOST:PORT`).")
+    worker.add_arguments(w)
+    w.set_defaults(func=lambda args: sys.exit(worker.run(args)))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from ssd.errors import SSDError
     try:
         args.func(args)
     except SSDError as e:

@@ -16,8 +16,17 @@ class RequestMetrics:
     accepted_hist: list[int] = field(default_factory=list)  # [k] = rounds that accepted k drafts
     accepted_by_position: list[int] = field(default_factory=list)  # [i] = rounds accepting draft i+1
     drafted_by_position: list[int] = field(default_factory=list)  # [i] = rounds proposing draft i+1
-    draft_s: float = 0.0  # wall time of the draft passes of the rounds this request was in
+    draft_s: float = 0.0  # wall time the target spent getting proposals (SD: drafting; SSD: waiting for the reply)
     verify_s: float = 0.0  # same, of the target's verify passes
+    # SSD: each round's speculation came from the cache (hit) or from a backup (miss).
+    hits: int = 0
+    misses: int = 0
+    tokens_on_hit: int = 0  # tokens gained in hit rounds (accepted drafts + the target's token)
+    tokens_on_miss: int = 0
+    tree_s: float = 0.0  # draft worker: building the speculation cache (glue + fork + tree decode)
+    backup_s: float = 0.0  # draft worker: answering misses (jit drafting)
+    draft_idle_s: float = 0.0  # draft worker: waiting for the target's next request
+    draft_failures: int = 0  # times the draft worker died or timed out and SD took over
 
     @property
     def tokens_per_second(self) -> float:
@@ -33,7 +42,21 @@ class RequestMetrics:
         """Tokens gained per target verify pass: 1 + accepted drafts per round."""
         return 1 + self.accepted / self.rounds if self.rounds else 0.0
 
-    def record_round(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+    @property
+    def cache_hit_rate(self) -> float:
+        return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
+
+    @property
+    def tokens_per_round_hit(self) -> float:
+        return self.tokens_on_hit / self.hits if self.hits else 0.0
+
+    @property
+    def tokens_per_round_miss(self) -> float:
+        return self.tokens_on_miss / self.misses if self.misses else 0.0
+
+    def record_round(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+                     hit: bool | None = None) -> None:
+        """One speculative round; `hit` is None outside SSD."""
         self.rounds += 1
         self.drafted += drafted
         self.accepted += accepted
@@ -47,10 +70,19 @@ class RequestMetrics:
             self.accepted_by_position[i] += i < accepted
         self.draft_s += draft_s
         self.verify_s += verify_s
+        if hit is not None:
+            self.hits += hit
+            self.misses += not hit
+            if hit:
+                self.tokens_on_hit += accepted + 1
+            else:
+                self.tokens_on_miss += accepted + 1
 
     def as_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second,
-                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length}
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+                "cache_hit_rate": self.cache_hit_rate, "tokens_per_round_hit": self.tokens_per_round_hit,
+                "tokens_per_round_miss": self.tokens_per_round_miss}
 
 
 @dataclass

@@ -1,11 +1,13 @@
 import os
 import time
+import weakref
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 from ssd.engine.detokenizer import TextStream
 from ssd.engine.kv_cache import PagedKVCache
@@ -14,16 +16,22 @@ from ssd.engine.sampler import next_tokens, probs_from_logits
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
 from ssd.errors import PromptError, SSDError
-from ssd.models.loader import load_model
+from ssd.engine.placement import default_pair, parse_placement
+from ssd.models.config import ModelConfig
+from ssd.models.decoder import DecoderLM
+from ssd.models.loader import QUANTIZATIONS, load_model, load_tokenizer, weight_files
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
-from ssd.spec.drafter import Drafter
+from ssd.spec.draft_engine import DraftEngine, check_options
+from ssd.spec.fanout import FanOut
+from ssd.spec.remote import RemoteSpeculator
+from ssd.spec.speculator import LocalSpeculator, Speculator
 from ssd.spec.verifier import verify
 from ssd.spec.vocab import check_same_vocabulary
 from ssd.store import resolve_model
 
 Prompt = str | list[dict]
-MODES = ("ar", "sd")
+MODES = ("ar", "sd", "ssd")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -47,10 +55,28 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     return DTYPES[dtype]
 
 
+_loaded: "weakref.WeakValueDictionary[tuple, DecoderLM]" = weakref.WeakValueDictionary()
+
+
+def shared_model(folder: Path, device: torch.device, dtype: torch.dtype, quantize: str | None = None) -> DecoderLM:
+    """Load a model, or hand back the copy another LLM already holds: weights are read-only
+    at inference, so engines of the same model (an AR, an SD and an SSD engine side by side
+    in a benchmark) share one copy."""
+    key = (str(Path(folder).resolve()), str(device), dtype, quantize)
+    model = _loaded.get(key)
+    if model is None:
+        model = _loaded[key] = load_model(folder, device, dtype, quantize=quantize)
+    return model
+
+
 class LLM:
     """Generate text with one model: `LLM("smollm2-135m-instruct").generate(prompts, params)`.
 
-    model: a store name, a Hugging Face style folder or a .gguf file.
+    model / draft: a store name, a Hugging Face style folder or a .gguf file.
+    mode: "ar" (plain decoding), "sd" (speculative decoding with the draft in this process)
+    or "ssd" (speculative speculative decoding: the draft in a worker process on its own
+    cores or GPU, precomputing the next speculation while the target verifies). Every mode
+    gives the target's output exactly; see README.md for the options.
     """
 
     def __init__(self, model: str | os.PathLike, *, draft: str | os.PathLike | None = None,
@@ -58,25 +84,41 @@ class LLM:
                  dtype: str | torch.dtype | None = None, max_model_len: int | None = None,
                  threads: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, seed: int | None = None, speculate_k: int = 4):
+                 block_size: int = 16, seed: int | None = None, speculate_k: int = 4,
+                 draft_quantization: str | None = "auto", fan_out: int | list[int] | str = 3,
+                 fan_out_miss: int | list[int] | None = None, tree_budget: int | None = None,
+                 backup: str = "jit", saguaro_c: float | None = None,
+                 target_device: str | None = None, draft_device: str | None = None,
+                 draft_address: str | None = None, draft_timeout: float = 60.0):
         if mode not in MODES:
             raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if (draft is None) != (mode == "ar"):
             raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
-                           else f"a draft model needs mode 'sd', not {mode!r}")
+                           else f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
         if mode != "ar" and not 1 <= speculate_k <= 32:
             raise SSDError(f"speculate_k must be in 1..32, got {speculate_k}")
+        ssd_only = {"fan_out": fan_out != 3, "fan_out_miss": fan_out_miss is not None,
+                    "tree_budget": tree_budget is not None, "backup": backup != "jit",
+                    "saguaro_c": saguaro_c is not None, "target_device": target_device is not None,
+                    "draft_device": draft_device is not None, "draft_address": draft_address is not None}
+        if mode != "ssd" and any(ssd_only.values()):
+            raise SSDError(f"{', '.join(k for k, v in ssd_only.items() if v)} only apply to mode 'ssd'")
+        if draft_quantization not in ("auto", None, *QUANTIZATIONS):
+            raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
+                           f"got {draft_quantization!r}")
+        if draft_timeout <= 0:
+            raise SSDError(f"draft_timeout must be > 0 seconds, got {draft_timeout}")
         self.mode, self.k = mode, speculate_k
         if threads is not None:
             if threads < 1:
                 raise SSDError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
-        self.device = resolve_device(device)
+        self.device = resolve_device(device if target_device is None else parse_placement(target_device).device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.folder: Path = resolve_model(model)
-        self.model = load_model(self.folder, self.device, self.dtype)
-        self.config = self.model.config
-        self.tokenizer = AutoTokenizer.from_pretrained(self.folder)
+        self.config = ModelConfig.from_folder(self.folder)
+        weight_files(self.folder)  # fail now, not after a draft worker has started
+        self.tokenizer = load_tokenizer(self.folder)
         limit = self.config.max_position_embeddings
         self.max_model_len = max_model_len or limit
         if not 1 < self.max_model_len <= limit:
@@ -85,21 +127,53 @@ class LLM:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         cache_tokens = kv_cache_tokens or max(self.max_model_len, 16384)
+
+        self.speculator: Speculator | None = None
+        if draft is not None:
+            if draft_quantization == "auto":
+                # The draft's numerics change only how often its tokens are accepted, never the
+                # output; on a CPU its speed is memory-bound, and int8 weights read 4x fewer bytes.
+                draft_device_type = parse_placement(draft_device).device.type if draft_device else self.device.type
+                draft_quantization = "int8" if draft_device_type == "cpu" and mode != "ar" else None
+            draft_folder = resolve_model(draft)
+            check_same_vocabulary(self.tokenizer, load_tokenizer(draft_folder),
+                                  self.config, ModelConfig.from_folder(draft_folder))
+            fan = FanOut(speculate_k, fan_out, fan_out_miss, tree_budget)  # validate before any spawn
+            check_options(backup, saguaro_c)
+            # The target's tokens, K proposals and a partial block per sequence, and in SSD
+            # each sequence's tree of up to fan.max_size branches per depth, K deep.
+            branches = (speculate_k + 1) * fan.max_size if mode == "ssd" else 0
+            draft_tokens = cache_tokens + max_num_seqs * (speculate_k + 2 * block_size + branches * speculate_k)
+
+            def draft_engine(fan_out: FanOut, backup: str) -> DraftEngine:
+                return DraftEngine(shared_model(draft_folder, self.device, self.dtype, draft_quantization),
+                                   self.device, k=speculate_k, cache_tokens=draft_tokens, block_size=block_size,
+                                   fan_out=fan_out, backup=backup, seed=seed)
+            if mode == "sd":
+                self.speculator = LocalSpeculator(draft_engine(fan, "jit"))
+            else:
+                target_place, draft_place = default_pair(self.device)
+                if target_device is not None:
+                    target_place = parse_placement(target_device)
+                if draft_device is not None:
+                    draft_place = parse_placement(draft_device)
+                hello = {"type": "hello", "model": str(draft_folder) if draft_address is None else str(draft),
+                         "dtype": str(self.dtype).removeprefix("torch."), "quantization": draft_quantization,
+                         "k": speculate_k, "fan_out": fan_out, "fan_out_miss": fan_out_miss,
+                         "tree_budget": tree_budget, "backup": backup, "saguaro_c": saguaro_c,
+                         "cache_tokens": draft_tokens, "block_size": block_size, "seed": seed}
+                self.speculator = RemoteSpeculator(
+                    hello, target_place, draft_place, address=draft_address, timeout=draft_timeout,
+                    fallback=lambda: draft_engine(FanOut(speculate_k), "jit"))
+        # The target loads while an SSD worker loads the draft.
+        self.model = shared_model(self.folder, self.device, self.dtype)
+        if isinstance(self.speculator, RemoteSpeculator):
+            self.speculator.wait_ready()
         self.cache = PagedKVCache(self.config, cache_tokens, block_size, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device)
-        self.drafter: Drafter | None = None
-        if draft is not None:
-            draft_model = load_model(resolve_model(draft), self.device, self.dtype)
-            check_same_vocabulary(self.tokenizer, AutoTokenizer.from_pretrained(resolve_model(draft)),
-                                  self.config, draft_model.config)
-            # Room for every sequence's K proposals on top of what the target may hold.
-            extra = max_num_seqs * (speculate_k + block_size)
-            self.drafter = Drafter(draft_model, PagedKVCache(draft_model.config, cache_tokens + extra,
-                                                            block_size, self.device, self.dtype),
-                                   self.device)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
-                                   lookahead=self.k if self.drafter else 0,
-                                   on_release=self.drafter.release if self.drafter else None)
+                                   lookahead=self.k if self.speculator else 0,
+                                   on_release=self.speculator.release if self.speculator else None)
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
@@ -143,8 +217,16 @@ class LLM:
         finally:
             self._abort([seq])
 
+    @property
+    def draft_failures(self) -> int:
+        """How often the SSD draft worker failed to start, died or hung (SD took over)."""
+        return getattr(self.speculator, "failures", 0)
+
     def close(self) -> None:
+        """Free the requests in flight and stop the draft worker, if any. Idempotent."""
         self._abort(list(self.scheduler.running) + list(self.scheduler.waiting))
+        if self.speculator is not None:
+            self.speculator.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -181,13 +263,15 @@ class LLM:
 
     def _step(self) -> list[tuple[Sequence, list[int], list[bool]]]:
         """Run one scheduled step; return (sequence, new tokens, from_draft flags) for each
-        sequence that got tokens. Prompt chunks run through the target alone; in SD mode
-        the sequences that are decoding run one speculative round."""
-        work = self.scheduler.schedule()
-        decoding = [w.seq for w in work if self.drafter and w.num_new == 1 and w.samples]
-        plain = [w for w in work if w.seq not in decoding]
-        events = self._forward(plain) if plain else []
-        return events + (self._speculate(decoding) if decoding else [])
+        sequence that got tokens. Prompt chunks run through the target alone; in SD and SSD
+        modes the sequences that are decoding run one speculative round."""
+        placement = self.speculator.placement() if isinstance(self.speculator, RemoteSpeculator) else nullcontext()
+        with placement:
+            work = self.scheduler.schedule()
+            decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
+            plain = [w for w in work if w.seq not in decoding]
+            events = self._forward(plain) if plain else []
+            return events + (self._speculate(decoding) if decoding else [])
 
     def _forward(self, work: list[Work]) -> list[tuple[Sequence, list[int], list[bool]]]:
         logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.seq.num_cached:][:w.num_new],
@@ -205,29 +289,39 @@ class LLM:
         return events
 
     def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int], list[bool]]]:
-        """One synchronous speculative round: the draft proposes K tokens per sequence, the
-        target scores [last, d_1..d_K] in one pass, and the verifier keeps an exact prefix."""
+        """One speculative round: the draft side proposes K tokens per sequence (SD: drafted
+        now; SSD: usually precomputed, a cache hit), the target scores [last, d_1..d_K] in
+        one pass, and the verifier keeps an exact prefix plus one token of the target's."""
         # No more drafts than the sequence can still use (its max_tokens and the context).
         ks = [max(0, min(self.k, s.params.max_tokens - len(s.output_ids) - 1,
                          self.max_model_len - s.num_tokens - 1)) for s in seqs]
+        failures = getattr(self.speculator, "failures", 0)
         t0 = time.perf_counter()
-        proposals = self.drafter.propose(seqs, ks)
+        replies = self.speculator.propose(seqs, ks)
         t1 = time.perf_counter()
-        logits = self.runner.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens, s.num_tokens - 1, k + 1)
-                                      for s, p, k in zip(seqs, proposals, ks)])
+        failed = getattr(self.speculator, "failures", 0) - failures
+        worker = self.speculator.timings
+        logits = self.runner.forward([Chunk(s.seq_id, [s.token_ids[-1]] + r.tokens, s.num_tokens - 1, len(r.tokens) + 1)
+                                      for s, r in zip(seqs, replies)])
         t2 = time.perf_counter()
         events, row = [], 0
-        for seq, prop, k in zip(seqs, proposals, ks):
+        for seq, reply in zip(seqs, replies):
+            k = len(reply.tokens)
             p = probs_from_logits(logits[row:row + k + 1], seq.params)
             row += k + 1
-            q = torch.nn.functional.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
-            verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
+            q = None if reply.q is None else F.pad(reply.q.to(p.device), (0, p.shape[-1] - reply.q.shape[-1]))
+            verdict = verify(p, torch.tensor(reply.tokens, dtype=torch.long), q, seq.generator)
             valid = seq.num_tokens + verdict.accepted  # the old tokens and the accepted drafts
             seq.num_cached = valid
             self.cache.truncate(seq.seq_id, valid)
-            self.drafter.rollback(seq, valid)
-            seq.stats.record_round(k, verdict.accepted, t1 - t0, t2 - t1)
-            tokens = prop.tokens[:verdict.accepted] + [verdict.token]
+            self.speculator.accepted(seq, valid)
+            st = seq.stats
+            st.record_round(k, verdict.accepted, t1 - t0, t2 - t1, reply.hit if self.mode == "ssd" else None)
+            st.tree_s += worker.get("tree_s", 0.0)
+            st.backup_s += worker.get("backup_s", 0.0)
+            st.draft_idle_s += worker.get("idle_s", 0.0)
+            st.draft_failures += failed
+            tokens = reply.tokens[:verdict.accepted] + [verdict.token]
             events.append(self._append(seq, tokens, [True] * verdict.accepted + [False], t2))
         return events
 

@@ -42,7 +42,14 @@ class ModelRunner:
         row_ends = torch.tensor(lengths).cumsum(0)
         logits_index = torch.cat([torch.arange(end - c.num_logits, end)
                                   for c, end in zip(chunks, row_ends.tolist())])
+        batch = AttentionBatch(slot_mapping, rows, q_row, q_len)
+        return self.run(input_ids, positions, batch, logits_index)
+
+    @torch.inference_mode()
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+            logits_index: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward pass over tokens placed by an explicit attention batch (a draft tree)."""
         dev = self.device
-        batch = AttentionBatch(slot_mapping.to(dev), rows.to(dev), q_row.to(dev), q_len.to(dev))
+        batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
         return self.model(input_ids.to(dev), positions.to(dev), batch, self.cache.kv,
-                          logits_index.to(dev))
+                          None if logits_index is None else logits_index.to(dev))

@@ -1,0 +1,101 @@
+"""Fan-out: how many fork tokens F_j the draft tries at each depth j = 0..K of a speculation.
+
+Depth j < K stands for "d_1..d_j accepted, d_{j+1} rejected" (the fork tokens are the draft's
+most likely recovery tokens, d_{j+1} excluded); depth K for "all accepted" (the most likely
+bonus tokens). The speculation cache holds one branch per fork, so sum F_j = B, the branch
+budget, sets the size of the draft tree.
+
+Three policies:
+- uniform: F_j = F at every depth (the reference engine's default, F = 3);
+- explicit lists of K+1 sizes, one used after a cache hit and another after a miss (after a
+  fast-backup miss nearly every outcome is "0 accepted", so the budget belongs at depth 0);
+- "auto": the budget is spent where it buys the most hits, from what the engine measures as
+  it runs: how often a round ends at each depth (separately after hits and misses), and how
+  often the target's token is the draft's n-th choice. The n-th fork at depth j is worth
+  P(end at j) * P(rank n); the B forks go greedily to the largest values, and none goes to a
+  fork worth less than MIN_GAIN (every branch costs draft compute). Until enough rounds are
+  seen, a prior (acceptance 0.8 per token, rank probabilities falling like 1/(n+1)^2) stands
+  in for the measurements.
+"""
+from collections.abc import Sequence
+
+from ssd.errors import SSDError
+
+MAX_RANK = 16  # ranks beyond this are counted as "not among the candidates"
+PRIOR_WEIGHT = 8.0  # pseudo-rounds of the prior in the auto estimates
+PRIOR_ACCEPT = 0.8
+MIN_GAIN = 1e-3  # auto: a fork must be the outcome at least this often to get a branch
+
+
+def _sizes(spec: int | Sequence[int], k: int, what: str) -> list[int]:
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        if spec < 1:
+            raise SSDError(f"{what} must be >= 1, got {spec}")
+        return [spec] * (k + 1)
+    sizes = list(spec)
+    if len(sizes) != k + 1 or not all(isinstance(f, int) and f >= 0 for f in sizes) or not any(sizes):
+        raise SSDError(f"{what} must be one int or a list of K+1 = {k + 1} ints >= 0 (one per depth "
+                       f"0..K), not all 0; got {list(spec)}")
+    return sizes
+
+
+class FanOut:
+    def __init__(self, k: int, hit: int | Sequence[int] | str = 3, miss: int | Sequence[int] | None = None,
+                 budget: int | None = None):
+        self.k = k
+        self.auto = hit == "auto"
+        if self.auto:
+            if miss is not None:
+                raise SSDError("fan_out='auto' chooses the sizes after a miss too; drop fan_out_miss")
+            self.budget = budget if budget is not None else 3 * (k + 1)
+            if self.budget < 1:
+                raise SSDError(f"the tree budget must be >= 1, got {self.budget}")
+        elif isinstance(hit, str):
+            raise SSDError(f"fan_out must be an int, a list of K+1 ints or 'auto', got {hit!r}")
+        else:
+            self.hit = _sizes(hit, k, "fan_out")
+            self.miss = _sizes(miss, k, "fan_out_miss") if miss is not None else self.hit
+        # Measured: rounds ending at each depth, after a hit [1] or a miss [0]; target-token ranks.
+        self.depth_counts = [[0] * (k + 1), [0] * (k + 1)]
+        self.rank_counts = [0] * (MAX_RANK + 1)  # [MAX_RANK]: beyond the candidates
+
+    @property
+    def max_size(self) -> int:
+        return self.budget if self.auto else max(max(self.hit), max(self.miss))
+
+    def sizes(self, depths: int, after_hit: bool) -> list[int]:
+        """F_0..F_{depths-1} for a speculation of depths-1 tokens (the last depth is the bonus)."""
+        if self.auto:
+            return self._allocate(depths, after_hit)
+        full = self.hit if after_hit else self.miss
+        return full[:depths - 1] + [full[-1]]
+
+    def observe(self, after_hit: bool, depth: int, rank: int | None) -> None:
+        """A round ended at `depth`; the target's token was the draft's candidate number
+        `rank` there (0 = most likely), or not among the first MAX_RANK (None)."""
+        self.depth_counts[after_hit][min(depth, self.k)] += 1
+        self.rank_counts[MAX_RANK if rank is None or rank >= MAX_RANK else rank] += 1
+
+    def _depth_probs(self, depths: int, after_hit: bool) -> list[float]:
+        prior = [PRIOR_ACCEPT ** j * (1 - PRIOR_ACCEPT) for j in range(depths - 1)] + [PRIOR_ACCEPT ** (depths - 1)]
+        counts = self.depth_counts[after_hit][:depths - 1] + [sum(self.depth_counts[after_hit][depths - 1:])]
+        total = sum(counts)
+        return [(c + PRIOR_WEIGHT * p) / (total + PRIOR_WEIGHT) for c, p in zip(counts, prior)]
+
+    def _rank_probs(self) -> list[float]:
+        prior = [1 / (n + 1) ** 2 for n in range(MAX_RANK)]
+        norm = sum(prior) * 1.25  # a fifth of the prior mass is "beyond the candidates"
+        total = sum(self.rank_counts)
+        return [(c + PRIOR_WEIGHT * p / norm) / (total + PRIOR_WEIGHT)
+                for c, p in zip(self.rank_counts, prior)]
+
+    def _allocate(self, depths: int, after_hit: bool) -> list[int]:
+        p_depth, p_rank = self._depth_probs(depths, after_hit), self._rank_probs()
+        sizes = [0] * depths
+        for _ in range(self.budget):
+            gains = [p_depth[j] * p_rank[sizes[j]] if sizes[j] < MAX_RANK else 0.0 for j in range(depths)]
+            best = max(range(depths), key=gains.__getitem__)
+            if gains[best] < MIN_GAIN:
+                break
+            sizes[best] += 1
+        return sizes

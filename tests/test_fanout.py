@@ -1,0 +1,61 @@
+"""Fan-out policies: how the draft tree's branch budget is spread over the depths."""
+import pytest
+
+from ssd.errors import SSDError
+from ssd.spec.fanout import MAX_RANK, FanOut
+
+
+def test_uniform_and_short_speculations():
+    f = FanOut(4, 3)
+    assert f.sizes(5, after_hit=True) == [3] * 5 == f.sizes(5, after_hit=False)
+    assert f.sizes(2, after_hit=True) == [3, 3]  # a speculation of 1 token: depth 0 and its bonus
+    assert f.max_size == 3
+
+
+def test_lists_after_hit_and_after_miss():
+    f = FanOut(4, [4, 3, 2, 1, 2], miss=[6, 1, 0, 0, 1])
+    assert f.sizes(5, after_hit=True) == [4, 3, 2, 1, 2]
+    assert f.sizes(5, after_hit=False) == [6, 1, 0, 0, 1]
+    assert f.sizes(3, after_hit=True) == [4, 3, 2]  # depths 0, 1, then the bonus size
+    assert f.max_size == 6
+
+
+@pytest.mark.parametrize("hit, miss, match", [
+    ([1, 2, 3], None, "list of K\\+1"), ([0, 0, 0, 0, 0], None, "not all 0"), (0, None, ">= 1"),
+    ("more", None, "fan_out must be"), (2, [1, -1, 0, 0, 0], "fan_out_miss"), ("auto", 2, "auto"),
+])
+def test_bad_fan_outs(hit, miss, match):
+    with pytest.raises(SSDError, match=match):
+        FanOut(4, hit, miss)
+
+
+def test_auto_spends_the_budget_where_rounds_end():
+    f = FanOut(4, "auto", budget=10)
+    prior = f.sizes(5, after_hit=True)
+    assert sum(prior) == 10 and prior[0] >= prior[2]  # the prior: geometric acceptance
+    for _ in range(500):  # after misses every round ends at depth 0; after hits all accept
+        f.observe(False, 0, 0)
+        f.observe(False, 0, 1)
+        f.observe(True, 4, 0)
+    after_miss, after_hit = f.sizes(5, after_hit=False), f.sizes(5, after_hit=True)
+    # Ranks 0 and 1 are all that ever occur: two forks where the rounds end, the rest of the
+    # budget unspent but for the prior's small chance of other depths.
+    assert after_miss[0] == 2 and sum(after_miss) < 10 and max(after_miss[1:4]) == 0, after_miss
+    assert after_hit[4] == max(after_hit) == 2 and sum(after_hit) < 10, after_hit
+
+
+def test_auto_stops_where_forks_would_never_hit():
+    f = FanOut(3, "auto", budget=40)
+    for _ in range(2000):
+        for depth in range(4):
+            f.observe(True, depth, 0)  # the target's token is always the draft's first choice
+    sizes = f.sizes(4, after_hit=True)
+    assert sizes == [1, 1, 1, 1], sizes
+
+
+def test_auto_counts_tokens_beyond_the_candidates():
+    f = FanOut(2, "auto", budget=6)
+    for _ in range(1000):
+        f.observe(True, 1, None)  # never among the candidates: no fork helps
+    assert f.rank_counts[MAX_RANK] == 1000
+    assert sum(f.sizes(3, after_hit=True)) <= 6

@@ -1,0 +1,272 @@
+"""Speculative speculative decoding: a draft worker process over gloo, the speculation cache,
+the draft tree, and what happens when the worker fails. Outputs must equal AR's exactly."""
+import itertools
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from ssd import LLM, SamplingParams
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.engine.sampler import probs_from_logits
+from ssd.errors import SSDError
+from ssd.models.loader import load_model
+from ssd.spec.draft_engine import DraftEngine, SpecRequest
+from ssd.spec.fanout import FanOut
+from ssd.spec.protocol import free_port
+from stats import chi_square, p_value
+
+PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+GREEDY = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
+
+
+def children_alive(llm: LLM) -> bool:
+    proc = llm.speculator.proc
+    return proc is not None and proc.poll() is None
+
+
+@pytest.mark.parametrize("k, fan_out, fan_out_miss, backup, batch", [
+    (3, 2, None, "jit", 4),
+    (5, [3, 2, 1, 1, 1, 2], [4, 1, 0, 0, 0, 1], "fast", 2),
+    (2, "auto", None, "jit", 1),
+])
+def test_ssd_greedy_equals_ar(smollm_dir, truncated_draft, ar_outputs, k, fan_out, fan_out_miss, backup, batch):
+    prompts = PROMPTS[:batch]
+    with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=k, fan_out=fan_out,
+             fan_out_miss=fan_out_miss, backup=backup) as llm:
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs(prompts, GREEDY)
+        for o in outs:
+            m = o.metrics
+            # The first round is a miss; a last round with one token left drafts nothing.
+            assert m.rounds - 1 <= m.hits + m.misses <= m.rounds and m.misses >= 1
+            assert 0 < m.acceptance_rate < 1 and m.draft_failures == 0
+            assert m.tree_s > 0 and m.tokens_on_hit + m.tokens_on_miss <= m.rounds + m.accepted
+        assert any(o.metrics.hits for o in outs), "a truncated draft should guess some outcomes"
+        assert children_alive(llm)
+    assert not children_alive(llm), "closing the engine ends the worker"
+
+
+def test_self_draft_hits_every_round_after_the_first(smollm_dir, ar_outputs):
+    """Greedy, the model as its own draft: every draft token is accepted, the outcome is
+    always (K, the bonus token), and the glue decode's top token at depth K is that bonus."""
+    with LLM(smollm_dir, draft=smollm_dir, mode="ssd", speculate_k=4, fan_out=1, draft_quantization=None) as llm:
+        outs = llm.generate(PROMPTS[:3], GREEDY)
+    assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:3], GREEDY)
+    for o in outs:
+        m = o.metrics
+        assert m.acceptance_rate == 1.0
+        assert m.misses == 1 and m.hits >= m.rounds - 2 and m.hits > 3  # a last 0-draft round counts neither
+        assert m.tokens_per_round_hit == 5.0
+
+
+def _alone(model, context: list[int], n: int) -> torch.Tensor:
+    """Logits of the last n positions of `context`, decoded on a fresh cache in one pass."""
+    cache = PagedKVCache(model.config, len(context) + 16, 16, torch.device("cpu"), torch.float32)
+    cache.reserve(0, len(context))
+    return ModelRunner(model, cache, torch.device("cpu")).forward([Chunk(0, context, 0, n)])
+
+
+def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
+    """Every branch of the tree, decoded among all others with the tree mask, gives the same
+    logits (hence tokens and q) as decoding its context alone."""
+    model = load_model(truncated_draft, torch.device("cpu"), torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(truncated_draft)
+    k, sizes = 3, [2, 1, 2, 3]
+    engine = DraftEngine(model, torch.device("cpu"), k=k, cache_tokens=4096, fan_out=FanOut(k, sizes), seed=0)
+    prompts = [tok(p).input_ids for p in PROMPTS[:2]]
+    params = [SamplingParams.greedy(), SamplingParams(temperature=0.9, top_k=50)]
+    replies = engine.step([SpecRequest(i, 0, ids, k, p) for i, (ids, p) in enumerate(zip(prompts, params))])
+    stats = engine.build()
+    assert stats.branches == 2 * sum(sizes)
+    for seq_id, (ids, p, reply) in enumerate(zip(prompts, params, replies)):
+        entries = engine.cache.pop_round(seq_id)
+        per_depth = [sum(1 for j, _ in entries if j == d) for d in range(k + 1)]
+        assert per_depth == sizes
+        for (j, t), branch in entries.items():
+            assert j == k or t != reply.tokens[j], "a rejected draft token cannot be the recovery token"
+            logits = _alone(model, ids + reply.tokens[:j] + [t] + branch.tokens[:-1], k)
+            if p.greedy_decoding:
+                assert branch.tokens == logits.argmax(-1).tolist() and branch.q is None
+            else:
+                assert torch.equal(branch.q, probs_from_logits(logits, p))
+
+
+# ---- sampling exactness through the real cache path ------------------------------------
+V, NEW = 8, 6  # a vocabulary small enough to enumerate the target's distribution exactly
+PROMPT = "w2 w5 w3"
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A random target over an 8-token vocabulary and a noisy copy of it as the draft."""
+    vocab = {f"w{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    target = transformers.LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)  # peaked, varied next-token distributions
+    folders = []
+    for name, noise in (("target", 0.0), ("draft", 0.6)):
+        folder = tmp_path_factory.mktemp(name)
+        state = {n: w + noise * w.std() * torch.randn_like(w) if w.dim() > 1 else w.clone()
+                 for n, w in target.state_dict().items()}
+        target.config.save_pretrained(folder)
+        save_file(state, folder / "model.safetensors")
+        fast.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+def exact_joint(folder, prompt_ids: list[int], temperature: float) -> torch.Tensor:
+    """P(t_1..t_NEW) [V]*NEW under the target, from all V^(NEW-1) continuations at once."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    conts = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))
+    ids = torch.cat([torch.tensor(prompt_ids).expand(len(conts), -1), conts], 1)
+    with torch.no_grad():
+        logp = (model(ids).logits[:, len(prompt_ids) - 1:] / temperature).log_softmax(-1)  # [N, NEW, V]
+    joint = logp[:, -1]  # log P(t_NEW | t_1..t_{NEW-1}) for each continuation
+    for i in range(NEW - 1):
+        joint = joint + logp[:, i].gather(1, conts[:, i:i + 1])
+    return joint.exp().view(*[V] * NEW)
+
+
+def pooled_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value with the cells expected below 5 pooled into one."""
+    expected = counts.sum() * probs
+    small = expected < 5
+    c = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    p = torch.cat([probs[~small], probs[small].sum(0, keepdim=True)])
+    return p_value(*chi_square(c, p))
+
+
+@pytest.mark.parametrize("options", [
+    dict(backup="jit", fan_out=2),
+    dict(backup="fast", fan_out=2, fan_out_miss=[3, 0, 1]),
+    dict(backup="jit", fan_out=2, saguaro_c=0.3),
+    dict(backup="jit", fan_out="auto", tree_budget=4),
+], ids=["jit", "fast", "saguaro", "auto"])
+def test_ssd_sampling_follows_the_target(tiny_pair, options):
+    target, draft = tiny_pair
+    n, temperature = 4000, 1.0
+    params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
+    with LLM(target, draft=draft, mode="ssd", speculate_k=2, max_num_seqs=500, seed=1, **options) as llm:
+        outs = llm.generate([PROMPT] * n, params)
+        prompt_ids = llm.encode(PROMPT)
+    tokens = torch.tensor([o.token_ids for o in outs])
+    m = [o.metrics for o in outs]
+    hits, misses = sum(x.hits for x in m), sum(x.misses for x in m)
+    accepted, drafted = sum(x.accepted for x in m), sum(x.drafted for x in m)
+    # The cache path is really taken (half the rounds are first rounds, always misses).
+    assert hits > 0.1 * (hits + misses) and 0.05 < accepted / drafted < 0.95, (hits, misses, accepted, drafted)
+    joint = exact_joint(target, prompt_ids, temperature)
+    for i in range(NEW):  # every position's marginal, then the last two tokens jointly
+        marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
+        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+    last_two = joint.sum(dim=list(range(NEW - 2))).flatten()
+    counts = (tokens[:, -2] * V + tokens[:, -1]).bincount(minlength=V * V).double()
+    assert pooled_p_value(counts, last_two) > 1e-3
+
+
+# ---- failures of the draft worker -----------------------------------------------------
+def _stream_with(llm: LLM, action, after_chunks: int = 2):
+    """Stream a greedy generation, doing `action` after a few chunks; return the tokens,
+    the final metrics and the seconds until the chunk after the action."""
+    ids, gap = [], None
+    for i, chunk in enumerate(llm.stream(PROMPTS[0], SamplingParams.greedy(max_tokens=48, ignore_eos=True))):
+        ids += chunk.token_ids
+        if i == after_chunks + 1:
+            gap = time.monotonic() - acted
+        if i == after_chunks:
+            action()
+            acted = time.monotonic()
+    return ids, chunk.metrics, gap
+
+
+def test_killing_the_worker_mid_generation(smollm_dir, truncated_draft, ar_outputs, caplog):
+    want = ar_outputs(PROMPTS[:1], SamplingParams.greedy(max_tokens=48, ignore_eos=True))[0]
+    with caplog.at_level(logging.WARNING, logger="ssd"), \
+            LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3) as llm:
+        proc = llm.speculator.proc
+        ids, metrics, _ = _stream_with(llm, proc.kill)
+        assert ids == want and metrics.draft_failures == 1
+        assert proc.poll() is not None
+        again = llm.generate(PROMPTS[:2], GREEDY)  # later requests: SD in this process
+        assert [o.token_ids for o in again] == ar_outputs(PROMPTS[:2], GREEDY)
+        assert llm.draft_failures == 1
+    assert "draft worker died" in caplog.text
+
+
+def test_a_hung_worker_times_out(smollm_dir, truncated_draft, ar_outputs):
+    want = ar_outputs(PROMPTS[:1], SamplingParams.greedy(max_tokens=48, ignore_eos=True))[0]
+    with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, draft_timeout=2.0) as llm:
+        proc = llm.speculator.proc
+        ids, metrics, gap = _stream_with(llm, lambda: os.kill(proc.pid, signal.SIGSTOP))
+        assert ids == want and metrics.draft_failures == 1
+        assert gap < 30, "the round after the hang: the 2 s timeout, loading the draft here, one SD round"
+        assert proc.poll() is not None, "the stopped worker was killed, not left behind"
+
+
+def test_a_worker_that_cannot_start(smollm_dir, truncated_draft, tmp_path, ar_outputs, caplog):
+    """The draft's weights are unreadable: the worker cannot load them, nor can this process,
+    so generation goes on as plain AR, and says so."""
+    broken = tmp_path / "broken-draft"
+    broken.mkdir()
+    for f in truncated_draft.iterdir():
+        (broken / f.name).write_bytes(b"not safetensors" if f.suffix == ".safetensors" else f.read_bytes())
+    with caplog.at_level(logging.WARNING, logger="ssd"), \
+            LLM(smollm_dir, draft=broken, mode="ssd") as llm:
+        outs = llm.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
+        assert llm.draft_failures == 1 and llm.speculator.proc.poll() is not None
+    assert "could not start" in caplog.text and "plain decoding" in caplog.text
+
+
+def test_a_worker_started_by_hand_on_another_address(smollm_dir, truncated_draft, ar_outputs):
+    port = free_port()
+    worker = subprocess.Popen([sys.executable, "-m", "ssd.cli", "worker", "--connect", f"127.0.0.1:{port}"])
+    try:
+        with LLM(smollm_dir, draft=truncated_draft, mode="ssd", draft_address=f"127.0.0.1:{port}") as llm:
+            outs = llm.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
+        assert sum(o.metrics.hits for o in outs) > 0
+        assert worker.wait(timeout=30) == 0, "the worker exits when the target closes"
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(fan_out=[1, 2]), "list of K\\+1"),
+    (dict(fan_out="wide"), "fan_out must be"),
+    (dict(fan_out=0), "fan_out must be >= 1"),
+    (dict(backup="slow"), "backup must be"),
+    (dict(saguaro_c=1.5), "saguaro_c"),
+    (dict(draft_device="gpu:0"), "bad device"),
+    (dict(draft_device="cpu:64"), "not available"),
+    (dict(draft_address="nowhere"), "HOST:PORT"),
+    (dict(draft_timeout=0), "draft_timeout"),
+    (dict(fan_out="auto", fan_out_miss=2), "auto"),
+])
+def test_bad_ssd_options(smollm_dir, kwargs, match):
+    with pytest.raises(SSDError, match=match):
+        LLM(smollm_dir, draft=smollm_dir, mode="ssd", speculate_k=4, **kwargs)
+
+
+def test_ssd_options_need_ssd_mode(smollm_dir):
+    with pytest.raises(SSDError, match="backup only apply to mode 'ssd'"):
+        LLM(smollm_dir, draft=smollm_dir, mode="sd", backup="fast")

@@ -316,11 +316,12 @@ class LLM:
             self.cache.truncate(seq.seq_id, valid)
             self.speculator.accepted(seq, valid)
             st = seq.stats
-            st.record_round(k, verdict.accepted, t1 - t0, t2 - t1, reply.hit if self.mode == "ssd" else None)
-            st.tree_s += worker.get("tree_s", 0.0)
+            if st.rounds:  # the worker's build and idle time before a sequence's first round is not its own
+                st.tree_s += worker.get("tree_s", 0.0)
+                st.draft_idle_s += worker.get("idle_s", 0.0)
             st.backup_s += worker.get("backup_s", 0.0)
-            st.draft_idle_s += worker.get("idle_s", 0.0)
             st.draft_failures += failed
+            st.record_round(k, verdict.accepted, t1 - t0, t2 - t1, reply.hit if self.mode == "ssd" else None)
             tokens = reply.tokens[:verdict.accepted] + [verdict.token]
             events.append(self._append(seq, tokens, [True] * verdict.accepted + [False], t2))
         return events

@@ -75,3 +75,12 @@ def ar_outputs(smollm):
     def run(prompts, params):
         return [o.token_ids for o in smollm.generate(prompts, params)]
     return run
+
+
+@pytest.fixture
+def threads():
+    """Restores torch's thread count after a test that changes it."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+

@@ -6,7 +6,6 @@ a row of its own, on any thread count and in every ISA build. The first run comp
 build this CPU runs (~10 s each, in parallel); later runs load them. Like the linear kernel
 it must build wherever the tests run: a missing build fails here instead of skipping.
 """
-import threading
 import types
 
 import pytest
@@ -15,25 +14,13 @@ import torch
 from ssd.kernels import attention_cpu as A
 from ssd.kernels import build
 from ssd.layers.attention import Attention, AttentionBatch
+from kernel_helpers import kernel_op
 
 
 @pytest.fixture(scope="module")
 def variant():
-    v = build.default_variant()
-    if v is None:
-        pytest.skip("SSD_CPU_KERNELS=off")
-    for other in build.runnable_variants():  # build the others alongside (cold CI)
-        if other != v:
-            threading.Thread(target=A.available, args=(other,), daemon=True).start()
-    assert A.available(v), "the CPU attention kernel did not build (see stderr)"
-    return v
-
-
-@pytest.fixture
-def threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+    kernel_op(A.available, "attention")
+    return build.default_variant()
 
 
 def cache(n_slots, g, d, seed=0, poison=()):

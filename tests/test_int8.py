@@ -4,8 +4,6 @@ and int8 model loading.
 Like tests/test_linear_kernel.py, the first run compiles every build this CPU runs (~30 s
 on two cores) and fails, rather than skips, when the default build does not compile.
 """
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +13,7 @@ from ssd.kernels import linear_int8_cpu as Q
 from ssd.kernels.build import CppKernel
 from ssd.layers.linear import Linear
 from ssd.models.loader import load_model
+from kernel_helpers import kernel_op
 
 MS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 17, 24, 33, 49, 70]
 SHAPES = [(37, 19), (64, 7), (5, 3), (16, 8), (256, 96), (1000, 130), (896, 40)]  # (K_in, N)
@@ -22,21 +21,7 @@ SHAPES = [(37, 19), (64, 7), (5, 3), (16, 8), (256, 96), (1000, 130), (896, 40)]
 
 @pytest.fixture(scope="module")
 def op():
-    if Q.default_variant() is None:
-        pytest.skip("SSD_CPU_KERNELS=off")
-    for v in Q.runnable_variants():  # build the other variants alongside (cold CI)
-        if v != Q.default_variant():
-            threading.Thread(target=Q.get_op, args=(v,), daemon=True).start()
-    op = Q.get_op()
-    assert op is not None, "the CPU int8 linear kernel did not build (see stderr)"
-    return op
-
-
-@pytest.fixture
-def threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+    return kernel_op(Q.get_op, "int8 linear")
 
 
 def data(M, K, N, seed=0):

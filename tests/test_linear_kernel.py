@@ -5,8 +5,6 @@ that they agree bit for bit (~25 s on two cores); later runs load it. The kernel
 wherever the tests run (gcc + ninja): a missing build would silently cost the engine its
 exactness, so it fails here instead of skipping.
 """
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +13,7 @@ from torch import nn
 from ssd.kernels import linear_cpu as L
 from ssd.kernels.build import CppKernel
 from ssd.layers.linear import Linear
+from kernel_helpers import kernel_op
 
 MS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 300]
 SHAPES = [(37, 19), (64, 7), (5, 3), (8, 8), (256, 96), (1000, 130)]  # (K_in, N)
@@ -22,21 +21,7 @@ SHAPES = [(37, 19), (64, 7), (5, 3), (8, 8), (256, 96), (1000, 130)]  # (K_in, N
 
 @pytest.fixture(scope="module")
 def op():
-    if L.default_variant() is None:
-        pytest.skip("SSD_CPU_KERNELS=off")
-    for v in L.runnable_variants():  # build the other variants alongside (cold CI)
-        if v != L.default_variant():
-            threading.Thread(target=L.get_op, args=(v,), daemon=True).start()
-    op = L.get_op()
-    assert op is not None, "the CPU linear kernel did not build (see stderr)"
-    return op
-
-
-@pytest.fixture
-def threads():
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
+    return kernel_op(L.get_op, "linear")
 
 
 def data(M, K, N, seed=0):

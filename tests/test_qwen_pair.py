@@ -1,0 +1,32 @@
+"""The default Qwen pair (1.5B target, 0.5B draft): SD and SSD give AR's greedy tokens on 8
+real prompts. Slow (minutes on 2 CPU cores, 7 GB of fp32 weights): run by hand with
+`python -m pytest -m slow tests/test_qwen_pair.py`."""
+import pytest
+
+from ssd import LLM, SamplingParams
+from ssd.bench.prompts import load_prompt_set
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    chosen = load_prompt_set("humaneval", 3) + load_prompt_set("gsm8k", 3) + load_prompt_set("mtbench", 2)
+    return [[{"role": "user", "content": p.text}] for p in chosen]
+
+
+@pytest.fixture(scope="module")
+def ar(prompts):
+    params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
+    with LLM(TARGET) as llm:
+        return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("mode, options", [("sd", {}), ("ssd", {"fan_out": 2}), ("ssd", {"backup": "fast"})])
+def test_qwen_pair_equals_ar(prompts, ar, mode, options):
+    params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
+    with LLM(TARGET, draft=DRAFT, mode=mode, speculate_k=4, max_num_seqs=4, **options) as llm:
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar
+    assert sum(o.metrics.accepted for o in outs) / sum(o.metrics.drafted for o in outs) > 0.4

@@ -270,3 +270,39 @@ def test_bad_ssd_options(smollm_dir, kwargs, match):
 def test_ssd_options_need_ssd_mode(smollm_dir):
     with pytest.raises(SSDError, match="backup only apply to mode 'ssd'"):
         LLM(smollm_dir, draft=smollm_dir, mode="sd", backup="fast")
+
+
+def _workers_of(pid: int) -> list[int]:
+    """Draft worker processes started by process `pid` that are still alive."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"ssd.spec.worker" in cmd and str(pid).encode() in cmd:
+                found.append(int(entry))
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_ctrl_c_ends_generation_and_the_worker(smollm_dir, truncated_draft):
+    """Ctrl-C in a terminal reaches the whole process group: the CLI stops with one line
+    and exit code 130, and its draft worker is gone with it."""
+    proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "generate", "--model", str(smollm_dir),
+                             "--draft", str(truncated_draft), "--mode", "ssd", "--prompt", "Count to a thousand:",
+                             "--max-tokens", "2000", "--ignore-eos", "--temperature", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        assert proc.stdout.read(20), "no text streamed"
+        assert _workers_of(proc.pid), "the SSD worker should be running"
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and b"interrupted" in err and b"Traceback" not in err, err
+    deadline = time.monotonic() + 10
+    while _workers_of(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _workers_of(proc.pid)

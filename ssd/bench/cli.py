@@ -64,6 +64,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     b.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: float32 on cpu, bfloat16 on cuda)")
     b.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    b.add_argument("--draft-quantization", choices=("auto", "int8", "none"), default="auto",
+                   help="the draft's weights: int8, none (the target's dtype) or auto: int8 for a draft on a CPU "
+                        "(default: auto)")
     b.add_argument("--out", metavar="DIR", help="write results.json, table.md and .png plots there")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     b.set_defaults(func=cmd_bench)
@@ -135,7 +138,8 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
                                                        args.backup, sweep, peers),
                      temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                      batch_size=args.batch_size, chat_template=args.chat_template == "on", device=args.device,
-                     dtype=args.dtype, threads=args.threads, sweep=sweep[0] if sweep else None)
+                     dtype=args.dtype, threads=args.threads, sweep=sweep[0] if sweep else None,
+                     draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization)
     spec.params()  # checks temperature and max_tokens
     return spec
 

@@ -112,7 +112,8 @@ def _notes(result: BenchResult, rows: Sequence[Row]) -> list[str]:
     commit = (machine["git_commit"] or "unknown")[:12] + " (modified)" * bool(machine["git_dirty"])
     notes = [f"{datetime.now():%Y-%m-%d %H:%M}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB"
              f"{gpu}; commit {commit}",
-             f"model {spec.model}, draft {spec.draft or '-'}; {result.device} {result.dtype}; "
+             f"model {spec.model}, draft {spec.draft or '-'} (weights: {spec.draft_quantization or 'as the target'}); "
+             f"{result.device} {result.dtype}; "
              f"temperature {spec.temperature:g}; max {spec.max_tokens} tokens{' (ignore eos)' * spec.ignore_eos}; "
              f"batch {spec.batch_size}; chat template {'on' if spec.chat_template else 'off'}",
              "tok/s: decode speed (tokens after the first / time after the first), mean over prompts; "

@@ -80,6 +80,7 @@ class BenchSpec:
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
+    draft_quantization: str | None = "auto"  # the engine's option; "auto": int8 for a CPU draft
     seed: int = 0  # of every LLM's sampling generator
     sweep: str | None = None  # "k" or "f" when the configurations sweep one of them
 
@@ -91,7 +92,7 @@ class BenchSpec:
         kwargs = dict(device=self.device, dtype=self.dtype, threads=self.threads,
                       max_num_seqs=max(16, self.batch_size), seed=self.seed)
         if c.mode != "ar":
-            kwargs.update(draft=self.draft, mode=c.mode, speculate_k=c.k)
+            kwargs.update(draft=self.draft, mode=c.mode, speculate_k=c.k, draft_quantization=self.draft_quantization)
         if c.fan_out is not None:
             kwargs["fan_out"] = list(c.fan_out) if isinstance(c.fan_out, tuple) else c.fan_out
         if c.backup is not None:

@@ -9,7 +9,6 @@ Layout under the store root (`$SSD_HOME`, else ~/.cache/ssd-engine):
 
 import hashlib
 import os
-import shutil
 import subprocess
 import sys
 import tempfile

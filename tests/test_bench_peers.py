@@ -77,3 +77,14 @@ def test_llamacpp_runs_or_skips(prompts, mode):
         # llama.cpp's Q4 kernels round differently from the fp32 dequantised weights, so
         # its tokens need not equal transformers'.
         check_results(results, peer, prompts)
+
+
+def test_llamacpp_spec_with_a_prompt_past_its_batch_size():
+    """llama-cpp-python (0.3.x) sizes the logits buffer of a target with a draft model by
+    n_batch (512) unless logits_all is passed; a longer prompt used to overflow it."""
+    pytest.importorskip("llama_cpp")
+    gguf = gguf_path("smollm2-135m-instruct")
+    results = run_llamacpp(gguf, [list(range(1000, 1600))], ["long"], 8, threads=2, ignore_eos=True,
+                           draft_gguf=gguf)
+    assert not isinstance(results, PeerSkip), results.reason
+    assert len(results[0].token_ids) == 8

@@ -2,7 +2,6 @@
 import shutil
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from ssd import LLM, SamplingParams

@@ -186,7 +186,7 @@ def test_ssd_sampling_follows_the_target(tiny_pair, options):
 def _stream_with(llm: LLM, action, after_chunks: int = 2):
     """Stream a greedy generation, doing `action` after a few chunks; return the tokens,
     the final metrics and the seconds until the chunk after the action."""
-    ids, gap = [], None
+    ids, gap, acted = [], None, 0.0
     for i, chunk in enumerate(llm.stream(PROMPTS[0], SamplingParams.greedy(max_tokens=48, ignore_eos=True))):
         ids += chunk.token_ids
         if i == after_chunks + 1:

@@ -170,7 +170,9 @@ def run_llamacpp(target_gguf: str | os.PathLike, prompt_token_ids: Sequence[Sequ
         draft_llm = load(draft_gguf) if draft_gguf is not None else None
         draft_model = (_ModelDraft(draft_llm, num_draft) if draft_llm is not None
                        else LlamaPromptLookupDecoding(num_pred_tokens=num_draft) if prompt_lookup else None)
-        llm = load(target_gguf, draft_model=draft_model)
+        # llama-cpp-python turns logits_all on for a draft model but sizes its logits buffer
+        # from the argument (0.3.x), which then overflows past n_batch positions: say it.
+        llm = load(target_gguf, draft_model=draft_model, logits_all=draft_model is not None)
         eos = llm.token_eos()
 
         def generate(ids: Sequence[int], n: int) -> tuple[list[int], list[float]]:

@@ -1,6 +1,5 @@
 import os
 import time
-import weakref
 from collections.abc import Iterator
 from contextlib import nullcontext
 from pathlib import Path
@@ -16,18 +15,15 @@ from ssd.engine.sampler import next_tokens, probs_from_logits
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
 from ssd.errors import PromptError, SSDError
-from ssd.engine.placement import default_pair, parse_placement
+from ssd.engine.placement import parse_placement
 from ssd.models.config import ModelConfig
-from ssd.models.decoder import DecoderLM
-from ssd.models.loader import QUANTIZATIONS, load_model, load_tokenizer, weight_files
+from ssd.models.loader import load_tokenizer, shared_model, weight_files
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
-from ssd.spec.draft_engine import DraftEngine, check_options
-from ssd.spec.fanout import FanOut
 from ssd.spec.remote import RemoteSpeculator
-from ssd.spec.speculator import LocalSpeculator, Speculator
+from ssd.spec.setup import SpecOptions, start_speculator
+from ssd.spec.speculator import Speculator
 from ssd.spec.verifier import verify
-from ssd.spec.vocab import check_same_vocabulary
 from ssd.store import resolve_model
 
 Prompt = str | list[dict]
@@ -53,20 +49,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     if dtype not in DTYPES:
         raise SSDError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-_loaded: "weakref.WeakValueDictionary[tuple, DecoderLM]" = weakref.WeakValueDictionary()
-
-
-def shared_model(folder: Path, device: torch.device, dtype: torch.dtype, quantize: str | None = None) -> DecoderLM:
-    """Load a model, or hand back the copy another LLM already holds: weights are read-only
-    at inference, so engines of the same model (an AR, an SD and an SSD engine side by side
-    in a benchmark) share one copy."""
-    key = (str(Path(folder).resolve()), str(device), dtype, quantize)
-    model = _loaded.get(key)
-    if model is None:
-        model = _loaded[key] = load_model(folder, device, dtype, quantize=quantize)
-    return model
 
 
 class LLM:
@@ -95,19 +77,8 @@ class LLM:
         if (draft is None) != (mode == "ar"):
             raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
-        if mode != "ar" and not 1 <= speculate_k <= 32:
-            raise SSDError(f"speculate_k must be in 1..32, got {speculate_k}")
-        ssd_only = {"fan_out": fan_out != 3, "fan_out_miss": fan_out_miss is not None,
-                    "tree_budget": tree_budget is not None, "backup": backup != "jit",
-                    "saguaro_c": saguaro_c is not None, "target_device": target_device is not None,
-                    "draft_device": draft_device is not None, "draft_address": draft_address is not None}
-        if mode != "ssd" and any(ssd_only.values()):
-            raise SSDError(f"{', '.join(k for k, v in ssd_only.items() if v)} only apply to mode 'ssd'")
-        if draft_quantization not in ("auto", None, *QUANTIZATIONS):
-            raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
-                           f"got {draft_quantization!r}")
-        if draft_timeout <= 0:
-            raise SSDError(f"draft_timeout must be > 0 seconds, got {draft_timeout}")
+        spec = SpecOptions(mode, speculate_k, draft_quantization, fan_out, fan_out_miss, tree_budget,
+                           backup, saguaro_c, target_device, draft_device, draft_address, draft_timeout)
         self.mode, self.k = mode, speculate_k
         if threads is not None:
             if threads < 1:
@@ -127,44 +98,9 @@ class LLM:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         cache_tokens = kv_cache_tokens or max(self.max_model_len, 16384)
-
-        self.speculator: Speculator | None = None
-        if draft is not None:
-            if draft_quantization == "auto":
-                # The draft's numerics change only how often its tokens are accepted, never the
-                # output; on a CPU its speed is memory-bound, and int8 weights read 4x fewer bytes.
-                draft_device_type = parse_placement(draft_device).device.type if draft_device else self.device.type
-                draft_quantization = "int8" if draft_device_type == "cpu" and mode != "ar" else None
-            draft_folder = resolve_model(draft)
-            check_same_vocabulary(self.tokenizer, load_tokenizer(draft_folder),
-                                  self.config, ModelConfig.from_folder(draft_folder))
-            fan = FanOut(speculate_k, fan_out, fan_out_miss, tree_budget)  # validate before any spawn
-            check_options(backup, saguaro_c)
-            # The target's tokens, K proposals and a partial block per sequence, and in SSD
-            # each sequence's tree of up to fan.max_size branches per depth, K deep.
-            branches = (speculate_k + 1) * fan.max_size if mode == "ssd" else 0
-            draft_tokens = cache_tokens + max_num_seqs * (speculate_k + 2 * block_size + branches * speculate_k)
-
-            def draft_engine(fan_out: FanOut, backup: str) -> DraftEngine:
-                return DraftEngine(shared_model(draft_folder, self.device, self.dtype, draft_quantization),
-                                   self.device, k=speculate_k, cache_tokens=draft_tokens, block_size=block_size,
-                                   fan_out=fan_out, backup=backup, seed=seed)
-            if mode == "sd":
-                self.speculator = LocalSpeculator(draft_engine(fan, "jit"))
-            else:
-                target_place, draft_place = default_pair(self.device)
-                if target_device is not None:
-                    target_place = parse_placement(target_device)
-                if draft_device is not None:
-                    draft_place = parse_placement(draft_device)
-                hello = {"type": "hello", "model": str(draft_folder) if draft_address is None else str(draft),
-                         "dtype": str(self.dtype).removeprefix("torch."), "quantization": draft_quantization,
-                         "k": speculate_k, "fan_out": fan_out, "fan_out_miss": fan_out_miss,
-                         "tree_budget": tree_budget, "backup": backup, "saguaro_c": saguaro_c,
-                         "cache_tokens": draft_tokens, "block_size": block_size, "seed": seed}
-                self.speculator = RemoteSpeculator(
-                    hello, target_place, draft_place, address=draft_address, timeout=draft_timeout,
-                    fallback=lambda: draft_engine(FanOut(speculate_k), "jit"))
+        self.speculator: Speculator | None = None if draft is None else start_speculator(
+            spec, draft, tokenizer=self.tokenizer, config=self.config, device=self.device, dtype=self.dtype,
+            cache_tokens=cache_tokens, max_num_seqs=max_num_seqs, block_size=block_size, seed=seed)
         # The target loads while an SSD worker loads the draft.
         self.model = shared_model(self.folder, self.device, self.dtype)
         if isinstance(self.speculator, RemoteSpeculator):

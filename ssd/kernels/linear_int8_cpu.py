@@ -23,7 +23,7 @@ Speed at the small M of decoding (memory-bound): threads split N; up to M = 12 (
 memory and converted once per call and FMA'd into all M rows. Larger M (draft trees) is
 compute-bound: each L1-sized chunk of a few rows of Wq is converted once into an fp32
 buffer that several register tiles of x then read. Software prefetch keeps DRAM busy
-while the cores convert. See bench/linear_int8.py.
+while the cores convert. See `bench/linear_kernel.py --compare int8`.
 
 Built lazily with ssd/kernels/build.py (nothing at import). If the kernel cannot run (no
 compiler, ``SSD_CPU_KERNELS=off``, CUDA or non-fp32 tensors), :func:`linear_int8`

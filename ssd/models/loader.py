@@ -1,3 +1,4 @@
+import weakref
 from pathlib import Path
 
 import torch
@@ -104,3 +105,17 @@ def quantize_int8(model: DecoderLM) -> None:
         for module in model.modules():
             if isinstance(module, Linear):
                 module.quantize_int8()
+
+
+_loaded: "weakref.WeakValueDictionary[tuple, DecoderLM]" = weakref.WeakValueDictionary()
+
+
+def shared_model(folder: Path, device: torch.device, dtype: torch.dtype, quantize: str | None = None) -> DecoderLM:
+    """Load a model, or hand back the copy another LLM already holds: weights are read-only
+    at inference, so engines of the same model (an AR, an SD and an SSD engine side by side
+    in a benchmark) share one copy."""
+    key = (str(Path(folder).resolve()), str(device), dtype, quantize)
+    model = _loaded.get(key)
+    if model is None:
+        model = _loaded[key] = load_model(folder, device, dtype, quantize=quantize)
+    return model

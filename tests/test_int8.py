@@ -13,7 +13,7 @@ from ssd.kernels import linear_int8_cpu as Q
 from ssd.kernels.build import CppKernel
 from ssd.layers.linear import Linear
 from ssd.models.loader import load_model
-from kernel_helpers import kernel_op
+from kernel_helpers import assert_same_bits_on_any_thread_count, kernel_op, runnable_builds
 
 MS = [1, 2, 3, 4, 5, 7, 8, 9, 12, 13, 17, 24, 33, 49, 70]
 SHAPES = [(37, 19), (64, 7), (5, 3), (16, 8), (256, 96), (1000, 130), (896, 40)]  # (K_in, N)
@@ -72,19 +72,12 @@ def test_batch_invariant_bit_exact(op, K, N):
 
 def test_thread_count_invariant(op, threads):
     x, q, s, b = data(37, 300, 1000)
-    runs = []
-    for n in (1, 2, 3):
-        torch.set_num_threads(n)
-        runs.append([op(x[:M], q, s, b) for M in (1, 5, 9, 37)])
-    assert all(torch.equal(a, c) for run in runs[1:] for a, c in zip(runs[0], run))
+    assert_same_bits_on_any_thread_count(lambda: [op(x[:M], q, s, b) for M in (1, 5, 9, 37)])
 
 
 def test_all_builds_give_the_same_bits(op):
     """The AVX-512, AVX2 and portable builds do the same operations in the same order."""
-    variants = Q.runnable_variants()
-    if len(variants) < 2:
-        pytest.skip("only the portable build runs here")
-    for v in variants:
+    for v in runnable_builds():
         other = Q.get_op(v)
         assert other is not None, v
         for K, N in SHAPES:

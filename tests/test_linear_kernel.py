@@ -13,7 +13,7 @@ from torch import nn
 from ssd.kernels import linear_cpu as L
 from ssd.kernels.build import CppKernel
 from ssd.layers.linear import Linear
-from kernel_helpers import kernel_op
+from kernel_helpers import assert_same_bits_on_any_thread_count, kernel_op, runnable_builds
 
 MS = [1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 300]
 SHAPES = [(37, 19), (64, 7), (5, 3), (8, 8), (256, 96), (1000, 130)]  # (K_in, N)
@@ -54,19 +54,12 @@ def test_batch_invariant_bit_exact(op, K, N):
 
 def test_thread_count_invariant(op, threads):
     x, w, b = data(37, 300, 1000)
-    runs = []
-    for n in (1, 2, 3):
-        torch.set_num_threads(n)
-        runs.append([op(x[:M], w, b) for M in (1, 5, 37)])
-    assert all(torch.equal(a, c) for run in runs[1:] for a, c in zip(runs[0], run))
+    assert_same_bits_on_any_thread_count(lambda: [op(x[:M], w, b) for M in (1, 5, 37)])
 
 
 def test_all_builds_give_the_same_bits(op):
     """The AVX-512, AVX2 and portable builds do the same operations in the same order."""
-    variants = L.runnable_variants()
-    if len(variants) < 2:
-        pytest.skip("only the portable build runs here")
-    for v in variants:
+    for v in runnable_builds():
         other = L.get_op(v)
         assert other is not None, v
         for K, N in SHAPES:

@@ -17,6 +17,14 @@ def _title(result: BenchResult) -> str:
             f"{result.dtype}, temperature {s.temperature:g}, batch {s.batch_size}, max {s.max_tokens} tokens")
 
 
+def _save(fig: Figure, ax, result: BenchResult, path: Path) -> Path:
+    """A one-axes plot's legend and title, written to `path`."""
+    fig.legend(fontsize=8, loc="outside right upper")
+    ax.set_title(_title(result), fontsize=9)
+    fig.savefig(path, dpi=120)
+    return path
+
+
 def plot_tok_s(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
     """Grouped bars: decode tok/s over all prompts, one group per set, one bar per configuration."""
     sets = list(result.prompt_sets)
@@ -35,10 +43,7 @@ def plot_tok_s(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
     ax.set_xticks(x, sets)
     ax.set_ylabel("decode tok/s (all prompts)")
     ax.margins(y=0.15)
-    fig.legend(fontsize=8, loc="outside right upper")
-    ax.set_title(_title(result), fontsize=9)
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, ax, result, path)
 
 
 def _by_position(result: BenchResult, set_name: str, label: str) -> np.ndarray | None:
@@ -97,10 +102,7 @@ def plot_sweep(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
     ax.set_xlabel({"k": "K (draft tokens per round)", "f": "f (SSD fan-out)"}[key])
     ax.set_ylabel("speedup vs AR (decode tok/s)")
     ax.grid(alpha=0.3)
-    fig.legend(fontsize=8, loc="outside right upper")
-    ax.set_title(_title(result), fontsize=9)
-    fig.savefig(path, dpi=120)
-    return path
+    return _save(fig, ax, result, path)
 
 
 def write_plots(out: Path, result: BenchResult, rows: Sequence[Row]) -> list[Path]:

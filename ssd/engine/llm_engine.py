@@ -20,7 +20,6 @@ from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, shared_model, weight_files
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
-from ssd.spec.remote import RemoteSpeculator
 from ssd.spec.setup import SpecOptions, start_speculator
 from ssd.spec.speculator import Speculator
 from ssd.spec.verifier import verify
@@ -103,7 +102,7 @@ class LLM:
             cache_tokens=cache_tokens, max_num_seqs=max_num_seqs, block_size=block_size, seed=seed)
         # The target loads while an SSD worker loads the draft.
         self.model = shared_model(self.folder, self.device, self.dtype)
-        if isinstance(self.speculator, RemoteSpeculator):
+        if self.speculator:
             self.speculator.wait_ready()
         self.cache = PagedKVCache(self.config, cache_tokens, block_size, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device)
@@ -156,7 +155,7 @@ class LLM:
     @property
     def draft_failures(self) -> int:
         """How often the SSD draft worker failed to start, died or hung (SD took over)."""
-        return getattr(self.speculator, "failures", 0)
+        return self.speculator.failures if self.speculator else 0
 
     def close(self) -> None:
         """Free the requests in flight and stop the draft worker, if any. Idempotent."""
@@ -201,7 +200,7 @@ class LLM:
         """Run one scheduled step; return (sequence, new tokens, from_draft flags) for each
         sequence that got tokens. Prompt chunks run through the target alone; in SD and SSD
         modes the sequences that are decoding run one speculative round."""
-        placement = self.speculator.placement() if isinstance(self.speculator, RemoteSpeculator) else nullcontext()
+        placement = self.speculator.placement() if self.speculator else nullcontext()
         with placement:
             work = self.scheduler.schedule()
             decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
@@ -231,11 +230,11 @@ class LLM:
         # No more drafts than the sequence can still use (its max_tokens and the context).
         ks = [max(0, min(self.k, s.params.max_tokens - len(s.output_ids) - 1,
                          self.max_model_len - s.num_tokens - 1)) for s in seqs]
-        failures = getattr(self.speculator, "failures", 0)
+        failures = self.speculator.failures
         t0 = time.perf_counter()
         replies = self.speculator.propose(seqs, ks)
         t1 = time.perf_counter()
-        failed = getattr(self.speculator, "failures", 0) - failures
+        failed = self.speculator.failures - failures
         worker = self.speculator.timings
         logits = self.runner.forward([Chunk(s.seq_id, [s.token_ids[-1]] + r.tokens, s.num_tokens - 1, len(r.tokens) + 1)
                                       for s, r in zip(seqs, replies)])

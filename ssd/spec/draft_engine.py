@@ -17,6 +17,7 @@ speculation it proposed last, and the draft's own paged KV cache. One round:
 SD is step() with an always-empty cache and the jit backup.
 """
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -111,7 +112,7 @@ class DraftEngine:
             elif branch is not None:
                 s.tokens += branch.tokens[:k]
                 s.after_hit = True
-                replies.append(SpecReply(branch.tokens[:k], None if branch.q is None else branch.q[:k], True))
+                replies.append(SpecReply(branch.tokens[:k], None if branch.q_rows is None else torch.stack(branch.q_rows[:k]), True))
             else:
                 replies.append(None)
                 misses.append((i, s, k, same_depth))
@@ -247,15 +248,21 @@ class DraftEngine:
 
         # All branches of all sequences decode together: one forward pass per depth.
         owners: dict[int, torch.Tensor] = {}
+        counts = Counter(s.seq_id for s, _, _ in forks)
         for s in seqs:
-            n = sum(1 for f in forks if f[0] is s)
+            n = counts[s.seq_id]
             self.kv.reserve(_tree_owner(s.seq_id), n * self.k)
             owners[s.seq_id] = self.kv.slots(_tree_owner(s.seq_id), 0, n * self.k).view(n, self.k)
         own, used = [], {s.seq_id: 0 for s in seqs}
         for s, _, _ in forks:
             own.append(owners[s.seq_id][used[s.seq_id]])
             used[s.seq_id] += 1
-        tree = DraftTree([self.kv.slots(s.seq_id, 0, s.confirmed + j) for s, j, _ in forks],
+        # Each branch attends to its sequence's confirmed tokens and j more: prefixes of one index.
+        deepest: dict[int, int] = {}
+        for s, j, _ in forks:
+            deepest[s.seq_id] = max(deepest.get(s.seq_id, 0), s.confirmed + j)
+        prefix = {sid: self.kv.slots(sid, 0, n) for sid, n in deepest.items()}
+        tree = DraftTree([prefix[s.seq_id][:s.confirmed + j] for s, j, _ in forks],
                          torch.stack(own), torch.tensor([s.confirmed + j for s, j, _ in forks]), self.device)
         inputs = torch.tensor([t for _, _, t in forks], device=self.device)
         tokens: list[list[int]] = [[] for _ in forks]
@@ -279,7 +286,7 @@ class DraftEngine:
                         qs[b].append(qg[r])
                 row += n
         for b, (s, j, t) in enumerate(forks):
-            self.cache.put(s.seq_id, j, t, Branch(tokens[b], torch.stack(qs[b]) if qs[b] else None))
+            self.cache.put(s.seq_id, j, t, Branch(tokens[b], qs[b] or None))
         return BuildStats(len(forks), time.perf_counter() - t0)
 
     def _forks(self, seqs: list[DraftSeq]) -> list[tuple[DraftSeq, int, int]]:

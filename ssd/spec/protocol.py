@@ -27,6 +27,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from ssd.errors import SSDError
 from ssd.sampling_params import SamplingParams
 from ssd.spec.draft_engine import SpecReply, SpecRequest
 
@@ -158,3 +159,10 @@ def decode_replies(msg: dict, floats: torch.Tensor | None, vocab: int) -> list[S
         out.append(SpecReply(tokens, rows[start:start + n] if n else None, hit))
         start += n
     return out
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise SSDError(f"bad draft address {address!r}: expected HOST:PORT")
+    return host, int(port)

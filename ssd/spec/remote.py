@@ -18,20 +18,12 @@ import torch
 
 from ssd.engine.placement import Placement, pinned
 from ssd.engine.sequence import Sequence
-from ssd.errors import SSDError
 from ssd.spec.draft_engine import DraftEngine, SpecReply, SpecRequest
 from ssd.spec.protocol import (TARGET, WORKER, Channel, LinkError, connect, decode_replies, encode_requests,
-                               free_port, watch, watched_wait)
+                              free_port, parse_address, watch, watched_wait)
 from ssd.spec.speculator import Speculator, exchange_locally
 
 log = logging.getLogger("ssd")
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise SSDError(f"bad draft address {address!r}: expected HOST:PORT")
-    return host, int(port)
 
 
 class RemoteSpeculator(Speculator):
@@ -50,7 +42,6 @@ class RemoteSpeculator(Speculator):
         self.vocab = 0
         self.local: DraftEngine | None = None  # the in-process SD fallback, once needed
         self.ar_only = False  # not even the fallback could load
-        self.failures = 0
         host, port = ("127.0.0.1", free_port()) if address is None else parse_address(address)
         try:
             self._start(hello, host, port, spawn=address is None)

@@ -15,7 +15,13 @@ import torch
 @dataclass
 class Branch:
     tokens: list[int]  # d'_1..d'_K
-    q: torch.Tensor | None  # [K, V] the processed draft distribution each token was drawn from
+    # Rows [V] of the processed draft distribution each token was drawn from: views into the
+    # tree's per-depth tensors, stacked only for the branch that is used (q).
+    q_rows: list[torch.Tensor] | None
+
+    @property
+    def q(self) -> torch.Tensor | None:  # [K, V]
+        return None if self.q_rows is None else torch.stack(self.q_rows)
 
 
 class SpeculationCache:

@@ -7,6 +7,8 @@ the draft's first `num_tokens_before + k` tokens are still right; the next reque
 draft side (ssd/spec/draft_engine.py) answers with the next K tokens. LocalSpeculator runs
 it in this process (SD); ssd/spec/remote.py talks to it in the draft worker (SSD).
 """
+from contextlib import AbstractContextManager, nullcontext
+
 from ssd.engine.sequence import Sequence
 from ssd.spec.draft_engine import DraftEngine, SpecReply, SpecRequest
 
@@ -16,6 +18,14 @@ class Speculator:
         self.known: dict[int, int] = {}  # seq_id -> leading tokens the draft holds that are right
         self.released: list[int] = []  # sequences the draft may forget, sent with the next request
         self.timings: dict = {}  # the draft worker's timings of the last exchange (SSD)
+        self.failures = 0  # SSD: how often the draft worker failed and SD took over
+
+    def wait_ready(self) -> None:
+        """Return once the draft can answer (SSD: its worker has loaded the model)."""
+
+    def placement(self) -> AbstractContextManager:
+        """The target's share of the hardware while it runs (SSD: its cores, pinned)."""
+        return nullcontext()
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[SpecReply]:
         """K_b draft tokens for each sequence (fewer where the draft's context ends)."""

@@ -20,16 +20,14 @@ from ssd.errors import SSDError
 from ssd.models.loader import load_model
 from ssd.spec.draft_engine import DraftEngine
 from ssd.spec.fanout import FanOut
-from ssd.spec.protocol import TARGET, WORKER, Channel, connect, decode_requests, encode_replies
+from ssd.spec.protocol import TARGET, WORKER, Channel, connect, decode_requests, encode_replies, parse_address
 from ssd.store import resolve_model
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 def build_engine(hello: dict, device: torch.device) -> DraftEngine:
     """The draft engine the target's hello message describes."""
     folder = resolve_model(hello["model"])
-    model = load_model(folder, device, DTYPES[hello["dtype"]], quantize=hello.get("quantization"))
+    dtype = getattr(torch, hello["dtype"])  # "float32", "bfloat16", ... as the target names it
+    model = load_model(folder, device, dtype, quantize=hello.get("quantization"))
     k = hello["k"]
     return DraftEngine(model, device, k=k, cache_tokens=hello["cache_tokens"], block_size=hello["block_size"],
                        fan_out=FanOut(k, hello["fan_out"], hello.get("fan_out_miss"), hello.get("tree_budget")),
@@ -87,14 +85,12 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     _die_with_parent(args.parent_pid)
     place: Placement = parse_placement(args.device)
-    host, _, port = args.connect.rpartition(":")
-    if not host or not port.isdigit():
-        raise SSDError(f"bad address {args.connect!r}: expected HOST:PORT")
+    host, port = parse_address(args.connect)
     pin(place.cores)
     if place.device.type == "cuda":
         torch.cuda.set_device(place.device)
     try:
-        pg = connect(host, int(port), WORKER, args.timeout)
+        pg = connect(host, port, WORKER, args.timeout)
         serve(Channel(pg, TARGET, place.device if pg.name() == "nccl" else torch.device("cpu")), place.device)
     except RuntimeError as e:  # the target went away: nothing left to serve
         print(f"ssd worker: the link to the target closed ({str(e).splitlines()[0]})", file=sys.stderr)

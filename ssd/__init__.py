@@ -1,5 +1,5 @@
 """ssd-engine: exact accelerated LLM decoding (AR, speculative, speculative speculative)."""
-from ssd.engine.llm_engine import LLM
+from ssd.llm import LLM
 from ssd.errors import SSDError
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams

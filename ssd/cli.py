@@ -2,27 +2,12 @@
 import argparse
 import json
 import sys
+from dataclasses import fields
 
 from ssd.errors import SSDError
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
-
-
-def int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def fan_out(text: str) -> int | str:
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer or 'auto', got {text!r}") from None
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -35,51 +20,56 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
+    """--mode, --draft, and one flag per option of SpecOptions, generated from its fields."""
+    from ssd.speculative.options import SpecOptions
+
     s = p.add_argument_group("speculative decoding (--mode sd / ssd)")
     s.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar",
                    help="ar: plain decoding; sd: speculative decoding, draft in this process; ssd: speculative "
                         "speculative decoding, draft in a worker on its own cores/GPU (default: ar)")
     s.add_argument("--draft", help=f"draft model: store name, folder or .gguf (default with sd/ssd: {DEFAULT_DRAFT}; "
                                    f"the target then defaults to {DEFAULT_TARGET})")
-    s.add_argument("--k", type=int, default=4, help="draft tokens per round (default: 4)")
-    s.add_argument("--draft-quantization", choices=["auto", "int8", "none"], default="auto",
-                   help="the draft's weights: int8 (4x fewer bytes to read per token; the output stays exact, "
-                        "only acceptance may change), none (the target's dtype), auto: int8 for a draft on a "
-                        "CPU (default: auto)")
-    s.add_argument("--f", type=fan_out, default=3, metavar="F|auto",
-                   help="ssd: fork tokens per depth of the speculation tree, or auto (sized from measured "
-                        "acceptance) (default: 3)")
-    s.add_argument("--fan-out-hit", type=int_list, metavar="F0,F1,..,FK",
-                   help="ssd: K+1 fork counts per depth after a cache hit (overrides --f)")
-    s.add_argument("--fan-out-miss", type=int_list, metavar="F0,F1,..,FK",
-                   help="ssd: K+1 fork counts per depth after a miss (default: as after a hit)")
-    s.add_argument("--tree-budget", type=int, help="ssd with --f auto: branches per tree (default: 3*(K+1))")
-    s.add_argument("--backup", choices=["jit", "fast"], default="jit",
-                   help="ssd: on a cache miss draft on the spot (jit) or send placeholders (fast) (default: jit)")
-    s.add_argument("--saguaro-c", type=float, metavar="C",
-                   help="ssd, temperature > 0: Saguaro sampling, scale the draft's top tokens by C in (0, 1)")
-    s.add_argument("--target-device", metavar="DEV", help="ssd: the target's device, e.g. cpu:0 or cuda:0 "
-                   "(default: first half of the CPU cores / cuda:0)")
-    s.add_argument("--draft-device", metavar="DEV", help="ssd: the draft worker's device, e.g. cpu:1 or cuda:1 "
-                   "(default: the other CPU cores / cuda:1)")
-    s.add_argument("--draft-address", metavar="HOST:PORT",
-                   help="ssd: wait here for a worker started by hand (`ssd worker --connect HOST:PORT`) "
-                        "instead of starting one")
+    for f in fields(SpecOptions):
+        meta = f.metadata
+        if meta["flag"] is None:
+            continue
+        default = "none" if f.default is None and meta["choices"] else f.default
+        shown = "" if f.default is None else f" (default: {default})"
+        names = [meta["flag"], "--fan-out-hit"] if f.name == "fan_out" else [meta["flag"]]
+        s.add_argument(*names, dest=f"spec_{f.name}", default=default, type=_parsed(meta["parse"]),
+                       choices=meta["choices"], metavar=meta["metavar"],
+                       help=("ssd: " if meta["ssd_only"] else "") + meta["help"] + shown)
+
+
+def _parsed(parse):
+    """An argparse type from a SpecOptions parser: bad text is a usage error, not a traceback."""
+    if parse is None:
+        return None
+
+    def convert(text: str):
+        try:
+            return parse(text)
+        except (ValueError, SSDError) as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    return convert
 
 
 def llm_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) arguments from the engine and speculation options."""
+    from ssd.speculative.options import SpecOptions
+
     kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")
         return kw
-    kw.update(draft=args.draft or DEFAULT_DRAFT, mode=args.mode, speculate_k=args.k,
-              draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization)
-    if args.mode == "ssd":
-        kw.update(fan_out=args.fan_out_hit or args.f, fan_out_miss=args.fan_out_miss, tree_budget=args.tree_budget,
-                  backup=args.backup, saguaro_c=args.saguaro_c, target_device=args.target_device,
-                  draft_device=args.draft_device, draft_address=args.draft_address)
+    kw.update(draft=args.draft or DEFAULT_DRAFT, mode=args.mode)
+    for f in fields(SpecOptions):
+        value = getattr(args, f"spec_{f.name}", f.default)
+        if f.name == "draft_quantization" and value == "none":
+            value = None
+        if value != f.default:  # only what was given: SD refuses SSD-only options
+            kw[f.name] = value
     return kw
 
 
@@ -181,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     from ssd.bench.cli import add_bench_parser
     add_bench_parser(sub)
 
-    from ssd.spec import worker
+    from ssd.speculative import worker
     w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",
                        description="Run an SSD draft worker that connects to a target waiting at HOST:PORT "
                                    "(LLM(..., mode='ssd', draft_address='HOST:PORT') or "

@@ -2,7 +2,7 @@
 import pytest
 
 from ssd.errors import SSDError
-from ssd.spec.fanout import MAX_RANK, FanOut
+from ssd.speculative.fanout import MAX_RANK, FanOut
 
 
 def test_uniform_and_short_speculations():

@@ -4,6 +4,7 @@ import itertools
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,9 +21,10 @@ from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits
 from ssd.errors import SSDError
 from ssd.models.loader import load_model
-from ssd.spec.draft_engine import DraftEngine, SpecRequest
-from ssd.spec.fanout import FanOut
-from ssd.spec.protocol import free_port
+from ssd.speculative.draft_engine import DraftEngine
+from ssd.speculative.fanout import FanOut
+from ssd.speculative.protocol import SpecRequest
+from ssd.speculative.ssd_draft import SSDDraft
 from stats import chi_square, p_value
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
@@ -82,14 +84,14 @@ def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
     model = load_model(truncated_draft, torch.device("cpu"), torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(truncated_draft)
     k, sizes = 3, [2, 1, 2, 3]
-    engine = DraftEngine(model, torch.device("cpu"), k=k, cache_tokens=4096, fan_out=FanOut(k, sizes), seed=0)
+    draft = SSDDraft(DraftEngine(model, torch.device("cpu"), k=k, cache_tokens=4096, seed=0), FanOut(k, sizes))
     prompts = [tok(p).input_ids for p in PROMPTS[:2]]
     params = [SamplingParams.greedy(), SamplingParams(temperature=0.9, top_k=50)]
-    replies = engine.step([SpecRequest(i, 0, ids, k, p) for i, (ids, p) in enumerate(zip(prompts, params))])
-    stats = engine.build()
-    assert stats.branches == 2 * sum(sizes)
+    replies = draft.step([SpecRequest(i, 0, ids, k, p) for i, (ids, p) in enumerate(zip(prompts, params))])
+    shares = draft.build()
+    assert len(draft.cache) == 2 * sum(sizes) and set(shares) == {0, 1}
     for seq_id, (ids, p, reply) in enumerate(zip(prompts, params, replies)):
-        entries = engine.cache.pop_round(seq_id)
+        entries = draft.cache.entries(seq_id)
         per_depth = [sum(1 for j, _ in entries if j == d) for d in range(k + 1)]
         assert per_depth == sizes
         for (j, t), branch in entries.items():
@@ -236,7 +238,14 @@ def test_a_worker_that_cannot_start(smollm_dir, truncated_draft, tmp_path, ar_ou
     assert "could not start" in caplog.text and "plain decoding" in caplog.text
 
 
-def test_a_worker_started_by_hand_on_another_address(smollm_dir, truncated_draft, ar_outputs):
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_worker_started_by_hand_on_another_address(smollm_dir, truncated_draft, ar_outputs, monkeypatch):
+    monkeypatch.setenv("SSD_DRAFT_SECRET", "a secret both sides were given")
     port = free_port()
     worker = subprocess.Popen([sys.executable, "-m", "ssd.cli", "worker", "--connect", f"127.0.0.1:{port}"])
     try:
@@ -281,7 +290,7 @@ def _workers_of(pid: int) -> list[int]:
                 cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if b"ssd.spec.worker" in cmd and str(pid).encode() in cmd:
+            if b"ssd.speculative.worker" in cmd and str(pid).encode() in cmd:
                 found.append(int(entry))
     return found
 

@@ -13,7 +13,7 @@ import torch
 
 from ssd.engine.sampler import probs_from_logits, sample
 from ssd.sampling_params import SamplingParams
-from ssd.spec.verifier import Verdict, verify, verify_many
+from ssd.speculative.verifier import Verdict, verify, verify_many
 from stats import chi_square, p_value
 
 V = 6

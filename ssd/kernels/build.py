@@ -62,15 +62,23 @@ def default_variant() -> str | None:
     return runnable_variants()[0]  # "auto", or an ISA this CPU lacks
 
 
-class CppKernel:
-    """One C++ source defining ops in the torch library namespace ``SSD_NS`` (a macro set per
-    variant), built lazily per variant; ``op(name)`` returns the op or None if unavailable."""
+SOURCES = Path(__file__).with_name("csrc")
 
-    def __init__(self, name: str, source: str):
-        self.name, self.source = name, source
+
+class CppKernel:
+    """One C++ source, ``csrc/<name>.cpp``, defining ops in the torch library namespace
+    ``SSD_NS`` (a macro set per variant), built lazily per variant; ``op(name)`` returns the
+    op or None if unavailable."""
+
+    def __init__(self, name: str):
+        self.name = name
         self._locks = {v: threading.Lock() for v in VARIANTS}  # variants may build concurrently
         self._built: dict[str, str | None] = {}  # variant -> torch.ops namespace, or None
         self._warned = False
+
+    @functools.cached_property
+    def source(self) -> str:
+        return (SOURCES / f"{self.name}.cpp").read_text()
 
     def flags(self, variant: str) -> list[str]:
         return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}",

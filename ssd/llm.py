@@ -5,28 +5,27 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from ssd.engine.detokenizer import TextStream
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import next_tokens, probs_from_logits
+from ssd.engine.placement import parse_placement
+from ssd.engine.sampler import next_tokens
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
 from ssd.errors import PromptError, SSDError
-from ssd.engine.placement import parse_placement
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, shared_model, weight_files
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
-from ssd.spec.setup import SpecOptions, start_speculator
-from ssd.spec.speculator import Speculator
-from ssd.spec.verifier import verify
+from ssd.speculative.launch import start_speculator
+from ssd.speculative.options import SpecOptions
+from ssd.speculative.round import speculative_round
+from ssd.speculative.speculator import Speculator
 from ssd.store import resolve_model
 
 Prompt = str | list[dict]
-MODES = ("ar", "sd", "ssd")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -65,24 +64,20 @@ class LLM:
                  dtype: str | torch.dtype | None = None, max_model_len: int | None = None,
                  threads: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, seed: int | None = None, speculate_k: int = 4,
-                 draft_quantization: str | None = "auto", fan_out: int | list[int] | str = 3,
-                 fan_out_miss: int | list[int] | None = None, tree_budget: int | None = None,
-                 backup: str = "jit", saguaro_c: float | None = None,
-                 target_device: str | None = None, draft_device: str | None = None,
-                 draft_address: str | None = None, draft_timeout: float = 60.0):
-        if mode not in MODES:
-            raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+                 block_size: int = 16, seed: int | None = None, **speculation):
+        """speculation: the options of SpecOptions (ssd/speculative/options.py): speculate_k,
+        draft_quantization, and for SSD fan_out, backup, target_device, draft_device, ..."""
+        spec = SpecOptions.from_kwargs(speculation)
+        spec.check(mode)
         if (draft is None) != (mode == "ar"):
             raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
-        spec = SpecOptions(mode, speculate_k, draft_quantization, fan_out, fan_out_miss, tree_budget,
-                           backup, saguaro_c, target_device, draft_device, draft_address, draft_timeout)
-        self.mode, self.k = mode, speculate_k
+        self.mode, self.k = mode, spec.speculate_k
         if threads is not None:
             if threads < 1:
                 raise SSDError(f"threads must be >= 1, got {threads}")
             torch.set_num_threads(threads)
+        target_device = spec.target_device if mode == "ssd" else None
         self.device = resolve_device(device if target_device is None else parse_placement(target_device).device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.folder: Path = resolve_model(model)
@@ -98,8 +93,9 @@ class LLM:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         cache_tokens = kv_cache_tokens or max(self.max_model_len, 16384)
         self.speculator: Speculator | None = None if draft is None else start_speculator(
-            spec, draft, tokenizer=self.tokenizer, config=self.config, device=self.device, dtype=self.dtype,
-            cache_tokens=cache_tokens, max_num_seqs=max_num_seqs, block_size=block_size, seed=seed)
+            spec, mode, draft, tokenizer=self.tokenizer, config=self.config, device=self.device, dtype=self.dtype,
+            cache_tokens=cache_tokens, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
+            block_size=block_size, seed=seed)
         # The target loads while an SSD worker loads the draft.
         self.model = shared_model(self.folder, self.device, self.dtype)
         if self.speculator:
@@ -224,41 +220,21 @@ class LLM:
         return events
 
     def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int], list[bool]]]:
-        """One speculative round: the draft side proposes K tokens per sequence (SD: drafted
-        now; SSD: usually precomputed, a cache hit), the target scores [last, d_1..d_K] in
-        one pass, and the verifier keeps an exact prefix plus one token of the target's."""
+        """One speculative round (ssd/speculative/round.py) for the sequences that are decoding."""
         # No more drafts than the sequence can still use (its max_tokens and the context).
         ks = [max(0, min(self.k, s.params.max_tokens - len(s.output_ids) - 1,
                          self.max_model_len - s.num_tokens - 1)) for s in seqs]
-        failures = self.speculator.failures
-        t0 = time.perf_counter()
-        replies = self.speculator.propose(seqs, ks)
-        t1 = time.perf_counter()
-        failed = self.speculator.failures - failures
-        worker = self.speculator.timings
-        logits = self.runner.forward([Chunk(s.seq_id, [s.token_ids[-1]] + r.tokens, s.num_tokens - 1, len(r.tokens) + 1)
-                                      for s, r in zip(seqs, replies)])
-        t2 = time.perf_counter()
-        events, row = [], 0
-        for seq, reply in zip(seqs, replies):
-            k = len(reply.tokens)
-            p = probs_from_logits(logits[row:row + k + 1], seq.params)
-            row += k + 1
-            q = None if reply.q is None else F.pad(reply.q.to(p.device), (0, p.shape[-1] - reply.q.shape[-1]))
-            verdict = verify(p, torch.tensor(reply.tokens, dtype=torch.long), q, seq.generator)
-            valid = seq.num_tokens + verdict.accepted  # the old tokens and the accepted drafts
-            seq.num_cached = valid
-            self.cache.truncate(seq.seq_id, valid)
-            self.speculator.accepted(seq, valid)
-            st = seq.stats
-            if st.rounds:  # the worker's build and idle time before a sequence's first round is not its own
-                st.tree_s += worker.get("tree_s", 0.0)
-                st.draft_idle_s += worker.get("idle_s", 0.0)
-            st.backup_s += worker.get("backup_s", 0.0)
-            st.draft_failures += failed
-            st.record_round(k, verdict.accepted, t1 - t0, t2 - t1, reply.hit if self.mode == "ssd" else None)
-            tokens = reply.tokens[:verdict.accepted] + [verdict.token]
-            events.append(self._append(seq, tokens, [True] * verdict.accepted + [False], t2))
+        results = speculative_round(self.speculator, self.runner, seqs, ks)
+        now = time.perf_counter()
+        events = []
+        for seq, r in zip(seqs, results):
+            st, p = seq.stats, r.proposal
+            st.tree_s += p.tree_s
+            st.draft_idle_s += p.idle_s
+            st.backup_s += p.backup_s
+            st.draft_failures += p.failed_over
+            st.record_round(len(p.tokens), r.accepted, r.draft_s, r.verify_s, p.hit if self.mode == "ssd" else None)
+            events.append(self._append(seq, r.tokens, [True] * r.accepted + [False], now))
         return events
 
     def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float

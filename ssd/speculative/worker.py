@@ -1,11 +1,13 @@
 """The SSD draft worker: a process of its own, pinned to its own CPU cores or on its own GPU,
 that answers the target's speculation requests and, while the target verifies, builds the
-speculation cache for the next round (ssd/spec/draft_engine.py).
+speculation cache for the next round (ssd/speculative/ssd_draft.py).
 
-The target starts it (`LLM(..., mode="ssd")`); for a draft on another host, start it there
-by hand and point it at the target, which waits at `LLM(..., draft_address="HOST:PORT")`:
+The target starts it (`LLM(..., mode="ssd")`), in a session of its own, with the run's
+secret in its environment. For a draft on another host, start it there by hand with the
+secret the target was given, and point it at the target, which waits at
+`LLM(..., draft_address="HOST:PORT")`:
 
-    ssd worker --connect TARGET_HOST:PORT [--device cpu:1 | cuda:0]
+    SSD_DRAFT_SECRET=... ssd worker --connect TARGET_HOST:PORT [--device cpu:1 | cuda:0]
 """
 import argparse
 import os
@@ -17,32 +19,25 @@ import torch
 
 from ssd.engine.placement import Placement, parse_placement, pin
 from ssd.errors import SSDError
-from ssd.models.loader import load_model
-from ssd.spec.draft_engine import DraftEngine
-from ssd.spec.fanout import FanOut
-from ssd.spec.protocol import TARGET, WORKER, Channel, connect, decode_requests, encode_replies, parse_address
-from ssd.store import resolve_model
-
-def build_engine(hello: dict, device: torch.device) -> DraftEngine:
-    """The draft engine the target's hello message describes."""
-    folder = resolve_model(hello["model"])
-    dtype = getattr(torch, hello["dtype"])  # "float32", "bfloat16", ... as the target names it
-    model = load_model(folder, device, dtype, quantize=hello.get("quantization"))
-    k = hello["k"]
-    return DraftEngine(model, device, k=k, cache_tokens=hello["cache_tokens"], block_size=hello["block_size"],
-                       fan_out=FanOut(k, hello["fan_out"], hello.get("fan_out_miss"), hello.get("tree_budget")),
-                       backup=hello["backup"], saguaro_c=hello.get("saguaro_c"), seed=hello.get("seed"))
+from ssd.speculative.options import SECRET_ENV, DraftConfig
+from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, connect, decode_requests,
+                                      encode_replies, parse_address)
+from ssd.speculative.ssd_draft import SSDDraft
 
 
 def serve(channel: Channel, device: torch.device) -> None:
     hello, _ = channel.recv()
     try:
-        engine = build_engine(hello, device)
-    except (SSDError, OSError, RuntimeError) as e:
+        if hello["type"] != "hello":
+            raise SSDError(f"expected a hello message, got {hello['type']!r}")
+        config = DraftConfig.from_dict(hello.get("config"))
+        draft = SSDDraft.from_config(config, device)
+    except (SSDError, OSError, RuntimeError, TypeError) as e:
         channel.send({"type": "error", "message": f"{type(e).__name__}: {e}"})
         return
-    channel.send({"type": "ready", "vocab_size": engine.vocab, "pid": os.getpid()})
-    timings: dict = {}
+    channel.limits = Limits.for_config(config.max_num_seqs, config.max_model_len, config.k, draft.engine.vocab)
+    channel.send({"type": "ready", "vocab_size": draft.engine.vocab, "pid": os.getpid()})
+    tree_shares: dict[int, float] = {}
     idle_from = time.perf_counter()
     with torch.inference_mode():
         while True:
@@ -51,13 +46,18 @@ def serve(channel: Channel, device: torch.device) -> None:
             if msg["type"] == "close":
                 return
             requests, release = decode_requests(msg)
-            engine.release(release)
-            replies = engine.step(requests)
-            # This step's backup time; the previous build's tree time and the idle wait since.
-            timings.update(backup_s=time.perf_counter() - start, idle_s=start - idle_from)
-            channel.send(*encode_replies(replies, timings))
-            stats = engine.build()  # overlaps the target's verification of `replies`
-            timings = {"tree_s": stats.seconds, "branches": stats.branches}
+            draft.release(release)
+            try:
+                replies = draft.step(requests)
+            except SSDError as e:  # the target broke the protocol
+                channel.send({"type": "error", "message": str(e)})
+                return
+            for r, reply in zip(requests, replies):
+                # A sequence's first request: the time before it was not spent on it.
+                reply.tree_s = tree_shares.get(r.seq_id, 0.0)
+                reply.idle_s = 0.0 if r.params is not None else start - idle_from
+            channel.send(*encode_replies(replies))
+            tree_shares = draft.build()  # overlaps the target's verification of `replies`
             idle_from = time.perf_counter()
 
 
@@ -80,19 +80,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Ctrl-C in a terminal reaches the whole process group; the target decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if args.parent_pid is not None:
+        # Started by a target: it decides when we stop (a stray SIGINT is not ours to act on).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     _die_with_parent(args.parent_pid)
+    secret = os.environ.pop(SECRET_ENV, "")
+    if not secret:
+        raise SSDError(f"set {SECRET_ENV} to the secret the target was given (the same value on both hosts)")
     place: Placement = parse_placement(args.device)
     host, port = parse_address(args.connect)
     pin(place.cores)
     if place.device.type == "cuda":
         torch.cuda.set_device(place.device)
     try:
-        pg = connect(host, port, WORKER, args.timeout)
+        pg = connect(host, port, WORKER, args.timeout, secret)
         serve(Channel(pg, TARGET, place.device if pg.name() == "nccl" else torch.device("cpu")), place.device)
-    except RuntimeError as e:  # the target went away: nothing left to serve
+    except RuntimeError as e:  # the target went away, or is not who it should be (LinkError)
         print(f"ssd worker: the link to the target closed ({str(e).splitlines()[0]})", file=sys.stderr)
         return 1
     return 0

@@ -1,0 +1,292 @@
+// Built by ssd/kernels/build.py; the Python side and the why: ssd/kernels/linear_cpu.py.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SSD_AVX2 1
+#else
+#define SSD_AVX2 0
+#endif
+#if SSD_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define SSD_AVX512 1
+#else
+#define SSD_AVX512 0
+#endif
+
+namespace {
+
+// Eight fp32 lanes. The portable V8 does per lane exactly what the AVX2 one does.
+#if SSD_AVX2
+using V8 = __m256;
+static inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
+static inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a); }
+static inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
+static inline void prefetch(const float* p) {
+  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
+}
+#else
+struct V8 { float v[8]; };
+static inline V8 vload(const float* p) {
+  V8 r; for (int j = 0; j < 8; ++j) r.v[j] = p[j]; return r;
+}
+static inline void vstore(float* p, V8 a) { for (int j = 0; j < 8; ++j) p[j] = a.v[j]; }
+static inline V8 vfma(V8 a, V8 b, V8 c) {
+  V8 r; for (int j = 0; j < 8; ++j) r.v[j] = std::fma(a.v[j], b.v[j], c.v[j]); return r;
+}
+static inline void prefetch(const float* p) { __builtin_prefetch(p); }
+#endif
+
+// Blocking. None of these changes the arithmetic, only the speed.
+constexpr int64_t KC = 512;  // K chunk: an NR x KC tile of W stays in L1 across M tiles
+constexpr int64_t MC = 48;   // M block (even): rows of x that pass over one W tile
+constexpr int64_t NB = 48;   // rows of W per work unit handed to a thread (multiple of NR)
+constexpr int64_t PF = 256;  // software prefetch distance along W rows (floats)
+
+// One register tile: MT rows of x times NR rows of W over k in [k0, k1), (k1-k0) % 8 == 0.
+// acc holds the [MT][NR] 8-lane vectors between K chunks.
+template <int MT, int NR>
+static void micro(const float* __restrict x, int64_t ldx, const float* __restrict w,
+                  int64_t ldw, int64_t k0, int64_t k1, float* __restrict acc) {
+  V8 a[MT][NR];
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) a[m][r] = vload(acc + (m * NR + r) * 8);
+  for (int64_t k = k0; k < k1; k += 8) {
+    if (((k - k0) & 15) == 0) {
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) prefetch(w + r * ldw + k + PF);
+    }
+    V8 wv[NR];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) wv[r] = vload(w + r * ldw + k);
+#pragma GCC unroll 16
+    for (int m = 0; m < MT; ++m) {
+      V8 xv = vload(x + m * ldx + k);
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) a[m][r] = vfma(xv, wv[r], a[m][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) vstore(acc + (m * NR + r) * 8, a[m][r]);
+}
+
+#if SSD_AVX512
+// The same 8-lane arithmetic, two rows of x per zmm: the low half carries row 2p, the high
+// half row 2p+1, and every 8-float piece of W is broadcast to both halves. xp holds the
+// rows packed in pairs: pair p, k block kb at xp[p * ldp + kb * 16] (16 floats).
+template <int MP, int NR>
+static void micro2(const float* __restrict xp, int64_t ldp, const float* __restrict w,
+                   int64_t ldw, int64_t k0, int64_t k1, float* __restrict acc) {
+  __m512 a[MP][NR];
+#pragma GCC unroll 16
+  for (int p = 0; p < MP; ++p)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r)
+      a[p][r] = _mm512_insertf32x8(
+          _mm512_castps256_ps512(_mm256_loadu_ps(acc + (2 * p * NR + r) * 8)),
+          _mm256_loadu_ps(acc + ((2 * p + 1) * NR + r) * 8), 1);
+  for (int64_t k = k0; k < k1; k += 8) {
+    if (((k - k0) & 15) == 0) {
+#pragma GCC unroll 16
+      for (int r = 0; r < NR; ++r) prefetch(w + r * ldw + k + PF);
+    }
+    __m512 xv[MP];
+#pragma GCC unroll 16
+    for (int p = 0; p < MP; ++p) xv[p] = _mm512_loadu_ps(xp + p * ldp + 2 * k);
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      const __m512 wv = _mm512_broadcast_f32x8(_mm256_loadu_ps(w + r * ldw + k));
+#pragma GCC unroll 16
+      for (int p = 0; p < MP; ++p) a[p][r] = _mm512_fmadd_ps(xv[p], wv, a[p][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int p = 0; p < MP; ++p)
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; ++r) {
+      _mm256_storeu_ps(acc + (2 * p * NR + r) * 8, _mm512_castps512_ps256(a[p][r]));
+      _mm256_storeu_ps(acc + ((2 * p + 1) * NR + r) * 8, _mm512_extractf32x8_ps(a[p][r], 1));
+    }
+}
+#endif
+
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+
+template <int NR, bool PAIRED>
+static MicroFn micro_for(int mt) {  // mt: rows of x per tile (even when PAIRED)
+#if SSD_AVX512
+  if (PAIRED) {
+    switch (mt) {
+      case 2: return &micro2<1, NR>;
+      case 4: return &micro2<2, NR>;
+      case 6: return &micro2<3, NR>;
+      default: return &micro2<4, NR>;
+    }
+  }
+#endif
+  switch (mt) {
+    case 1: return &micro<1, NR>;
+    case 2: return &micro<2, NR>;
+    case 3: return &micro<3, NR>;
+    default: return &micro<4, NR>;
+  }
+}
+
+struct Args {
+  const float* x; int64_t ldx;
+  const float* w; int64_t ldw;
+  const float* b;
+  float* y; int64_t ldy;
+  int64_t M, N, K;
+  const float* xp; int64_t ldp;  // x packed in pairs of rows (PAIRED path)
+};
+
+// Rows [mb0, mb0 + mb) of x times W rows n0 .. n0+NR-1, in register tiles of mt rows.
+template <int NR, bool PAIRED>
+static void tile(const Args& A, int64_t mb0, int64_t mb, int64_t n0, int mt, float* acc) {
+  const int64_t K8 = A.K & ~int64_t(7);
+  const float* w = A.w + n0 * A.ldw;
+  const int64_t rows = PAIRED ? (mb + 1) & ~int64_t(1) : mb;  // + a zero pad row if odd
+  const float* xs = PAIRED ? A.xp + (mb0 / 2) * A.ldp : A.x + mb0 * A.ldx;
+  const int64_t ld = PAIRED ? A.ldp : A.ldx;
+  std::fill(acc, acc + rows * NR * 8, 0.f);
+  const MicroFn full = micro_for<NR, PAIRED>(mt), last = micro_for<NR, PAIRED>(int(rows % mt));
+  for (int64_t k0 = 0; k0 < K8; k0 += KC) {
+    const int64_t k1 = std::min(K8, k0 + KC);
+    int64_t m0 = 0;
+    for (; m0 + mt <= rows; m0 += mt)
+      full(xs + (PAIRED ? m0 / 2 : m0) * ld, ld, w, A.ldw, k0, k1, acc + m0 * NR * 8);
+    if (m0 < rows) last(xs + (PAIRED ? m0 / 2 : m0) * ld, ld, w, A.ldw, k0, k1, acc + m0 * NR * 8);
+  }
+  const int64_t rem = A.K - K8;
+  for (int64_t m = 0; m < mb; ++m)
+    for (int r = 0; r < NR; ++r) {
+      float* l = acc + (m * NR + r) * 8;
+      const float* xt = A.x + (mb0 + m) * A.ldx + K8;
+      const float* wt = w + r * A.ldw + K8;
+      for (int64_t j = 0; j < rem; ++j) l[j] = std::fma(xt[j], wt[j], l[j]);
+      const float s0 = l[0] + l[4], s1 = l[1] + l[5], s2 = l[2] + l[6], s3 = l[3] + l[7];
+      const float t0 = s0 + s2, t1 = s1 + s3;
+      float s = t0 + t1;
+      if (A.b) s = s + A.b[n0 + r];
+      A.y[(mb0 + m) * A.ldy + n0 + r] = s;
+    }
+}
+
+template <int NR, bool PAIRED>
+static void unit(const Args& A, int64_t nbeg, int64_t nend, int mt, float* acc) {
+  for (int64_t mb0 = 0; mb0 < A.M; mb0 += MC) {
+    const int64_t mb = std::min(MC, A.M - mb0);
+    int64_t n0 = nbeg;
+    for (; n0 + NR <= nend; n0 += NR) tile<NR, PAIRED>(A, mb0, mb, n0, mt, acc);
+    for (; n0 < nend; ++n0) tile<1, PAIRED>(A, mb0, mb, n0, mt, acc);
+  }
+}
+
+template <bool PAIRED>
+static void unit_nr(const Args& A, int64_t nbeg, int64_t nend, int mt, int nr, float* acc) {
+  switch (nr) {
+    case 8: unit<8, PAIRED>(A, nbeg, nend, mt, acc); break;
+    case 6: unit<6, PAIRED>(A, nbeg, nend, mt, acc); break;
+    case 4: unit<4, PAIRED>(A, nbeg, nend, mt, acc); break;
+    default: unit<3, PAIRED>(A, nbeg, nend, mt, acc); break;
+  }
+}
+
+static void run(Args A) {
+  // Register tile (rows of x mt, rows of W nr) by M; 16 ymm (AVX2) or 32 zmm (AVX-512).
+  int mt, nr;
+  bool paired = false;
+  switch (A.M) {
+    case 1: mt = 1; nr = 8; break;
+    case 2: mt = 2; nr = 6; break;
+    case 3: mt = 3; nr = 4; break;
+    default: mt = 4; nr = 3; break;
+  }
+  at::Tensor xp;
+#if SSD_AVX512
+  if (A.M >= 2) {
+    paired = true;
+    switch (A.M) {
+      case 2: mt = 2; nr = 8; break;
+      case 3: case 4: mt = 4; nr = 8; break;
+      case 5: case 6: mt = 6; nr = 8; break;
+      default: mt = 8; nr = 6; break;
+    }
+    const int64_t K8 = A.K & ~int64_t(7), pairs = (A.M + 1) / 2;
+    A.ldp = 2 * K8;
+    xp = at::empty({pairs * A.ldp + 1}, at::kFloat);
+    float* dst = xp.data_ptr<float>();
+    at::parallel_for(0, pairs, 16, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t m = 2 * p + h;
+          float* d = dst + p * A.ldp + 8 * h;
+          if (m < A.M) {
+            const float* s = A.x + m * A.ldx;
+            for (int64_t kb = 0; kb < K8; kb += 8) std::memcpy(d + 2 * kb, s + kb, 32);
+          } else {
+            for (int64_t kb = 0; kb < K8; kb += 8) std::memset(d + 2 * kb, 0, 32);
+          }
+        }
+    });
+    A.xp = dst;
+  }
+#endif
+  const int64_t units = (A.N + NB - 1) / NB;
+  std::atomic<int64_t> next{0};
+  auto body = [&](int64_t, int64_t) {
+    alignas(64) float acc[MC * 8 * 8];
+    for (;;) {  // dynamic schedule: a thread slowed by a busy core takes fewer units
+      const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
+      if (u >= units) break;
+      const int64_t nbeg = u * NB, nend = std::min(A.N, nbeg + NB);
+      if (paired) unit_nr<true>(A, nbeg, nend, mt, nr, acc);
+      else unit_nr<false>(A, nbeg, nend, mt, nr, acc);
+    }
+  };
+  const int64_t nt = std::min<int64_t>(at::get_num_threads(), units);
+  if (nt <= 1) body(0, 1);
+  else at::parallel_for(0, nt, 1, body);
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "ssd linear: x and w must be 2-D");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
+              "ssd linear: fp32 only");
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "ssd linear: CPU only");
+  TORCH_CHECK(x.size(1) == w.size(1), "ssd linear: x.size(1) != w.size(1)");
+  TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "ssd linear: rows of x must be contiguous");
+  TORCH_CHECK(w.stride(1) == 1 || w.size(1) <= 1, "ssd linear: rows of w must be contiguous");
+  const int64_t M = x.size(0), N = w.size(0), K = x.size(1);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const float* bp = nullptr;
+  if (b.has_value() && b->defined()) {
+    TORCH_CHECK(b->scalar_type() == at::kFloat && b->dim() == 1 && b->size(0) == N &&
+                b->is_contiguous() && b->device().is_cpu(), "ssd linear: bad bias");
+    bp = b->data_ptr<float>();
+  }
+  if (M == 0 || N == 0) return y;
+  run(Args{x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), bp,
+           y.data_ptr<float>(), N, M, N, K, nullptr, 0});
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(SSD_NS, m) {
+  m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
+  m.impl("linear", c10::DispatchKey::CPU, &linear);
+}

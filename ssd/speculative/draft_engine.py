@@ -1,0 +1,157 @@
+"""The draft model's side of speculation, shared by SD (in the target's process) and SSD (in
+the draft worker, ssd/speculative/ssd_draft.py): each sequence's tokens as the draft knows
+them, the draft's paged KV cache, and drafting K tokens one forward pass at a time.
+
+After a round where the target accepted k of the draft's tokens and added its own token t,
+the draft's first `confirmed + k` tokens are still right: `sync` keeps those, appends the
+target's tokens, and rolls the draft's KV cache back to the part that is still valid.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.engine.sampler import probs_from_logits, sample, saguaro
+from ssd.errors import SSDError
+from ssd.models.decoder import DecoderLM
+from ssd.models.loader import shared_model
+from ssd.sampling_params import SamplingParams
+from ssd.speculative.options import DraftConfig
+
+
+@dataclass
+class DraftSeq:
+    seq_id: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    tokens: list[int] = field(default_factory=list)  # confirmed tokens, then the current speculation
+    confirmed: int = 0
+    cached: int = 0  # leading tokens whose K/V are in the draft's cache
+    # SSD: whether the current speculation came from the cache, and the fork candidates of
+    # the tree built from it (per depth, most likely first).
+    after_hit: bool = False
+    candidates: list[list[int]] = field(default_factory=list)
+
+    @property
+    def spec(self) -> list[int]:
+        return self.tokens[self.confirmed:]
+
+
+class DraftEngine:
+    def __init__(self, model: DecoderLM, device: torch.device, *, k: int, cache_tokens: int,
+                 block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None):
+        """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD)."""
+        cfg = model.config
+        self.k, self.device, self.saguaro = k, device, saguaro
+        self.max_len, self.vocab = cfg.max_position_embeddings, cfg.vocab_size
+        self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype)
+        self.runner = ModelRunner(model, self.kv, device)
+        self.seqs: dict[int, DraftSeq] = {}
+        self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
+        if seed is None:
+            self._seeds.seed()
+
+    @classmethod
+    def from_config(cls, cfg: DraftConfig, device: torch.device, saguaro: tuple[float, int] | None = None
+                    ) -> "DraftEngine":
+        from ssd.store import resolve_model
+        model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.quantization)
+        return cls(model, device, k=cfg.k, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
+                   seed=cfg.seed, saguaro=saguaro)
+
+    def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None) -> DraftSeq:
+        """Apply the target's outcome: keep the first num_valid tokens the draft holds, append
+        new_tokens (a prompt the first time, then the target's own token)."""
+        s = self.seqs.get(seq_id)
+        if s is None:
+            if params is None:
+                raise SSDError(f"draft protocol: first request for sequence {seq_id} carries no params")
+            s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params))
+        if not 0 <= num_valid <= len(s.tokens) or not (new_tokens or num_valid):
+            raise SSDError(f"draft protocol: sequence {seq_id} keeps {num_valid} of {len(s.tokens)} "
+                           f"tokens and adds {len(new_tokens)}")
+        del s.tokens[num_valid:]
+        s.tokens += new_tokens
+        s.confirmed = len(s.tokens)
+        s.cached = min(s.cached, num_valid)
+        s.candidates = []
+        self.kv.truncate(seq_id, s.cached)
+        return s
+
+    def room(self, s: DraftSeq, k: int) -> int:
+        """Draft tokens s can take: drafting token i feeds position len + i - 1, inside the context."""
+        return max(0, min(k, self.k, self.max_len - len(s.tokens)))
+
+    def release(self, seq_ids: list[int]) -> None:
+        for seq_id in seq_ids:
+            self.seqs.pop(seq_id, None)
+            self.kv.release(seq_id)
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy_decoding:
+            return None
+        gen = torch.Generator(self.device)
+        if params.seed is not None:  # a seeded request drafts reproducibly too
+            gen.manual_seed(params.seed ^ 0x5D5D)
+        else:
+            gen.manual_seed(int(torch.randint(2**62, (1,), generator=self._seeds)))
+        return gen
+
+    # ---- drafting -------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(self, seqs: list[DraftSeq], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+        """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
+        per token; the first pass feeds whatever the draft has not seen (a prompt, the target's
+        token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests)."""
+        tokens: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for step in range(max(ks, default=0)):
+            live = [b for b, k in enumerate(ks) if k > step]
+            chunks = []
+            for b in live:
+                s = seqs[b]
+                s.cached = min(s.cached, len(s.tokens) - 1)  # feed at least the newest token
+                self.kv.reserve(s.seq_id, len(s.tokens))
+                chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, 1))
+                s.cached = len(s.tokens)
+            picked, q = self.pick(self.runner.forward(chunks), [seqs[b] for b in live], [1] * len(live))
+            for row, b in enumerate(live):
+                seqs[b].tokens.append(picked[row])
+                tokens[b].append(picked[row])
+                if q[row] is not None:
+                    qs[b].append(q[row][0])
+        return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+    @torch.inference_mode()
+    def score_speculations(self, seqs: list[DraftSeq]) -> list[torch.Tensor]:
+        """One forward pass over each sequence's newest confirmed token and its speculation
+        ("glue decode"): the draft's logits at every depth j = 0..K of the speculation."""
+        chunks = []
+        for s in seqs:
+            s.cached = min(s.cached, s.confirmed - 1)  # re-feed from the target's newest token
+            self.kv.truncate(s.seq_id, s.cached)
+            self.kv.reserve(s.seq_id, len(s.tokens))
+            chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, len(s.spec) + 1))
+            s.cached = len(s.tokens)
+        logits = self.runner.forward(chunks)
+        return list(logits.split([len(s.spec) + 1 for s in seqs]))
+
+    def pick(self, logits: torch.Tensor, seqs: list[DraftSeq], rows: list[int]
+             ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """Draw one token per logits row; seqs[i] owns the next rows[i] rows. Returns the
+        tokens and, per sequence, the distributions drawn from (None for greedy rows)."""
+        out, qs, start = [], [], 0
+        greedy = logits.argmax(-1).tolist()
+        for s, n in zip(seqs, rows):
+            if s.params.greedy_decoding:
+                out += greedy[start:start + n]
+                qs.append(None)
+            else:
+                q = probs_from_logits(logits[start:start + n], s.params)
+                if self.saguaro is not None:
+                    q = saguaro(q, *self.saguaro)
+                out += sample(q, s.generator).tolist()
+                qs.append(q)
+            start += n
+        return out, qs

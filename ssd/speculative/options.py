@@ -1,0 +1,169 @@
+"""The speculation options, and the draft side's configuration, each spelled once.
+
+`SpecOptions` is what a user sets: keyword arguments of `LLM(...)`, flags of `ssd generate`
+(generated from the fields below, see ssd/cli.py) and the bench's configurations.
+`DraftConfig` is what the draft side needs to build its engine: in this process (SD) or in
+the SSD worker, where it travels as a dict in the hello message (ssd/speculative/protocol.py).
+"""
+import os
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+import torch
+
+from ssd.engine.placement import Placement, default_pair, parse_placement
+from ssd.errors import SSDError
+from ssd.models.loader import QUANTIZATIONS
+from ssd.speculative.protocol import parse_address
+
+MODES = ("ar", "sd", "ssd")
+BACKUPS = ("jit", "fast")
+SECRET_ENV = "SSD_DRAFT_SECRET"  # shared secret of a target and a draft worker started by hand
+MAX_K = 32
+
+
+def parse_fan_out(text: str) -> int | str | list[int]:
+    """A fan-out as written on the command line: "3", "auto" or one count per depth "4,2,1"."""
+    text = text.strip()
+    if text == "auto":
+        return text
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise SSDError(f"bad fan-out {text!r}: expected an integer, 'auto' or comma-separated integers") from None
+    return values[0] if len(values) == 1 else values
+
+
+def _option(default, help: str, *, flag: str | None = None, ssd_only: bool = False, parse=None,
+            metavar: str | None = None, choices: tuple | None = None, repr: bool = True):
+    """A field of SpecOptions with what the command line needs to offer it (flag None: no flag)."""
+    return field(default=default, repr=repr, metadata=dict(flag=flag, help=help, ssd_only=ssd_only, parse=parse,
+                                                          metavar=metavar, choices=choices))
+
+
+@dataclass(frozen=True)
+class SpecOptions:
+    """How SD and SSD speculate (README.md, "Speculative decoding"). Checked by `check(mode)`
+    before any model loads or worker starts."""
+
+    speculate_k: int = _option(4, "draft tokens per round (1..32)", flag="--k", parse=int, metavar="K")
+    draft_quantization: str | None = _option(
+        "auto", "the draft's weights: int8 (4x fewer bytes to read per token than fp32; the output stays "
+        "exact, only acceptance may change), none (the target's dtype), auto: int8 for a draft on a CPU",
+        flag="--draft-quantization", choices=("auto", "none", *QUANTIZATIONS))
+    fan_out: int | list[int] | str = _option(
+        3, "fork tokens per depth of the speculation tree: F, one count per depth F0,..,FK, or auto "
+        "(sized from the measured acceptance)", flag="--f", ssd_only=True, parse=parse_fan_out, metavar="F|auto|F0,..,FK")
+    fan_out_miss: int | list[int] | None = _option(
+        None, "fork counts per depth after a cache miss (default: as --f)", flag="--fan-out-miss", ssd_only=True,
+        parse=parse_fan_out, metavar="F0,..,FK")
+    tree_budget: int | None = _option(None, "with --f auto: branches per tree (default: 3*(K+1))",
+                                      flag="--tree-budget", ssd_only=True, parse=int, metavar="B")
+    backup: str = _option("jit", "on a cache miss draft on the spot (jit) or send placeholders verified as one-hot "
+                          "proposals (fast)", flag="--backup", ssd_only=True, choices=BACKUPS)
+    saguaro_c: float | None = _option(None, "temperature > 0: Saguaro sampling, scale the draft's top tokens by C in "
+                                      "(0, 1)", flag="--saguaro-c", ssd_only=True, parse=float, metavar="C")
+    target_device: str | None = _option(None, "the target's device, e.g. cpu:0 or cuda:0 (default: the first half of "
+                                        "the CPU cores / cuda:0)", flag="--target-device", ssd_only=True, metavar="DEV")
+    draft_device: str | None = _option(None, "the draft worker's device, e.g. cpu:1 or cuda:1 (default: the other "
+                                       "CPU cores / cuda:1)", flag="--draft-device", ssd_only=True, metavar="DEV")
+    draft_address: str | None = _option(
+        None, "wait at HOST:PORT for a worker started by hand (`ssd worker --connect HOST:PORT`, with the same "
+        f"{SECRET_ENV} in both environments) instead of starting one", flag="--draft-address", ssd_only=True,
+        metavar="HOST:PORT")
+    draft_timeout: float = _option(60.0, "seconds without an answer before the draft worker counts as hung",
+                                   flag="--draft-timeout", ssd_only=True, parse=float, metavar="S")
+    # A remote worker's shared secret (default: $SSD_DRAFT_SECRET); never shown in a repr.
+    draft_secret: str | None = _option(None, "", ssd_only=True, repr=False)
+
+    def check(self, mode: str) -> None:
+        if mode not in MODES:
+            raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
+        if mode == "ar":
+            return
+        if not isinstance(self.speculate_k, int) or not 1 <= self.speculate_k <= MAX_K:
+            raise SSDError(f"speculate_k must be an integer in 1..{MAX_K}, got {self.speculate_k!r}")
+        changed = [f.name for f in fields(self) if f.metadata["ssd_only"] and getattr(self, f.name) != f.default]
+        if mode != "ssd" and changed:
+            raise SSDError(f"{', '.join(changed)} only apply to mode 'ssd'")
+        if self.draft_quantization not in ("auto", None, *QUANTIZATIONS):
+            raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
+                           f"got {self.draft_quantization!r}")
+        if not self.draft_timeout > 0:
+            raise SSDError(f"draft_timeout must be > 0 seconds, got {self.draft_timeout}")
+        if self.backup not in BACKUPS:
+            raise SSDError(f"backup must be one of {', '.join(BACKUPS)}, got {self.backup!r}")
+        if self.saguaro_c is not None and not 0 < self.saguaro_c < 1:
+            raise SSDError(f"saguaro_c must be in (0, 1), got {self.saguaro_c}")
+        if self.draft_address is not None:
+            parse_address(self.draft_address)
+        if self.draft_address is not None and not self.secret():
+            raise SSDError(f"a draft worker started by hand needs a shared secret: set {SECRET_ENV} to the same value "
+                           "where the target and the worker run (or pass draft_secret=...)")
+        from ssd.speculative.fanout import FanOut
+        FanOut(self.speculate_k, self.fan_out, self.fan_out_miss, self.tree_budget)  # raises on a bad fan-out
+        if mode == "ssd":
+            for device in (self.target_device, self.draft_device):
+                if device is not None:
+                    parse_placement(device)
+
+    def secret(self) -> str | None:
+        return self.draft_secret or os.environ.get(SECRET_ENV) or None
+
+    def quantization(self, target_device: torch.device) -> str | None:
+        """The draft's weights: "auto" means int8 on a CPU (drafting is memory-bound there)."""
+        device = self.draft_placement(target_device).device if self.draft_device else target_device
+        if self.draft_quantization == "int8" and device.type == "cuda":
+            raise SSDError("draft_quantization='int8' is for a draft on a CPU; on CUDA it would dequantise every "
+                           "weight on every forward pass: use 'auto' or None")
+        if self.draft_quantization != "auto":
+            return self.draft_quantization
+        return "int8" if device.type == "cpu" else None
+
+    def target_placement(self, device: torch.device) -> Placement:
+        return parse_placement(self.target_device) if self.target_device else default_pair(device)[0]
+
+    def draft_placement(self, device: torch.device) -> Placement:
+        return parse_placement(self.draft_device) if self.draft_device else default_pair(device)[1]
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict) -> "SpecOptions":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise SSDError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; the speculation "
+                           f"options are {', '.join(sorted(known))}")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """Everything the draft side needs to build its engine (DraftEngine.from_config)."""
+
+    model: str  # a model folder, or for a worker on another host the name or path it resolves there
+    dtype: str  # "float32", "bfloat16", ... as the target names it
+    quantization: str | None
+    k: int
+    cache_tokens: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    seed: int | None = None
+    # SSD's speculation tree (the worker); SD drafts without one.
+    fan_out: int | list[int] | str = 3
+    fan_out_miss: int | list[int] | None = None
+    tree_budget: int | None = None
+    backup: str = "jit"
+    saguaro_c: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DraftConfig":
+        """From a hello message: a malformed one is the peer's error, not a crash."""
+        names = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        if not isinstance(d, dict) or not required <= set(d) <= names:
+            keys = set(d) if isinstance(d, dict) else set()
+            raise SSDError(f"bad draft configuration: missing {sorted(required - keys)}, unknown {sorted(keys - names)}")
+        return cls(**d)

@@ -1,0 +1,286 @@
+"""The draft worker's message protocol: the target (rank 0) and the draft worker (rank 1) talk
+over a torch.distributed point-to-point process group (gloo on CPU, NCCL between GPUs).
+
+Connecting: the target hosts the rendezvous store on a socket it binds itself (127.0.0.1 for
+a worker it starts; the address the user names for a worker started by hand), and gloo's own
+sockets bind to that host too. Before the process group exists, each side proves it knows
+the run's secret: HMAC-SHA256 over both sides' random nonces, exchanged through the store.
+
+Every message is three sends: a header tensor int64 [2] = (bytes of JSON, floats that follow),
+the JSON body as uint8, then, if any, one float32 tensor (the draft distributions q). JSON
+rather than pickle: a worker may sit on another host, and JSON cannot run code. A receiver
+refuses a header beyond the limits the configuration implies (`Limits`) before allocating
+anything, and a malformed body: either is a broken link (LinkError), never a crash.
+
+The conversation:
+    target -> worker  {"type": "hello", "config": DraftConfig as a dict}    once, after connecting
+    worker -> target  {"type": "ready", "vocab_size", "pid"}  or {"type": "error", "message"}
+    target -> worker  {"type": "step", "release": [ids], "requests": [[seq_id, num_valid,
+                       new_tokens, k, params or null], ...]}
+    worker -> target  {"type": "reply", "replies": [[tokens, hit, q_rows, tree_s, backup_s, idle_s], ...]}
+                      + q rows stacked
+    target -> worker  {"type": "close"}
+After each reply the worker builds the speculation cache for the speculations it just sent,
+while the target verifies them; a reply's timings are the previous build's share of each
+sequence, the backup time spent on it in this step, and how long the worker waited.
+"""
+import datetime
+import hashlib
+import hmac
+import json
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ssd.errors import SSDError
+from ssd.sampling_params import SamplingParams
+
+TARGET, WORKER = 0, 1
+NO_TIMEOUT = datetime.timedelta(days=1)  # liveness is watched by the target, not by gloo
+T = TypeVar("T")
+
+
+class LinkError(RuntimeError):
+    """The draft worker died, hung past its timeout, failed to authenticate or broke the protocol."""
+
+
+# ---- messages ---------------------------------------------------------------------------------
+@dataclass
+class SpecRequest:
+    """The target's word on one sequence at the start of a round."""
+
+    seq_id: int
+    num_valid: int  # leading tokens of what the draft holds (confirmed + speculation) that are right
+    new_tokens: list[int]  # the target's tokens after those (its recovery/bonus token; a prompt at first)
+    k: int  # draft tokens wanted
+    params: SamplingParams | None = None  # with a sequence's first request
+
+
+@dataclass
+class SpecReply:
+    """The worker's answer for one sequence, and the worker time spent on it."""
+
+    tokens: list[int]
+    q: torch.Tensor | None  # [len(tokens), V] distributions the tokens were drawn from; None: verify one-hot
+    hit: bool | None  # the speculation came from the cache; None when no tokens were asked for
+    tree_s: float = 0.0  # this sequence's share of the last cache build
+    backup_s: float = 0.0  # drafting it on the spot after a miss (its share of the batch)
+    idle_s: float = 0.0  # the worker waiting for this request
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The largest message a peer may send: what the configuration can need, with room to spare."""
+
+    json_bytes: int = 1 << 20  # until the hello: a configuration is small
+    floats: int = 0
+
+    @classmethod
+    def for_config(cls, max_num_seqs: int, max_model_len: int, k: int, vocab: int) -> "Limits":
+        # Requests: every sequence's whole context (a prompt) at up to 12 bytes a token id.
+        return cls(json_bytes=(1 << 20) + max_num_seqs * (12 * max_model_len + 4096),
+                   floats=max_num_seqs * k * vocab)
+
+
+# ---- connecting -------------------------------------------------------------------------------
+def listen_socket(host: str, port: int = 0) -> socket.socket:
+    """A listening TCP socket on exactly host:port (port 0: any free port), for the store."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        s.bind((host, port))
+        s.listen(16)
+    except OSError as e:
+        s.close()
+        raise SSDError(f"cannot listen at {host}:{port} for the draft worker: {e}") from e
+    return s
+
+
+def new_secret() -> str:
+    return secrets.token_hex(32)
+
+
+def _proof(secret: str, role: str, *nonces: bytes) -> bytes:
+    return hmac.new(secret.encode(), role.encode() + b"".join(nonces), hashlib.sha256).digest()
+
+
+def connect(host: str, port: int, rank: int, timeout: float, secret: str, *, backend: str | None = None,
+            listener: socket.socket | None = None) -> dist.ProcessGroup:
+    """A two-process group of its own (not the global default group, so several engines can
+    live in one process). The target (rank 0) hosts the store on `listener` and chooses the
+    backend; the worker reads it from there. Both sides authenticate before the group is made."""
+    store = dist.TCPStore(host, port, 2, rank == TARGET, timeout=datetime.timedelta(seconds=timeout),
+                          wait_for_workers=False, master_listen_fd=None if listener is None else listener.fileno())
+    if listener is not None:
+        listener.detach()  # the store's server owns the socket now and closes it with the store
+    mine = secrets.token_bytes(16)
+    if rank == TARGET:
+        store.set("ssd/nonce/target", mine)
+        store.set("ssd/backend", backend or "gloo")
+        theirs = store.get("ssd/nonce/worker")
+        if not hmac.compare_digest(store.get("ssd/proof/worker"), _proof(secret, "worker", mine, theirs)):
+            raise LinkError("the draft worker did not prove it knows this run's secret")
+        store.set("ssd/proof/target", _proof(secret, "target", theirs, mine))
+    else:
+        theirs = store.get("ssd/nonce/target")
+        store.set("ssd/nonce/worker", mine)
+        store.set("ssd/proof/worker", _proof(secret, "worker", theirs, mine))
+        if not hmac.compare_digest(store.get("ssd/proof/target"), _proof(secret, "target", mine, theirs)):
+            raise LinkError("the target did not prove it knows this run's secret")
+        backend = store.get("ssd/backend").decode()
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, 2)
+    options = dist.ProcessGroupGloo._Options()
+    # gloo listens on the host given for the store (the loopback for a local worker), not on
+    # whatever address this machine's hostname resolves to.
+    local = host in ("127.0.0.1", "::1", "localhost")
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == TARGET or local else "")]
+    options._timeout = NO_TIMEOUT
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+# ---- sending and receiving --------------------------------------------------------------------
+class Channel:
+    def __init__(self, pg: dist.ProcessGroup, peer: int, device: torch.device):
+        self.pg, self.peer, self.device = pg, peer, device
+        self.limits = Limits()
+        # Blocks until a peer's work completes; the target replaces it with a watched wait.
+        self.wait: Callable[[dist.Work], None] = lambda work: work.wait()
+
+    def send(self, msg: dict, floats: torch.Tensor | None = None) -> None:
+        body = torch.frombuffer(bytearray(json.dumps(msg).encode()), dtype=torch.uint8)
+        n = 0 if floats is None else floats.numel()
+        for t in (torch.tensor([body.numel(), n]), body, floats):
+            if t is not None and t.numel():
+                self.wait(self.pg.send([t.to(self.device).contiguous()], self.peer, 0))
+
+    def recv(self) -> tuple[dict, torch.Tensor | None]:
+        header = self._recv(torch.empty(2, dtype=torch.long)).tolist()
+        size, n = header
+        if not (0 < size <= self.limits.json_bytes and 0 <= n <= self.limits.floats):
+            raise LinkError(f"the peer sent a message header of {size} bytes and {n} floats, beyond what this "
+                            f"link allows ({self.limits.json_bytes} bytes, {self.limits.floats} floats)")
+        body = self._recv(torch.empty(size, dtype=torch.uint8))
+        floats = self._recv(torch.empty(n, dtype=torch.float32)) if n else None
+        try:
+            msg = json.loads(bytes(body.cpu().numpy()))
+        except ValueError as e:
+            raise LinkError(f"the peer sent a malformed message: {e}") from None
+        if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+            raise LinkError("the peer sent a message without a type")
+        return msg, floats
+
+    def _recv(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.device)
+        if t.numel():
+            self.wait(self.pg.recv([t], self.peer, 0))
+        return t
+
+
+def watch(fn: Callable[[], T], alive: Callable[[], bool], timeout: float) -> T:
+    """fn() in a helper thread, watched: gives up when the peer process is gone or `timeout`
+    seconds pass, and Ctrl-C interrupts it. gloo's waits block in C++ until done, and a
+    timed-out gloo wait closes the link for good, so they cannot be sliced."""
+    done, out, error = threading.Event(), [], []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except Exception as e:  # the peer closed the connection, the store timed out, a bad proof, ...
+            error.append(e)
+        done.set()
+
+    threading.Thread(target=run, daemon=True, name="ssd-draft-wait").start()
+    deadline = time.monotonic() + timeout
+    while not done.wait(0.05):
+        if not alive():
+            raise LinkError("the draft worker died")
+        if time.monotonic() > deadline:
+            raise LinkError(f"the draft worker did not answer within {timeout:.0f} s")
+    if error:
+        if isinstance(error[0], LinkError):
+            raise error[0]
+        # A dead worker shows up as a reset connection, often before the process is reaped.
+        for _ in range(10):
+            if not alive():
+                raise LinkError("the draft worker died")
+            time.sleep(0.05)
+        raise LinkError(f"the link to the draft worker broke: {error[0]}")
+    return out[0]
+
+
+def watched_wait(alive: Callable[[], bool], timeout: float) -> Callable[[dist.Work], None]:
+    return lambda work: watch(work.wait, alive, timeout)
+
+
+# ---- step messages ----------------------------------------------------------------------------
+DRAFT_PARAMS = ("temperature", "top_k", "top_p", "seed")  # what drafting needs of a request
+
+
+def params_to_wire(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in DRAFT_PARAMS}
+
+
+def encode_requests(requests: list[SpecRequest], release: list[int]) -> dict:
+    return {"type": "step", "release": release,
+            "requests": [[r.seq_id, r.num_valid, r.new_tokens, r.k,
+                          None if r.params is None else params_to_wire(r.params)] for r in requests]}
+
+
+def decode_requests(msg: dict) -> tuple[list[SpecRequest], list[int]]:
+    try:
+        requests = [SpecRequest(int(i), int(n), [int(t) for t in new], int(k),
+                                None if p is None else SamplingParams(**{name: p[name] for name in DRAFT_PARAMS}))
+                    for i, n, new, k, p in msg["requests"]]
+        return requests, [int(i) for i in msg["release"]]
+    except (KeyError, TypeError, ValueError) as e:  # SSDError (bad sampling values) is a ValueError
+        raise LinkError(f"the target sent a malformed step: {type(e).__name__}: {e}") from None
+
+
+def encode_replies(replies: list[SpecReply]) -> tuple[dict, torch.Tensor | None]:
+    qs = [r.q for r in replies if r.q is not None]
+    msg = {"type": "reply", "replies": [[r.tokens, r.hit, 0 if r.q is None else r.q.shape[0],
+                                         r.tree_s, r.backup_s, r.idle_s] for r in replies]}
+    return msg, torch.cat(qs).float() if qs else None
+
+
+def decode_replies(msg: dict, floats: torch.Tensor | None, vocab: int, requests: list[SpecRequest]
+                   ) -> list[SpecReply]:
+    """The worker's replies, checked against what was asked: one per request, at most k
+    tokens each, ids inside the vocabulary, and exactly the q rows they announce."""
+    try:
+        replies = msg["replies"]
+        if len(replies) != len(requests):
+            raise ValueError(f"{len(replies)} replies to {len(requests)} requests")
+        rows = 0 if floats is None else floats.numel() // vocab
+        if floats is not None and floats.numel() != rows * vocab:
+            raise ValueError(f"{floats.numel()} floats are not rows of {vocab}")
+        out, start = [], 0
+        for (tokens, hit, n, tree_s, backup_s, idle_s), req in zip(replies, requests):
+            tokens = [int(t) for t in tokens]
+            if len(tokens) > req.k or not all(0 <= t < vocab for t in tokens) or n not in (0, len(tokens)):
+                raise ValueError(f"a reply of {len(tokens)} tokens and {n} q rows to a request for {req.k}")
+            q = floats.view(-1, vocab)[start:start + n] if n else None
+            start += n
+            out.append(SpecReply(tokens, q, None if hit is None else bool(hit),
+                                 float(tree_s), float(backup_s), float(idle_s)))
+        if start != rows:
+            raise ValueError(f"{rows} q rows sent, {start} announced")
+        return out
+    except (KeyError, TypeError, ValueError) as e:
+        raise LinkError(f"the draft worker sent a malformed reply: {e}") from None
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SSDError(f"bad draft address {address!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)

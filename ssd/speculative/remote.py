@@ -1,0 +1,189 @@
+"""SSD's target side: the draft runs in a worker process of its own, on its own cores or GPU
+(ssd/speculative/worker.py), and the two talk over ssd/speculative/protocol.py.
+
+A worker this engine starts sits in its own session (a terminal's Ctrl-C does not reach it)
+and listens only on the loopback; the engine ends it. If it cannot start, dies, breaks the
+protocol, or sends nothing for `timeout` seconds, the engine logs it, kills what is left of
+it, counts it in the metrics, and goes on with SD in its own process (or with plain AR if
+even the draft cannot be loaded there): the outputs stay exact, only the speed changes.
+Ctrl-C while waiting for the worker is not a failure: the worker is ended, the interrupt goes
+on to the caller, and the next round starts a fresh worker.
+"""
+import logging
+import os
+import socket
+import subprocess
+import sys
+import weakref
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+
+from ssd.engine.placement import Placement, pinned
+from ssd.engine.sequence import Sequence
+from ssd.speculative.draft_engine import DraftEngine
+from ssd.speculative.options import SECRET_ENV, DraftConfig
+from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, LinkError, SpecRequest, connect,
+                                      decode_replies, encode_requests, listen_socket, new_secret,
+                                      parse_address, watch, watched_wait)
+from ssd.speculative.speculator import Proposal, Speculator, propose_locally
+
+log = logging.getLogger("ssd")
+
+
+class RemoteSpeculator(Speculator):
+    def __init__(self, config: DraftConfig, target: Placement, draft: Placement, *,
+                 fallback: Callable[[], DraftEngine], address: str | None = None, secret: str | None = None,
+                 timeout: float = 60.0, startup_timeout: float = 600.0):
+        """config: what the worker builds. address: HOST:PORT to wait at for a worker started
+        by hand (`ssd worker --connect HOST:PORT`, knowing `secret`); None starts one here."""
+        super().__init__()
+        self.config, self.target, self.draft = config, target, draft
+        self.address, self.secret = address, secret
+        self.make_fallback = fallback
+        self.timeout, self.startup_timeout = timeout, startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.listener: socket.socket | None = None
+        self.channel: Channel | None = None
+        self.vocab = 0
+        self.local: DraftEngine | None = None  # the in-process SD fallback, once needed
+        self.ar_only = False  # not even the fallback could load
+        self.restart = False  # an interrupt ended the worker: start another for the next round
+        self._connect()
+
+    def _connect(self) -> None:
+        try:
+            self._start()
+        except LinkError as e:
+            self._fail_over(e)
+
+    def _start(self) -> None:
+        nccl = self.target.device.type == self.draft.device.type == "cuda" and self.target.device != self.draft.device
+        if self.address is None:
+            host, secret = "127.0.0.1", new_secret()
+            self.listener = listen_socket(host)
+            port = self.listener.getsockname()[1]
+            cmd = [sys.executable, "-m", "ssd.speculative.worker", "--connect", f"{host}:{port}",
+                   "--device", str(self.draft), "--parent-pid", str(os.getpid())]
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
+                                         env={**os.environ, SECRET_ENV: secret})
+            weakref.finalize(self, _kill, self.proc)
+        else:
+            (host, port), secret = parse_address(self.address), self.secret
+            self.listener = listen_socket(host, port)
+        pg = watch(lambda: connect(host, port, TARGET, self.startup_timeout, secret,
+                                   backend="nccl" if nccl else "gloo", listener=self.listener),
+                   self._alive, self.startup_timeout)
+        self.channel = Channel(pg, WORKER, self.target.device if nccl else torch.device("cpu"))
+        self.channel.wait = watched_wait(self._alive, self.startup_timeout)
+        self.channel.send({"type": "hello", "config": self.config.as_dict()})
+
+    def wait_ready(self) -> None:
+        """Wait for the worker to load its model (it does so while the target loads)."""
+        if self.channel is None:
+            return
+        try:
+            msg, _ = self.channel.recv()
+            if msg["type"] != "ready":
+                raise LinkError(f"the draft worker could not start: {msg.get('message', msg)}")
+            self.vocab = int(msg["vocab_size"])
+            cfg = self.config
+            self.channel.limits = Limits.for_config(cfg.max_num_seqs, cfg.max_model_len, cfg.k, self.vocab)
+            self.channel.wait = watched_wait(self._alive, self.timeout)
+        except (LinkError, KeyError, TypeError, ValueError) as e:
+            self._fail_over(e if isinstance(e, LinkError) else LinkError(f"a bad ready message: {e}"))
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+
+    def placement(self) -> AbstractContextManager:
+        """The target's share of the hardware while the worker runs: its cores, pinned."""
+        return pinned(self.target.cores) if self.channel is not None else nullcontext()
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        if self.restart:
+            self.restart = False
+            self._connect()
+            self.wait_ready()
+        if self.channel is None:
+            return self._propose_locally(seqs, ks)
+        try:
+            return self._exchange(seqs, ks)
+        except LinkError as e:
+            self._fail_over(e)
+            proposals = self._propose_locally(seqs, ks)  # again, from scratch, in this process
+            for p in proposals:
+                p.failed_over = True
+            return proposals
+        except KeyboardInterrupt:
+            self._interrupted()
+            raise
+
+    def _exchange(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        requests = [SpecRequest(seq.seq_id, num_valid, new, k, params)
+                    for seq, k in zip(seqs, ks) for num_valid, new, params in [self.news(seq)]]
+        self.channel.send(encode_requests(requests, self.take_released()))
+        msg, floats = self.channel.recv()
+        if msg["type"] != "reply":
+            raise LinkError(f"the draft worker failed: {msg.get('message', msg)}")
+        return [Proposal(r.tokens, r.q, r.hit, r.tree_s, r.backup_s, r.idle_s)
+                for r in decode_replies(msg, floats, self.vocab, requests)]
+
+    def _propose_locally(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        if self.local is None and not self.ar_only:
+            try:
+                self.local = self.make_fallback()
+            except Exception as e:  # out of memory, a file gone since start-up, ...
+                log.warning("ssd: cannot load the draft model in this process either (%s: %s); "
+                            "continuing with plain decoding", type(e).__name__, e)
+                self.ar_only = True
+        if self.local is None:
+            return [Proposal([], None) for _ in seqs]
+        return propose_locally(self, self.local, seqs, ks)
+
+    def _fail_over(self, error: Exception) -> None:
+        self.failures += 1
+        log.warning("ssd: %s; continuing with speculative decoding in this process", error)
+        self._drop_link()
+
+    def _interrupted(self) -> None:
+        """Ctrl-C in the middle of an exchange: the link's state is unknown, so the worker is
+        ended (not counted as a failure) and the next round starts another."""
+        self._drop_link()
+        self.restart = True
+
+    def _drop_link(self) -> None:
+        self.channel = None
+        self._shutdown(grace=0.0)
+        self.known, self.released = {}, []
+
+    def _alive(self) -> bool:
+        return self.proc is None or self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.channel is not None:
+            try:
+                self.channel.wait = watched_wait(self._alive, 2.0)
+                self.channel.send({"type": "close"})
+            except (LinkError, KeyboardInterrupt):
+                pass
+            self.channel = None
+        self.restart = False
+        self._shutdown(grace=5.0)
+
+    def _shutdown(self, grace: float) -> None:
+        if self.proc is not None:
+            _kill(self.proc, grace)
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+
+
+def _kill(proc: subprocess.Popen, grace: float = 0.0) -> None:
+    """End the worker: let it exit on its own for `grace` seconds, then kill it, and reap it."""
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

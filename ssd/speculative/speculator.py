@@ -1,0 +1,90 @@
+"""The target's side of speculation, shared by SD and SSD: one Proposal per sequence and round.
+
+What the draft already holds of each sequence is tracked here: after a round where the
+target kept `num_valid` tokens, the draft's first `num_valid` tokens are still right, and
+the next round tells it only what came after (the target's own token, or the whole prompt
+the first time). LocalSpeculator (SD) drafts in this process; RemoteSpeculator (SSD,
+remote.py) asks the draft worker.
+"""
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+
+import torch
+
+from ssd.engine.sequence import Sequence
+from ssd.sampling_params import SamplingParams
+from ssd.speculative.draft_engine import DraftEngine
+
+
+@dataclass
+class Proposal:
+    """A round's draft for one sequence: its tokens and where they came from."""
+
+    tokens: list[int]
+    q: torch.Tensor | None  # [len(tokens), V] distributions they were drawn from; None: verify one-hot
+    hit: bool | None = None  # SSD: the speculation came from the cache (None: no tokens asked for, or SD)
+    # SSD: the draft worker's time spent on this sequence (its share of batched work).
+    tree_s: float = 0.0
+    backup_s: float = 0.0
+    idle_s: float = 0.0
+    failed_over: bool = False  # SSD: the worker failed during this round and SD took over
+
+
+class Speculator:
+    def __init__(self) -> None:
+        self.known: dict[int, int] = {}  # seq_id -> leading tokens the draft holds that are right
+        self.released: list[int] = []  # sequences the draft may forget, told with the next round
+        self.failures = 0  # SSD: how often the draft worker failed and SD took over
+
+    def wait_ready(self) -> None:
+        """Return once the draft can answer (SSD: its worker has loaded the model)."""
+
+    def placement(self) -> AbstractContextManager:
+        """The target's share of the hardware while it runs (SSD: its cores, pinned)."""
+        return nullcontext()
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """Up to ks[i] draft tokens for each sequence (fewer where the draft's context ends)."""
+        raise NotImplementedError
+
+    def news(self, seq: Sequence) -> tuple[int, list[int], SamplingParams | None]:
+        """What the draft must be told of seq this round: how many of the tokens it holds are
+        right, the target's tokens after those, and the sampling params the first time."""
+        n = self.known.get(seq.seq_id)
+        self.known[seq.seq_id] = seq.num_tokens
+        return n or 0, seq.token_ids[n or 0:], seq.params if n is None else None
+
+    def accepted(self, seq: Sequence, num_valid: int) -> None:
+        """After verification: the sequence's first num_valid tokens are what the draft holds."""
+        self.known[seq.seq_id] = num_valid
+
+    def release(self, seq: Sequence) -> None:
+        if self.known.pop(seq.seq_id, None) is not None:
+            self.released.append(seq.seq_id)
+
+    def take_released(self) -> list[int]:
+        released, self.released = self.released, []
+        return released
+
+    def close(self) -> None:
+        pass
+
+
+class LocalSpeculator(Speculator):
+    """SD: the draft runs in the target's process, between the target's passes."""
+
+    def __init__(self, engine: DraftEngine):
+        super().__init__()
+        self.engine = engine
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        return propose_locally(self, self.engine, seqs, ks)
+
+
+def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]
+                    ) -> list[Proposal]:
+    """SD's proposals: tell the draft what the target kept, then draft K tokens for each."""
+    engine.release(speculator.take_released())
+    drafts = [engine.sync(seq.seq_id, *speculator.news(seq)) for seq in seqs]
+    ks = [engine.room(s, k) for s, k in zip(drafts, ks)]
+    return [Proposal(tokens, q) for tokens, q in engine.draft(drafts, ks)]

@@ -1,6 +1,26 @@
+import math
 from dataclasses import dataclass
 
 from ssd.errors import SamplingParamsError
+
+MAX_SEED = 2**64  # torch generators take 64-bit seeds
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _list(value, kind: type, name: str, allowed: str) -> list:
+    """None, one item or a list/tuple of items of `kind` (bool is not an int here) as a list."""
+    items = [] if value is None else [value] if isinstance(value, kind) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(x, kind) and not isinstance(x, bool)
+                                                        for x in items):
+        raise SamplingParamsError(f"{name} must be {allowed}, got {value!r}")
+    return list(items)
 
 
 @dataclass
@@ -17,18 +37,22 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [s for s in (self.stop or []) if s]
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        if not self.temperature >= 0:  # also rejects NaN
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be an integer >= 0, got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens}")
+        self.stop = _list(self.stop, str, "stop", "a string or a list of strings")
+        if "" in self.stop:
+            raise SamplingParamsError("stop strings must not be empty: an empty stop string would end "
+                                      "generation before the first token")
+        self.stop_token_ids = _list(self.stop_token_ids, int, "stop_token_ids", "a list of token ids")
+        # Written so that NaN fails every range check.
+        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise SamplingParamsError(f"temperature must be >= 0 and finite (0: greedy), got {self.temperature!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise SamplingParamsError(f"top_p must be in (0, 1] (1: no cut), got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be an integer >= 0 (0: no cut), got {self.top_k!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+            raise SamplingParamsError(f"seed must be None or an integer in 0..2**64-1, got {self.seed!r}")
 
     @property
     def greedy_decoding(self) -> bool:

@@ -19,7 +19,12 @@ class UnsupportedModelError(SSDError):
 
 
 class PromptError(SSDError):
-    """The prompt is empty or longer than the context."""
+    """The prompt is empty, not a string or a well-formed chat, or longer than the context."""
+
+
+class ContextLengthError(PromptError):
+    """The prompt and max_tokens together do not fit in the context (OpenAI's
+    "context_length_exceeded")."""
 
 
 class SamplingParamsError(SSDError):

@@ -14,7 +14,7 @@ from ssd.engine.placement import parse_placement
 from ssd.engine.sampler import next_tokens
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
-from ssd.errors import PromptError, SSDError
+from ssd.errors import ContextLengthError, PromptError, SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, shared_model, weight_files
 from ssd.outputs import RequestOutput, StreamChunk
@@ -112,13 +112,21 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
+        """One output per prompt. A prompt is a string or a chat: a list of {"role": "system" |
+        "user" | "assistant", "content": str} messages, rendered with the model's chat template.
+        sampling_params: one for all prompts, or a list of one per prompt. Every prompt is
+        checked (PromptError, ContextLengthError) before any is run."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise PromptError(f"prompts must be a string, a chat (a list of messages) or a list of those, "
+                              f"got {type(prompts).__name__}")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
-            raise SSDError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+            raise SSDError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params: "
+                           "pass one SamplingParams for all prompts or a list of one per prompt")
         seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
         for seq in seqs:
@@ -171,20 +179,43 @@ class LLM:
             if not prompt:
                 raise PromptError("the prompt is empty")
             return self.tokenizer(prompt).input_ids
-        if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-            raise PromptError("a chat prompt must be a non-empty list of {'role': ..., 'content': ...}")
+        self._check_chat(prompt)
         if not self.tokenizer.chat_template:
             raise PromptError(f"model {self.folder.name} has no chat template; pass a plain string")
         text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
+    @staticmethod
+    def _check_chat(chat) -> None:
+        roles = ("system", "user", "assistant")
+        if not isinstance(chat, list):
+            raise PromptError(f"a prompt must be a string or a chat (a list of {{'role': ..., 'content': ...}} "
+                              f"messages), got {type(chat).__name__}")
+        if not chat:
+            raise PromptError("the chat is empty: it needs at least one {'role': ..., 'content': ...} message")
+        if all(isinstance(t, int) for t in chat):
+            raise PromptError("token ids are not accepted as a prompt; pass the text or a chat")
+        for i, m in enumerate(chat):
+            if not isinstance(m, dict) or "role" not in m or "content" not in m:
+                raise PromptError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+            if m["role"] not in roles:
+                raise PromptError(f"chat message {i} has role {m['role']!r}; allowed roles: {', '.join(roles)}")
+            if not isinstance(m["content"], str):
+                raise PromptError(f"chat message {i} has content of type {type(m['content']).__name__}; "
+                                  "content must be a string")
+
     def _new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        if not isinstance(params, SamplingParams):
+            raise SSDError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         ids = self.encode(prompt)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
-        if len(ids) >= self.max_model_len:
-            raise PromptError(f"the prompt has {len(ids)} tokens but the context holds "
-                              f"{self.max_model_len}, leaving no room for output")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"context length exceeded: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
+                f"{len(ids) + params.max_tokens} in all, but the context holds {self.max_model_len} tokens; "
+                + (f"lower max_tokens to at most {self.max_model_len - len(ids)}" if len(ids) < self.max_model_len
+                   else "shorten the prompt"))
         gen = None
         if params.seed is not None:
             gen = torch.Generator(self.device)

@@ -38,12 +38,13 @@ def test_model_as_its_own_draft_accepts_every_token(smollm_dir, ar_outputs):
 
 def test_sd_respects_stop_strings_eos_and_context(smollm_dir, truncated_draft):
     chat = [{"role": "user", "content": "What is the capital of France?"}]
-    cases = [(chat, SamplingParams.greedy(max_tokens=40)),  # ends on eos
-             ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=40, stop=[" 9"])),
-             ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=200, ignore_eos=True)),  # context end
-             ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=7, ignore_eos=True))]
     with LLM(smollm_dir, max_model_len=64) as ar, \
             LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=5, max_model_len=64) as sd:
+        to_the_end = 64 - len(ar.encode("Count: 1, 2, 3,"))  # the most max_tokens the context allows
+        cases = [(chat, SamplingParams.greedy(max_tokens=20)),  # ends on eos
+                 ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=40, stop=[" 9"])),
+                 ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=to_the_end, ignore_eos=True)),  # context end
+                 ("Count: 1, 2, 3,", SamplingParams.greedy(max_tokens=7, ignore_eos=True))]
         for prompt, params in cases:
             got, want = sd.generate(prompt, params)[0], ar.generate(prompt, params)[0]
             assert (got.token_ids, got.text, got.finish_reason) == (want.token_ids, want.text, want.finish_reason)

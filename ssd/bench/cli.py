@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ssd.bench.plots import write_plots
 from ssd.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompt_set, load_prompts_file
-from ssd.bench.report import format_table, summarise, write_report
+from ssd.bench.report import check_out, earlier_results, format_table, summarise, write_report
 from ssd.bench.runner import ENGINE_MODES, PEERS, BenchSpec, FanOut, expand_configs, run_bench
 from ssd.errors import SSDError
 from ssd.store import resolve_model
@@ -68,6 +68,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="the draft's weights: int8, none (the target's dtype) or auto: int8 for a draft on a CPU "
                         "(default: auto)")
     b.add_argument("--out", metavar="DIR", help="write results.json, table.md and .png plots there")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace the results of an earlier run in --out (default: refuse such a folder)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     b.set_defaults(func=cmd_bench)
 
@@ -131,6 +133,8 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     draft = args.draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
     if draft is None and (set(modes) - {"ar"} or peers):
         raise SSDError("--draft is needed for sd, ssd and the peers' speculation when --model is not the default")
+    if args.out:
+        check_out(Path(args.out), args.overwrite)
     resolve_model(args.model)  # unknown names fail now, not after loading half the run
     if draft is not None:
         resolve_model(draft)
@@ -163,5 +167,7 @@ def cmd_bench(args: argparse.Namespace) -> None:
     if args.out:
         out = Path(args.out)
         cli_args = {k: v for k, v in vars(args).items() if k not in ("func", "command")}
+        for p in earlier_results(out):  # only with --overwrite: checked before the run
+            p.unlink()
         paths = write_report(out, result, rows, cli_args) + write_plots(out, result, rows)
         print(f"ssd bench: wrote {', '.join(p.name for p in paths)} in {out}", file=sys.stderr)

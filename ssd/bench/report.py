@@ -14,8 +14,10 @@ import torch
 
 from ssd.bench.prompts import PROMPT_SETS
 from ssd.bench.runner import ENGINE_MODES, BenchResult, PromptRecord, RunConfig
+from ssd.errors import SSDError
 
 SCHEMA = "ssd-bench/1"
+OUT_FILES = ("results.json", "table.md", "*.png")  # what write_report and write_plots put in --out
 
 
 @dataclass
@@ -216,3 +218,19 @@ def write_report(out: Path, result: BenchResult, rows: Sequence[Row], cli_args: 
     (out / "results.json").write_text(json.dumps(results_dict(result, rows, cli_args), indent=1) + "\n")
     (out / "table.md").write_text(format_table(result, rows, markdown=True))
     return [out / "results.json", out / "table.md"]
+
+
+def earlier_results(out: Path) -> list[Path]:
+    """The files of an earlier run in `out`."""
+    return sorted(p for pattern in OUT_FILES for p in out.glob(pattern)) if out.is_dir() else []
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an --out that is a file, or that holds an earlier run's results (unless overwrite):
+    old plots next to new results would be taken for this run's."""
+    if out.exists() and not out.is_dir():
+        raise SSDError(f"--out {out} is a file; give a folder")
+    found = earlier_results(out)
+    if found and not overwrite:
+        raise SSDError(f"--out {out} already holds an earlier run's results ({', '.join(p.name for p in found)}); "
+                       "choose another folder, or pass --overwrite to replace them")

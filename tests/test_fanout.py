@@ -58,4 +58,10 @@ def test_auto_counts_tokens_beyond_the_candidates():
     for _ in range(1000):
         f.observe(True, 1, None)  # never among the candidates: no fork helps
     assert f.rank_counts[MAX_RANK] == 1000
-    assert sum(f.sizes(3, after_hit=True)) <= 6
+    # The prior's guess that the draft's first choice is often right fades with the evidence:
+    # one branch is left, where the rounds end (the prior alone would put all six there) ...
+    assert f.sizes(3, after_hit=True) == [0, 1, 0]
+    for _ in range(4000):
+        f.observe(True, 1, None)
+    # ... and none once no fork is worth MIN_GAIN: the budget goes unspent.
+    assert f.sizes(3, after_hit=True) == [0, 0, 0] == f.sizes(3, after_hit=False)

@@ -84,3 +84,12 @@ def threads():
     yield
     torch.set_num_threads(n)
 
+
+@pytest.fixture
+def fresh_variant():
+    """For a test that changes SSD_CPU_KERNELS: the kernels' cached choice of build
+    (ssd.kernels.build.default_variant) is read again before and after it."""
+    from ssd.kernels import build
+    build.default_variant.cache_clear()
+    yield
+    build.default_variant.cache_clear()  # re-read after monkeypatch restores the environment

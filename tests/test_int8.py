@@ -101,13 +101,6 @@ def test_strided_and_batched_inputs(op):
     assert Q.linear_int8(x[:0], q, s, b).shape == (0, 24)
 
 
-@pytest.fixture
-def fresh_variant():
-    Q.default_variant.cache_clear()
-    yield
-    Q.default_variant.cache_clear()  # re-read after monkeypatch restores the environment
-
-
 def test_fallback_paths(op, monkeypatch, capfd, fresh_variant):
     x, q, s, b = data(5, 40, 24)
     ref = reference(x, q, s, b)
@@ -122,7 +115,7 @@ def test_fallback_paths(op, monkeypatch, capfd, fresh_variant):
     # a build that fails (no compiler, no ninja, ...) warns once and falls back
     monkeypatch.setenv("SSD_CPU_KERNELS", "auto")
     Q.default_variant.cache_clear()
-    broken = CppKernel("linear_int8", Q._SOURCE)
+    broken = CppKernel("linear_int8")
     monkeypatch.setattr(broken, "_build",
                         lambda v: (_ for _ in ()).throw(RuntimeError("no compiler")))
     monkeypatch.setattr(Q, "_KERNEL", broken)

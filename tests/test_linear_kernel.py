@@ -86,13 +86,6 @@ def test_strided_and_batched_inputs(op):
     assert torch.equal(L.linear(torch.zeros(3, 0), torch.zeros(24, 0), b), b.expand(3, 24))
 
 
-@pytest.fixture
-def fresh_variant():
-    L.default_variant.cache_clear()
-    yield
-    L.default_variant.cache_clear()  # re-read after monkeypatch restores the environment
-
-
 def test_fallback_paths(op, monkeypatch, capfd, fresh_variant):
     x, w, b = data(5, 40, 24)
     xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
@@ -106,7 +99,7 @@ def test_fallback_paths(op, monkeypatch, capfd, fresh_variant):
     # a build that fails (no compiler, no ninja, ...) warns once and falls back
     monkeypatch.setenv("SSD_CPU_KERNELS", "auto")
     L.default_variant.cache_clear()
-    broken = CppKernel("linear", L._SOURCE)
+    broken = CppKernel("linear")
     monkeypatch.setattr(broken, "_build", lambda v: (_ for _ in ()).throw(RuntimeError("no compiler")))
     monkeypatch.setattr(L, "_KERNEL", broken)
     assert torch.equal(L.linear(x, w, b), F.linear(x, w, b))

@@ -259,6 +259,38 @@ def test_a_worker_started_by_hand_on_another_address(smollm_dir, truncated_draft
         worker.wait()
 
 
+# A worker started by hand whose third reply announces ~4 TiB of floats (none follow).
+OVERSIZED_REPLY = """
+import itertools, sys, torch
+from ssd.speculative import protocol, worker
+send, replies = protocol.Channel.send, itertools.count(1)
+def oversized(self, msg, floats=None):
+    if msg["type"] == "reply" and next(replies) == 3:
+        return self.wait(self.pg.send([torch.tensor([16, 2**40])], self.peer, 0))
+    send(self, msg, floats)
+protocol.Channel.send = oversized
+sys.exit(worker.main(sys.argv[1:]))
+"""
+
+
+def test_an_oversized_reply_fails_over_to_sd(smollm_dir, truncated_draft, ar_outputs, monkeypatch, caplog):
+    monkeypatch.setenv("SSD_DRAFT_SECRET", "a secret both sides were given")
+    port = free_port()
+    worker = subprocess.Popen([sys.executable, "-c", OVERSIZED_REPLY, "--connect", f"127.0.0.1:{port}"])
+    try:
+        with caplog.at_level(logging.WARNING, logger="ssd"), \
+                LLM(smollm_dir, draft=truncated_draft, mode="ssd", draft_address=f"127.0.0.1:{port}") as llm:
+            outs = llm.generate(PROMPTS[:2], GREEDY)
+            assert llm.draft_failures == 1
+        assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
+        # Two rounds from the worker, then SD in this process.
+        assert all(o.metrics.draft_failures == 1 and o.metrics.hits + o.metrics.misses == 2 for o in outs)
+        assert "beyond what this link allows" in caplog.text
+    finally:
+        worker.kill()
+        worker.wait()
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(fan_out=[1, 2]), "list of K\\+1"),
     (dict(fan_out="wide"), "fan_out must be"),

@@ -17,6 +17,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
+    p.add_argument("--weights", choices=("auto", "gguf", "dequantized", "int8"), default="auto",
+                   help="gguf: a GGUF model's own quantised blocks (CPU); dequantized: a copy in --dtype (the "
+                        "values transformers loads); auto: gguf for a GGUF model on a CPU (default: auto)")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -58,7 +61,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     """LLM(...) arguments from the engine and speculation options."""
     from ssd.speculative.options import SpecOptions
 
-    kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len)
+    kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len,
+              weights=args.weights)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")

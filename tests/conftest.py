@@ -1,11 +1,8 @@
-import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
 
 SMOLLM = "smollm2-135m-instruct"
 
@@ -54,20 +51,10 @@ def tiny_models(tmp_path_factory, smollm_dir) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def truncated_draft(smollm_dir, tmp_path_factory):
-    """SmolLM2 cut to its first 12 of 30 layers: a real draft that often disagrees."""
-    folder = tmp_path_factory.mktemp("smollm-12-layers")
-    for f in smollm_dir.iterdir():
-        if f.suffix != ".safetensors":
-            shutil.copy(f, folder / f.name)
-    cfg = json.loads((smollm_dir / "config.json").read_text())
-    cfg["num_hidden_layers"] = 12
-    (folder / "config.json").write_text(json.dumps(cfg))
-    weights = {}
-    for f in smollm_dir.glob("*.safetensors"):
-        weights.update(load_file(f))
-    keep = {k: v for k, v in weights.items() if not (k.startswith("model.layers.") and int(k.split(".")[2]) >= 12)}
-    save_file(keep, folder / "model.safetensors")
-    return folder
+    """SmolLM2's GGUF cut to its first 12 of 30 layers: a real draft that often disagrees."""
+    from ssd.store import gguf_path
+    from gguf_models import truncated_gguf
+    return truncated_gguf(gguf_path(SMOLLM), tmp_path_factory.mktemp("smollm-12-layers") / "draft.gguf", 12)
 
 
 @pytest.fixture(scope="session")

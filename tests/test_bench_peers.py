@@ -4,7 +4,8 @@ import pytest
 import torch
 import transformers
 
-from ssd.bench.peers import PeerResult, PeerSkip, run_hf, run_llamacpp
+from ssd.bench.peers import PeerResult, PeerSkip, isolated, run_hf, run_llamacpp
+from ssd.models.loader import transformers_kwargs
 from ssd.store import gguf_path
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea."]
@@ -23,7 +24,8 @@ def prompts(smollm_dir) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def greedy(smollm_dir, prompts) -> list[list[int]]:
     """Greedy by hand: argmax of a full forward pass per step, no KV cache, no generate()."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32,
+                                                              **transformers_kwargs(smollm_dir)).eval()
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
@@ -68,8 +70,9 @@ def test_hf_bad_folder_is_skipped(tmp_path, prompts):
 def test_llamacpp_runs_or_skips(prompts, mode):
     gguf = gguf_path("smollm2-135m-instruct")
     kwargs = {"lookup": {"prompt_lookup": True}, "spec": {"draft_gguf": gguf}}.get(mode, {})
-    results = run_llamacpp(gguf, prompts, IDS, N, threads=2, ignore_eos=True, **kwargs)
     peer = {"plain": "llamacpp", "lookup": "llamacpp-lookup", "spec": "llamacpp-spec"}[mode]
+    # In a child process, as the bench runs it: a native crash is a skip, not the end of pytest.
+    results = isolated(peer, run_llamacpp, gguf, prompts, IDS, N, threads=2, ignore_eos=True, **kwargs)
     if importlib.util.find_spec("llama_cpp") is None:
         assert isinstance(results, PeerSkip) and results.peer == peer
         assert "No module named 'llama_cpp'" in results.reason
@@ -84,7 +87,7 @@ def test_llamacpp_spec_with_a_prompt_past_its_batch_size():
     n_batch (512) unless logits_all is passed; a longer prompt used to overflow it."""
     pytest.importorskip("llama_cpp")
     gguf = gguf_path("smollm2-135m-instruct")
-    results = run_llamacpp(gguf, [list(range(1000, 1600))], ["long"], 8, threads=2, ignore_eos=True,
-                           draft_gguf=gguf)
+    results = isolated("llamacpp-spec", run_llamacpp, gguf, [list(range(1000, 1600))], ["long"], 8, threads=2,
+                       ignore_eos=True, draft_gguf=gguf)
     assert not isinstance(results, PeerSkip), results.reason
     assert len(results[0].token_ids) == 8

@@ -11,7 +11,7 @@ def ssd(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_json_prints_exactly_one_object():
     r = ssd("generate", "--model", "smollm2-135m-instruct", "--prompt", "What is the capital of France?",
-            "--chat", "--temperature", "0", "--max-tokens", "16", "--json")
+            "--chat", "--temperature", "0", "--max-tokens", "16", "--json", "--weights", "dequantized")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)  # fails if anything else is on stdout
     assert set(out) == {"text", "token_ids", "finish_reason", "metrics"}

@@ -151,7 +151,7 @@ def test_unsupported_architecture(tmp_path):
 
 def test_folder_without_weights(tmp_path, smollm_dir):
     (tmp_path / "config.json").write_text((smollm_dir / "config.json").read_text())
-    with pytest.raises(ModelFileError, match="safetensors"):
+    with pytest.raises(ModelFileError, match="no weights"):
         LLM(tmp_path)
 
 

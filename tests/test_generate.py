@@ -7,9 +7,12 @@ from ssd.engine.detokenizer import TextStream
 GREEDY = SamplingParams.greedy(max_tokens=16)
 
 
-def test_chat_answers_capital_of_france(smollm):
-    out = smollm.generate([{"role": "user", "content": "What is the capital of France?"}],
-                          SamplingParams.greedy(max_tokens=32))[0]
+def test_chat_answers_capital_of_france(smollm_dir):
+    """The fp32 values of SmolLM2's file answer "Paris"; its Q4_1 blocks with 8-bit activations
+    (the CPU default) answer "L'Étoile, la ..." here, as llama.cpp does on the same file."""
+    with LLM(smollm_dir, weights="dequantized") as llm:
+        out = llm.generate([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams.greedy(max_tokens=32))[0]
     assert "Paris" in out.text
     assert out["text"] == out.text and out["token_ids"] == out.token_ids
 

@@ -1,4 +1,5 @@
-"""Our model implementations against transformers on the same weights (fp32)."""
+"""Our model implementations against transformers on the same weights (fp32), and the GGUF-block
+weights (8-bit activations) against those fp32 values."""
 import pytest
 import torch
 import transformers
@@ -6,14 +7,14 @@ import transformers
 from ssd import LLM, SamplingParams
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.models.loader import load_model
+from ssd.models.loader import load_model, transformers_kwargs
 
 CPU = torch.device("cpu")
 
 
-def our_logits(folder, ids: list[int], split: int) -> torch.Tensor:
+def our_logits(folder, ids: list[int], split: int, weights: str = "dequantized") -> torch.Tensor:
     """Logits at every position: a prefill of ids[:split], then one decode step per token."""
-    model = load_model(folder, CPU, torch.float32)
+    model = load_model(folder, CPU, torch.float32, weights)
     cache = PagedKVCache(model.config, 1024, 16, CPU, torch.float32)
     runner = ModelRunner(model, cache, CPU)
     cache.reserve(0, len(ids))
@@ -23,7 +24,8 @@ def our_logits(folder, ids: list[int], split: int) -> torch.Tensor:
 
 
 def hf_logits(folder, ids: list[int]) -> torch.Tensor:
-    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                           **transformers_kwargs(folder)).eval()
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]
 
@@ -42,11 +44,26 @@ def test_smollm2_logits_match_transformers(smollm_dir):
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-4)
 
 
-def test_smollm2_greedy_generation_matches_transformers(smollm, smollm_dir):
+def test_smollm2_gguf_blocks_close_to_fp32(smollm_dir):
+    """The default CPU path (the file's Q4_1/Q8_0 blocks, 8-bit activations) against the fp32
+    values of the same file: the same next token almost everywhere, nearly the same logits.
+    Measured: top-1 agreement 51/52 positions, cosine min 0.997."""
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
+    ids = tok("The quick brown fox jumps over the lazy dog. In Python, a list comprehension builds a new "
+              "list from an iterable: squares = [x * x for x in range(10)]. Then print(squares).").input_ids
+    q, f = our_logits(smollm_dir, ids, len(ids) - 8, "gguf"), our_logits(smollm_dir, ids, len(ids) - 8)
+    top1 = (q.argmax(-1) == f.argmax(-1)).float().mean().item()
+    cos = torch.nn.functional.cosine_similarity(q, f, dim=-1)
+    assert top1 >= 0.9 and cos.min() > 0.98 and cos.mean() > 0.995, (top1, cos.min().item())
+
+
+def test_smollm2_greedy_generation_matches_transformers(smollm_dir):
     prompt = "The three primary colors are"
-    out = smollm.generate(prompt, SamplingParams.greedy(max_tokens=24, ignore_eos=True))[0]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
-    ids = smollm.tokenizer(prompt, return_tensors="pt").input_ids
+    with LLM(smollm_dir, weights="dequantized") as llm:
+        out = llm.generate(prompt, SamplingParams.greedy(max_tokens=24, ignore_eos=True))[0]
+        ids = llm.tokenizer(prompt, return_tensors="pt").input_ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32,
+                                                           **transformers_kwargs(smollm_dir)).eval()
     with torch.no_grad():
         ref = hf.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, ids.shape[1]:]
     assert out.token_ids == ref.tolist()

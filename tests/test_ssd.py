@@ -61,7 +61,7 @@ def test_ssd_greedy_equals_ar(smollm_dir, truncated_draft, ar_outputs, k, fan_ou
 def test_self_draft_hits_every_round_after_the_first(smollm_dir, ar_outputs):
     """Greedy, the model as its own draft: every draft token is accepted, the outcome is
     always (K, the bonus token), and the glue decode's top token at depth K is that bonus."""
-    with LLM(smollm_dir, draft=smollm_dir, mode="ssd", speculate_k=4, fan_out=1, draft_quantization=None) as llm:
+    with LLM(smollm_dir, draft=smollm_dir, mode="ssd", speculate_k=4, fan_out=1, draft_quantization="gguf") as llm:
         outs = llm.generate(PROMPTS[:3], GREEDY)
     assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:3], GREEDY)
     for o in outs:
@@ -229,7 +229,7 @@ def test_a_worker_that_cannot_start(smollm_dir, truncated_draft, tmp_path, ar_ou
     broken = tmp_path / "broken-draft"
     broken.mkdir()
     for f in truncated_draft.iterdir():
-        (broken / f.name).write_bytes(b"not safetensors" if f.suffix == ".safetensors" else f.read_bytes())
+        (broken / f.name).write_bytes(b"not a GGUF file" if f.name == "model.gguf" else f.read_bytes())
     with caplog.at_level(logging.WARNING, logger="ssd"), \
             LLM(smollm_dir, draft=broken, mode="ssd") as llm:
         outs = llm.generate(PROMPTS[:2], GREEDY)
@@ -347,3 +347,58 @@ def test_ctrl_c_ends_generation_and_the_worker(smollm_dir, truncated_draft):
     while _workers_of(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _workers_of(proc.pid)
+
+
+# ---- the same through the GGUF-block kernels ---------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_gguf_pair(tiny_pair, tmp_path_factory):
+    """The tiny pair's weights quantised (Q8_0 target, Q4_0 draft) into GGUF files: the
+    engine runs them on their blocks, with 8-bit activations."""
+    from gguf import GGMLQuantizationType as GGML
+    from gguf_models import quantized_copy
+    return [quantized_copy(f, tmp_path_factory.mktemp(f"gguf-{f.name}"), q)
+            for f, q in zip(tiny_pair, (GGML.Q8_0, GGML.Q4_0))]
+
+
+def exact_joint_ours(folder, prompt_ids: list[int], temperature: float, new: int) -> torch.Tensor:
+    """P(t_1..t_new) [V]*new under the engine's own model of `folder` (its GGUF blocks), from
+    all V^(new-1) continuations scored together: batch invariance makes each row's logits the
+    ones generation computes."""
+    model = load_model(folder, torch.device("cpu"), torch.float32)
+    assert any("Quant" in type(m).__name__ for m in model.modules())
+    conts = list(itertools.product(range(V), repeat=new - 1))
+    n = len(prompt_ids) + new - 1
+    cache = PagedKVCache(model.config, len(conts) * (n + 16), 16, torch.device("cpu"), torch.float32)
+    for i in range(len(conts)):
+        cache.reserve(i, n)
+    runner = ModelRunner(model, cache, torch.device("cpu"))
+    logits = runner.forward([Chunk(i, prompt_ids + list(c), 0, new) for i, c in enumerate(conts)])
+    logp = (logits.double().view(len(conts), new, V) / temperature).log_softmax(-1)
+    conts_t = torch.tensor(conts).view(len(conts), new - 1)
+    joint = logp[:, -1]
+    for i in range(new - 1):
+        joint = joint + logp[:, i].gather(1, conts_t[:, i:i + 1])
+    return joint.exp().view(*[V] * new)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_sampling_follows_the_target_on_gguf_blocks(tiny_gguf_pair, mode):
+    target, draft = tiny_gguf_pair
+    n, new, temperature = 4000, 4, 1.0
+    params = SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True)
+    extra = dict(fan_out=2) if mode == "ssd" else {}
+    with LLM(target, draft=draft, mode=mode, speculate_k=2, max_num_seqs=500, seed=2, **extra) as llm:
+        assert llm.weights == "gguf"
+        outs = llm.generate([PROMPT] * n, params)
+        prompt_ids = llm.encode(PROMPT)
+    tokens = torch.tensor([o.token_ids for o in outs])
+    accepted, drafted = sum(o.metrics.accepted for o in outs), sum(o.metrics.drafted for o in outs)
+    assert 0.05 < accepted / drafted < 0.95, (accepted, drafted)
+    joint = exact_joint_ours(target, prompt_ids, temperature, new)
+    for i in range(new):
+        marginal = joint.sum(dim=[d for d in range(new) if d != i])
+        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+    last_two = joint.sum(dim=list(range(new - 2))).flatten()
+    counts = (tokens[:, -2] * V + tokens[:, -1]).bincount(minlength=V * V).double()
+    assert pooled_p_value(counts, last_two) > 1e-3
+

@@ -3,14 +3,20 @@ timed the way our engine times itself: TTFT from the call to the first output to
 decode speed as the tokens after the first chunk over the time after it.
 
 A peer that is not installed or cannot load the model gives a PeerSkip with the reason."""
+import multiprocessing
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
 import transformers
+
+from ssd.models.loader import transformers_kwargs
 from transformers.generation.streamers import BaseStreamer
 
 
@@ -30,6 +36,19 @@ class PeerResult:
 class PeerSkip:
     peer: str
     reason: str
+
+
+def isolated(peer: str, run: Callable[..., list[PeerResult] | PeerSkip], *args, **kwargs
+             ) -> list[PeerResult] | PeerSkip:
+    """run(*args, **kwargs) in a child process: a crash in a peer's native code (llama.cpp's
+    AMX path segfaults on prompts of several tokens on some CPUs) is reported as a skip
+    instead of ending the benchmark, and the peer's memory is all returned when it ends."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(run, *args, **kwargs).result()
+        except BrokenProcessPool:
+            return PeerSkip(peer, "the peer's process crashed (for llama-cpp-python built natively on a CPU with "
+                                  "AMX, rebuild it without AMX: bench/llamacpp.sh)")
 
 
 def _result(peer: str, prompt_id: str, prompt_len: int, token_ids: list[int], start: float,
@@ -85,7 +104,8 @@ def run_hf(target_folder: str | os.PathLike, prompt_token_ids: Sequence[Sequence
             torch.set_num_threads(threads)
 
         def load(folder: str | os.PathLike) -> transformers.PreTrainedModel:
-            return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, **transformers_kwargs(Path(folder))).to(device).eval()
 
         model = load(target_folder)
         kwargs: dict = {"do_sample": False}

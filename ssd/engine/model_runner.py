@@ -8,6 +8,9 @@ from ssd.layers.attention import AttentionBatch
 from ssd.models.decoder import DecoderLM
 
 
+WARM_UP_OWNER = -(1 << 62)  # a cache owner id no sequence or draft tree uses
+
+
 @dataclass
 class Chunk:
     """New tokens of one sequence, at positions start.., with logits wanted for the last
@@ -22,6 +25,18 @@ class Chunk:
 class ModelRunner:
     def __init__(self, model: DecoderLM, cache: PagedKVCache, device: torch.device):
         self.model, self.cache, self.device = model, cache, device
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One throw-away forward pass of one token: every kernel the model calls is built (or
+        loaded) now, with its message on stderr, not inside the first request's time or
+        streamed text; first-call allocations happen here too."""
+        owner = WARM_UP_OWNER
+        self.cache.reserve(owner, 1)
+        try:
+            self.forward([Chunk(owner, [0], 0, 1)])
+        finally:
+            self.cache.release(owner)
 
     @torch.inference_mode()
     def forward(self, chunks: list[Chunk]) -> torch.Tensor:

@@ -72,6 +72,15 @@ def default_pair(device: torch.device) -> tuple[Placement, Placement]:
     return Placement(device, tuple(cores[:half])), Placement(device, tuple(cores[half:]))
 
 
+def engine_threads(threads: int | None = None, cores: tuple[int, ...] | None = None) -> int:
+    """The one rule for how many CPU threads the engine computes with: `threads` if given,
+    else one per core of `cores` (a placement's), else one per core this process may use.
+    Benchmark peers get the same number."""
+    if threads is not None:
+        return threads
+    return len(cores) if cores else len(available_cores())
+
+
 def pin(cores: tuple[int, ...] | None) -> None:
     """Pin this process to `cores` and give torch one thread per core."""
     if cores is not None and hasattr(os, "sched_setaffinity"):

@@ -70,8 +70,11 @@ class CppKernel:
     ``SSD_NS`` (a macro set per variant), built lazily per variant; ``op(name)`` returns the
     op or None if unavailable."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, requires: dict[str, tuple[set[str], list[str]]] | None = None):
+        """requires: per variant, the CPU flags this kernel needs beyond the variant's own and
+        the compiler flags that enable them (a machine without them runs a lower variant)."""
         self.name = name
+        self.requires = requires or {}
         self._locks = {v: threading.Lock() for v in VARIANTS}  # variants may build concurrently
         self._built: dict[str, str | None] = {}  # variant -> torch.ops namespace, or None
         self._warned = False
@@ -82,7 +85,20 @@ class CppKernel:
 
     def flags(self, variant: str) -> list[str]:
         return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}",
-                *_ISA_FLAGS[variant]]
+                *_ISA_FLAGS[variant], *self.requires.get(variant, (set(), []))[1]]
+
+    def runnable(self) -> list[str]:
+        """The builds of this kernel this CPU runs, fastest first."""
+        return [v for v in runnable_variants() if self.requires.get(v, (set(), []))[0] <= _cpu_flags()]
+
+    def variant(self) -> str | None:
+        """This machine's build of this kernel: the machine's default, or the best below it
+        that this kernel's extra needs allow; None if kernels are switched off."""
+        default = default_variant()
+        if default is None:
+            return None
+        runnable = self.runnable()
+        return next((v for v in VARIANTS[VARIANTS.index(default):] if v in runnable), None)
 
     def _ns(self, variant: str) -> str:
         return f"ssd_{self.name}_{variant}"
@@ -115,12 +131,12 @@ class CppKernel:
     def op(self, op_name: str, variant: str | None = None):
         """The compiled op for a variant (default: this machine's), building it on first
         use; None if it cannot be built or is switched off. Never raises for a build error."""
-        variant = variant or default_variant()
+        variant = variant or self.variant()
         if variant is None:
             return None
         if variant not in VARIANTS:
             raise ValueError(f"unknown CPU kernel variant {variant!r}; known: {VARIANTS}")
-        if variant not in runnable_variants():  # would die on an illegal instruction
+        if variant not in self.runnable():  # would die on an illegal instruction
             return None
         ns = self._built.get(variant, _MISSING)
         if ns is _MISSING:

@@ -3,6 +3,7 @@ from torch import nn
 
 from ssd.kernels.linear_cpu import linear
 from ssd.kernels.linear_int8_cpu import linear_int8, quantize
+from ssd.kernels.quant_cpu import QuantMatrix, dequant_rows, qlinear
 
 
 class Linear(nn.Linear):
@@ -33,3 +34,37 @@ class Linear(nn.Linear):
         if self.quantized:
             return linear_int8(x, self.qweight, self.weight_scale, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+class QuantLinear(nn.Module):
+    """A linear layer on GGUF-quantised weights (ssd/kernels/quant_cpu.py): the output is the
+    parts' rows stacked (q, k and v of one attention, say, each of its own GGUF type), and
+    the batch-invariant kernel computes them all in one call, from one quantisation of x."""
+
+    def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None = None):
+        super().__init__()
+        self.parts = parts
+        self.in_features, self.out_features = parts[0].cols, sum(p.rows for p in parts)
+        for i, p in enumerate(parts):  # buffers, so that the module's memory is visible to torch
+            self.register_buffer(f"packed{i}", p.packed, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return qlinear(x.float(), self.parts, self.bias).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        types = "+".join(p.qtype.name for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, {types}"
+
+
+class QuantEmbedding(nn.Module):
+    """Token embeddings looked up in a GGUF tensor's own blocks: each looked-up row is
+    dequantised exactly as the gguf package does (the values of the fp32 copy)."""
+
+    def __init__(self, raw: torch.Tensor, qtype, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.qtype, self.num_embeddings, self.embedding_dim = qtype, num_embeddings, embedding_dim
+        self.register_buffer("raw", raw, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequant_rows(self.raw, self.qtype, ids, self.embedding_dim).view(*ids.shape, self.embedding_dim)

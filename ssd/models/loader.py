@@ -1,16 +1,26 @@
+"""Loading a model's weights: from its GGUF file (the quantised blocks themselves, on a CPU,
+or dequantised to fp32) or from Hugging Face safetensors."""
 import weakref
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 from transformers import AutoTokenizer
 
-from ssd.errors import ModelFileError, SSDError
-from ssd.layers.linear import Linear
+from ssd.errors import ModelFileError, SSDError, UnsupportedModelError
+from ssd.kernels import quant_cpu
+from ssd.layers.linear import Linear, QuantEmbedding, QuantLinear
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
+from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, tensors
 
-QUANTIZATIONS = ("int8",)
+# How a model's weights are held:
+#   "gguf": its GGUF file's own blocks (CPU; ssd/kernels/quant_cpu.py), the default for a GGUF on a CPU;
+#   "dequantized": a copy in the compute dtype (fp32 on CPU: the values transformers loads);
+#   "int8": weight-only int8 requantised from those values (for a draft: only acceptance changes).
+WEIGHTS = ("auto", "gguf", "dequantized", "int8")
+QUANTIZATIONS = ("gguf", "int8")  # what a draft may be requantised to (SpecOptions.draft_quantization)
 
 # Our fused matrices and the Hugging Face tensors they are stacked from, in order.
 FUSED = {
@@ -21,10 +31,40 @@ FUSED = {
 
 
 def weight_files(folder: Path) -> list[Path]:
+    """The files a model folder's weights are read from: its GGUF file, or safetensors."""
+    gguf = Path(folder) / GGUF_LINK
+    if gguf.is_symlink() or gguf.exists():
+        if not gguf.is_file():
+            raise ModelFileError(f"{folder}: its weights file {gguf} -> {gguf.resolve()} is missing")
+        return [gguf]
     files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise ModelFileError(f"no .safetensors weights in {folder}")
+        raise ModelFileError(f"no weights in {folder}: neither {GGUF_LINK} nor .safetensors files")
     return files
+
+
+def transformers_kwargs(folder: Path) -> dict:
+    """What `transformers.AutoModelForCausalLM.from_pretrained(folder, ...)` needs to load the
+    same weights (for a GGUF-backed folder: the file, which transformers dequantises)."""
+    return {"gguf_file": GGUF_LINK} if weight_files(folder)[0].name == GGUF_LINK else {}
+
+
+def resolve_weights(folder: Path, device: torch.device, weights: str) -> str:
+    """The concrete way a model's weights will be held ("auto" decided)."""
+    if weights not in WEIGHTS:
+        raise SSDError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    is_gguf = weight_files(folder)[0].name == GGUF_LINK
+    if weights == "gguf":
+        if not is_gguf:
+            raise SSDError(f"weights='gguf' needs a GGUF model; {folder} holds safetensors")
+        if device.type != "cpu":
+            raise SSDError("weights='gguf' runs on the CPU only (a GPU gets the dequantised weights)")
+        if not quant_cpu.available():
+            raise SSDError("weights='gguf' needs the CPU quant kernel, which could not be built here "
+                           "(see the message above); use weights='dequantized'")
+    if weights == "auto":
+        return "gguf" if is_gguf and device.type == "cpu" and quant_cpu.available() else "dequantized"
+    return weights
 
 
 def load_tokenizer(folder: Path):
@@ -35,17 +75,21 @@ def load_tokenizer(folder: Path):
         raise ModelFileError(f"cannot load the tokenizer in {folder}: {str(e).strip().splitlines()[0]}") from e
 
 
-def read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor under its Hugging Face name, fp32 from a GGUF file (dequantised exactly as
+    transformers does) or as stored in safetensors."""
     files = weight_files(folder)
-    tensors: dict[str, torch.Tensor] = {}
+    if files[0].name == GGUF_LINK:
+        return {t.name: dequantize(t) for t in tensors(open_gguf(files[0]), files[0])}
+    found: dict[str, torch.Tensor] = {}
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:
                 for name in st.keys():
-                    tensors[name] = st.get_tensor(name)
+                    found[name] = st.get_tensor(name)
         except Exception as e:  # safetensors raises its own error types
             raise ModelFileError(f"cannot read weights {f}: {e}") from e
-    return tensors
+    return found
 
 
 def to_engine_names(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -68,28 +112,96 @@ def to_engine_names(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     return out
 
 
-def load_model(folder: Path, device: torch.device, dtype: torch.dtype,
-               quantize: str | None = None) -> DecoderLM:
-    """quantize="int8": every Linear (q/k/v/o, gate_up, down, lm_head) gets weight-only int8
-    (for a draft model: its numerics change only the acceptance rate, never the output)."""
-    if quantize is not None and quantize not in QUANTIZATIONS:
-        raise SSDError(f"unknown quantization {quantize!r}; known: {', '.join(QUANTIZATIONS)}")
+def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> DecoderLM:
+    """weights: see WEIGHTS ("int8": every Linear (q/k/v/o, gate_up, down, lm_head) gets
+    weight-only int8, for a draft model, whose numerics change only the acceptance rate)."""
+    weights = resolve_weights(folder, device, weights)
     cfg = ModelConfig.from_folder(folder)
-    weights = to_engine_names(read_safetensors(folder), cfg)
+    if weights == "gguf":
+        return load_gguf_blocks(weight_files(folder)[0], cfg).eval()
+    state = to_engine_names(read_weights(folder), cfg)
     with torch.device("meta"):
         model = DecoderLM(cfg)
     expected = set(model.state_dict())
-    missing, unexpected = expected - set(weights), set(weights) - expected
+    missing, unexpected = expected - set(state), set(state) - expected
     if missing or unexpected:
         raise ModelFileError(f"weights in {folder} do not fit the {cfg.arch} config: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
-    model.load_state_dict({k: v.to(dtype) for k, v in weights.items()}, assign=True)
-    del weights  # the model holds the only references: quantizing frees each fp32 matrix
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    del state  # the model holds the only references: quantizing frees each fp32 matrix
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    if quantize == "int8":
+    if weights == "int8":
         quantize_int8(model)
     return model.to(device).eval()
+
+
+def load_gguf_blocks(path: Path, cfg: ModelConfig) -> DecoderLM:
+    """The model on its GGUF file's own blocks (CPU), read in one pass: each matrix is
+    repacked for the kernel from the file's pages (no fp32 copy is ever made), the embedding
+    keeps its blocks, norms and biases are fp32. A matrix stored as F32/F16/BF16 stays a plain
+    fp32 Linear."""
+    index = open_gguf(path)
+    found = {t.name: t for t in tensors(index, path)}
+
+    def get(name: str) -> GGUFTensor:
+        if name not in found:
+            raise ModelFileError(f"{path}: tensor {name} is missing")
+        return found[name]
+
+    def vector(name: str) -> nn.Parameter:
+        return nn.Parameter(dequantize(get(name)), requires_grad=False)
+
+    def linear(names: list[str], bias: torch.Tensor | None = None) -> nn.Module:
+        parts = [get(n) for n in names]
+        plain = [t for t in parts if t.qtype not in quant_cpu.SUPPORTED]
+        if not plain:
+            packed = []
+            for t in parts:
+                packed.append(quant_cpu.repack(torch.from_numpy(t.raw.reshape(-1)), t.qtype, *t.shape))
+                index.unmap(t.raw)  # read once: its pages need not stay in this process
+            return QuantLinear(packed, bias)
+        if any(t.qtype.name not in ("F32", "F16", "BF16") for t in plain):
+            bad = sorted({t.qtype.name for t in plain})
+            raise UnsupportedModelError(
+                f"{path}: GGUF type {', '.join(bad)} (in {plain[0].name}) has no CPU kernel here; the kernels cover "
+                f"{', '.join(sorted(q.name for q in quant_cpu.SUPPORTED))}. Load it with weights='dequantized'")
+        w = torch.cat([dequantize(t) for t in parts])
+        layer = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
+        layer.weight = nn.Parameter(w, requires_grad=False)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias, requires_grad=False)
+        return layer
+
+    with torch.device("meta"):
+        model = DecoderLM(cfg)
+    for i, layer in enumerate(model.layers):
+        pre = f"model.layers.{i}."
+        attn = layer.self_attn
+        qkv = [f"{pre}self_attn.{p}_proj" for p in "qkv"]
+        bias = torch.cat([dequantize(get(f"{n}.bias")) for n in qkv]) if cfg.qkv_bias else None
+        attn.qkv_proj = linear([f"{n}.weight" for n in qkv], bias)
+        attn.o_proj = linear([f"{pre}self_attn.o_proj.weight"])
+        if cfg.qk_norm:
+            attn.q_norm.weight = vector(f"{pre}self_attn.q_norm.weight")
+            attn.k_norm.weight = vector(f"{pre}self_attn.k_norm.weight")
+        layer.mlp.gate_up_proj = linear([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
+        layer.mlp.down_proj = linear([f"{pre}mlp.down_proj.weight"])
+        layer.input_layernorm.weight = vector(f"{pre}input_layernorm.weight")
+        layer.post_attention_layernorm.weight = vector(f"{pre}post_attention_layernorm.weight")
+    model.norm.weight = vector("model.norm.weight")
+    embed = get("model.embed_tokens.weight")
+    if embed.qtype in quant_cpu.SUPPORTED:
+        # A copy of the blocks: the file's pages are unmapped once loading is done.
+        model.embed_tokens = QuantEmbedding(torch.from_numpy(embed.raw.reshape(-1).copy()), embed.qtype, *embed.shape)
+        index.unmap(embed.raw)
+    else:
+        model.embed_tokens = nn.Embedding.from_pretrained(dequantize(embed))
+    model.lm_head = linear(["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
+    return model
 
 
 def quantize_int8(model: DecoderLM) -> None:
@@ -110,12 +222,13 @@ def quantize_int8(model: DecoderLM) -> None:
 _loaded: "weakref.WeakValueDictionary[tuple, DecoderLM]" = weakref.WeakValueDictionary()
 
 
-def shared_model(folder: Path, device: torch.device, dtype: torch.dtype, quantize: str | None = None) -> DecoderLM:
+def shared_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> DecoderLM:
     """Load a model, or hand back the copy another LLM already holds: weights are read-only
     at inference, so engines of the same model (an AR, an SD and an SSD engine side by side
     in a benchmark) share one copy."""
-    key = (str(Path(folder).resolve()), str(device), dtype, quantize)
+    weights = resolve_weights(Path(folder), device, weights)
+    key = (str(Path(folder).resolve()), str(device), dtype, weights)
     model = _loaded.get(key)
     if model is None:
-        model = _loaded[key] = load_model(folder, device, dtype, quantize=quantize)
+        model = _loaded[key] = load_model(folder, device, dtype, weights)
     return model

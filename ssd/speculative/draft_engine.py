@@ -47,6 +47,7 @@ class DraftEngine:
         self.max_len, self.vocab = cfg.max_position_embeddings, cfg.vocab_size
         self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype)
         self.runner = ModelRunner(model, self.kv, device)
+        self.runner.warm_up()
         self.seqs: dict[int, DraftSeq] = {}
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
@@ -56,7 +57,7 @@ class DraftEngine:
     def from_config(cls, cfg: DraftConfig, device: torch.device, saguaro: tuple[float, int] | None = None
                     ) -> "DraftEngine":
         from ssd.store import resolve_model
-        model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.quantization)
+        model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.weights)
         return cls(model, device, k=cfg.k, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
                    seed=cfg.seed, saguaro=saguaro)
 

@@ -29,7 +29,7 @@ def start_speculator(opts: SpecOptions, mode: str, draft: str | Path, *, tokeniz
     # sequence's tree of up to fan.max_size branches per depth, K deep.
     branches = (k + 1) * fan.max_size if mode == "ssd" else 0
     cfg = DraftConfig(model=str(folder) if opts.draft_address is None else str(draft),
-                      dtype=str(dtype).removeprefix("torch."), quantization=opts.quantization(device), k=k,
+                      dtype=str(dtype).removeprefix("torch."), weights=opts.draft_weights(folder, device), k=k,
                       cache_tokens=cache_tokens + max_num_seqs * (k + 2 * block_size + branches * k),
                       block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,
                       fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget,

@@ -6,13 +6,14 @@
 the SSD worker, where it travels as a dict in the hello message (ssd/speculative/protocol.py).
 """
 import os
+from pathlib import Path
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 import torch
 
 from ssd.engine.placement import Placement, default_pair, parse_placement
 from ssd.errors import SSDError
-from ssd.models.loader import QUANTIZATIONS
+from ssd.models.loader import QUANTIZATIONS, resolve_weights
 from ssd.speculative.protocol import parse_address
 
 MODES = ("ar", "sd", "ssd")
@@ -47,8 +48,9 @@ class SpecOptions:
 
     speculate_k: int = _option(4, "draft tokens per round (1..32)", flag="--k", parse=int, metavar="K")
     draft_quantization: str | None = _option(
-        "auto", "the draft's weights: int8 (4x fewer bytes to read per token than fp32; the output stays "
-        "exact, only acceptance may change), none (the target's dtype), auto: int8 for a draft on a CPU",
+        "auto", "the draft's weights: gguf (its GGUF file's own blocks), int8 (weight-only int8 from its "
+        "values), none (dequantised to the target's dtype); the output stays exact whatever they are, only "
+        "acceptance may change. auto: gguf for a GGUF draft on a CPU, int8 for another CPU draft, none on a GPU",
         flag="--draft-quantization", choices=("auto", "none", *QUANTIZATIONS))
     fan_out: int | list[int] | str = _option(
         3, "fork tokens per depth of the speculation tree: F, one count per depth F0,..,FK, or auto "
@@ -109,15 +111,19 @@ class SpecOptions:
     def secret(self) -> str | None:
         return self.draft_secret or os.environ.get(SECRET_ENV) or None
 
-    def quantization(self, target_device: torch.device) -> str | None:
-        """The draft's weights: "auto" means int8 on a CPU (drafting is memory-bound there)."""
+    def draft_weights(self, folder: Path, target_device: torch.device) -> str:
+        """How the draft's weights are held (ssd/models/loader.py WEIGHTS), "auto" decided."""
         device = self.draft_placement(target_device).device if self.draft_device else target_device
-        if self.draft_quantization == "int8" and device.type == "cuda":
-            raise SSDError("draft_quantization='int8' is for a draft on a CPU; on CUDA it would dequantise every "
-                           "weight on every forward pass: use 'auto' or None")
+        if self.draft_quantization in QUANTIZATIONS and device.type == "cuda":
+            raise SSDError(f"draft_quantization={self.draft_quantization!r} is for a draft on a CPU; on CUDA it "
+                           "would dequantise every weight on every forward pass: use 'auto' or None")
+        if self.draft_quantization is None:
+            return "dequantized"
         if self.draft_quantization != "auto":
             return self.draft_quantization
-        return "int8" if device.type == "cpu" else None
+        if device.type != "cpu":
+            return "dequantized"
+        return "gguf" if resolve_weights(folder, device, "auto") == "gguf" else "int8"
 
     def target_placement(self, device: torch.device) -> Placement:
         return parse_placement(self.target_device) if self.target_device else default_pair(device)[0]
@@ -141,7 +147,7 @@ class DraftConfig:
 
     model: str  # a model folder, or for a worker on another host the name or path it resolves there
     dtype: str  # "float32", "bfloat16", ... as the target names it
-    quantization: str | None
+    weights: str  # how the draft's weights are held (ssd/models/loader.py WEIGHTS)
     k: int
     cache_tokens: int
     block_size: int

@@ -1,0 +1,128 @@
+"""Model quality of the GGUF-block weights (8-bit activations) against the fp32 copy of the same
+file, on held-out real text: perplexity, agreement of the most likely next token, and the mean
+KL divergence of the next-token distributions; with llama.cpp's perplexity on the same text.
+
+The text: the conclusion sections of the ACLSum test split (scientific English; the benchmark's
+ACLSum prompts use the introductions), tokenised once and cut into chunks of --ctx tokens.
+Scoring follows llama-perplexity: each chunk is evaluated from its start and only the tokens of
+its second half are scored, so every scored token has at least ctx/2 tokens of context.
+
+    python bench/quality.py --model qwen2.5-coder-1.5b-instruct --tokens 4096 \
+        --llama-perplexity "$(bash ../shared/tools/build-llamacpp.sh)/llama-perplexity"
+"""
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ssd import LLM
+from ssd.bench.prompts import read_records
+from ssd.engine.model_runner import Chunk
+from ssd.store import REGISTRY, gguf_path
+
+
+def held_out_text(min_chars: int) -> str:
+    records = read_records("aclsum")
+    parts = []
+    for r in records:
+        parts.append(" ".join(r["sentences"]["conclusion"]))
+        if sum(map(len, parts)) >= min_chars:
+            break
+    return "\n\n".join(parts)
+
+
+@torch.inference_mode()
+def chunk_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    """Logits at every position of one chunk, evaluated from its start (a fresh sequence)."""
+    owner = -12345
+    llm.cache.reserve(owner, len(ids))
+    try:
+        return llm.runner.forward([Chunk(owner, ids, 0, len(ids))]).float()
+    finally:
+        llm.cache.release(owner)
+
+
+def score(model: str, weights: str, chunks: list[list[int]], threads: int | None) -> tuple[list[torch.Tensor], float]:
+    """Per chunk, the log-probabilities of the scored positions [ctx/2, ctx-1) (log_softmax rows)."""
+    llm = LLM(model, weights=weights, threads=threads, max_num_batched_tokens=4096)
+    start = time.perf_counter()
+    out = []
+    for ids in chunks:
+        logits = chunk_logits(llm, ids)
+        out.append(torch.log_softmax(logits[len(ids) // 2:len(ids) - 1], dim=-1))
+    seconds = time.perf_counter() - start
+    llm.close()
+    return out, seconds
+
+
+def perplexity(logp: list[torch.Tensor], chunks: list[list[int]]) -> float:
+    nll, n = 0.0, 0
+    for lp, ids in zip(logp, chunks):
+        targets = torch.tensor(ids[len(ids) // 2 + 1:])
+        nll -= lp.gather(1, targets[:, None]).sum().item()
+        n += len(targets)
+    return math.exp(nll / n)
+
+
+def llama_perplexity(binary: str, gguf: Path, text: str, ctx: int, chunks: int, threads: int) -> float | None:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write(text)
+    cmd = [binary, "-m", str(gguf), "-f", f.name, "-c", str(ctx), "-b", str(ctx), "--chunks", str(chunks),
+           "-t", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    m = re.search(r"Final estimate: PPL = ([0-9.]+)", out.stdout + out.stderr)
+    if not m:
+        print(f"llama-perplexity failed ({out.returncode}): {(out.stdout + out.stderr)[-2000:]}", file=sys.stderr)
+        return None
+    return float(m[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens of text (half of them scored)")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--llama-perplexity", metavar="BIN", help="llama.cpp's llama-perplexity, to run beside")
+    ap.add_argument("--out", metavar="FILE.json")
+    args = ap.parse_args()
+
+    probe = LLM(args.model, weights="gguf", threads=args.threads)
+    text = held_out_text(args.tokens * 6)
+    ids = probe.tokenizer(text, add_special_tokens=False).input_ids
+    probe.close()
+    n = len(ids) // args.ctx
+    if n * args.ctx < args.tokens:
+        raise SystemExit(f"only {len(ids)} tokens of text for {args.tokens}")
+    n = args.tokens // args.ctx
+    chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(n)]
+    text = probe.tokenizer.decode(ids[:n * args.ctx])  # what llama.cpp reads: the same tokens
+
+    q, q_s = score(args.model, "gguf", chunks, args.threads)
+    f, f_s = score(args.model, "dequantized", chunks, args.threads)
+    scored = sum(len(c) // 2 - 1 for c in chunks)
+    agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(q, f)) / scored
+    kl = sum((b.exp() * (b - a)).sum().item() for a, b in zip(q, f)) / scored  # KL(fp32 || gguf)
+    result = {"model": args.model, "text_tokens": n * args.ctx, "scored_tokens": scored, "ctx": args.ctx,
+              "threads": torch.get_num_threads(), "ppl_gguf": perplexity(q, chunks),
+              "ppl_fp32": perplexity(f, chunks), "argmax_agreement": agree, "mean_kl": kl,
+              "seconds_gguf": q_s, "seconds_fp32": f_s}
+    result["ppl_ratio"] = result["ppl_gguf"] / result["ppl_fp32"]
+    if args.llama_perplexity:
+        file = gguf_path(args.model) if args.model in REGISTRY else Path(args.model)
+        result["ppl_llamacpp"] = llama_perplexity(args.llama_perplexity, file, text, args.ctx, n,
+                                                  result["threads"])
+    print(json.dumps(result, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

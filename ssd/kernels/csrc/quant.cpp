@@ -1,0 +1,1009 @@
+// Built by ssd/kernels/build.py; the Python side and the why: ssd/kernels/quant_cpu.py.
+//
+// Batch-invariant matrix products on GGUF-quantised weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+// Q4_K, Q5_K, Q6_K), with 8-bit activations:
+//
+//   repack(raw, type, N, K)          GGUF blocks [N rows of K] -> groups of 16 rows, interleaved
+//   qlinear(x, parts, types, rows, K, bias)   y[M, sum rows] = x @ W.T (+ b), W the parts stacked
+//   dequant_rows(raw, type, ids, K)  rows of the GGUF tensor in fp32, exactly as the gguf package
+//   quantize_rows(x, kind)           the 8-bit activations qlinear uses (for tests)
+//
+// Numerics (every build does exactly this, so all give the same bits). Each activation row is
+// quantised alone: per block of 32 (legacy weight types) or 256 (K types),
+//   amax = max |x_i|, d = amax / 127, q_i = nearbyint(x_i * (127 / amax)) (0 if amax = 0).
+// For an output (m, n), the weight block b's integer products are summed exactly in int32:
+//   S_b = sum_i w_i q_i over the block, with w_i the block's integer weights (q - 8 for Q4_0,
+//   q - 16 for Q5_0, q for Q8_0/Q4_1/Q5_1); K types: S_b = sum_j sc_j * sum_{i in j} w_i q_i
+//   over the sub-blocks j (Q6_K: w = q - 32), and for Q4_K/Q5_K M_b = sum_j mn_j * sum_{i in j} q_i.
+// Then, over the blocks in ascending order, from acc = 0 (fp32, every step rounded once):
+//   acc = fma(float(S_b), dw_b * dx_b, acc)
+//   Q4_K, Q5_K: acc = fma(float(M_b), -(dmin_b * dx_b), acc)
+//   Q4_1, Q5_1: acc = fma(m_b, dx_b * float(sum_{i in b} q_i), acc)
+// and y = acc (+ b[n]). Nothing depends on M, the other rows or the thread count.
+//
+// Packed layout: rows in groups of G = 16 (the last one padded with zeros); per group, per
+// block, the 16 rows' scales and their quants interleaved so that one 64-byte vector holds 4
+// consecutive weights of each of the 16 rows ("k-group"): byte i is row i / 4, weight i % 4.
+// With AVX-512 VNNI one vpdpbusd then adds 4 products into each row's int32 lane, for all 16
+// rows at once, and no horizontal sum is ever needed. 4-bit quants are stored as nibble
+// pairs (low nibble: k-group 2v, high: 2v + 1); 5th and 6th bits as one 64-bit mask per k-group.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
+    defined(__F16C__)
+#include <immintrin.h>
+#define SSD_VNNI 1
+#define SSD_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define SSD_VNNI 0
+#define SSD_AVX2 1
+#else
+#define SSD_VNNI 0
+#define SSD_AVX2 0
+#endif
+#define SSD_FAST (SSD_VNNI || SSD_AVX2)
+
+namespace {
+
+constexpr int G = 16;  // rows per group
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+struct Info {
+  int block;       // weights per block
+  int raw_bytes;   // bytes of one GGUF block
+  int pack_bytes;  // bytes of one block of a 16-row group, packed
+};
+
+static bool known(int64_t t) {
+  switch (t) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+    default: return false;
+  }
+}
+
+static Info info(int64_t t) {
+  switch (t) {
+    case Q4_0: return {32, 18, 32 + 256};
+    case Q4_1: return {32, 20, 64 + 256};
+    case Q5_0: return {32, 22, 32 + 256 + 64};
+    case Q5_1: return {32, 24, 64 + 256 + 64};
+    case Q8_0: return {32, 34, 32 + 512};
+    case Q4_K: return {256, 144, 64 + 256 + 2048};
+    case Q5_K: return {256, 176, 64 + 256 + 2048 + 512};
+    case Q6_K: return {256, 210, 32 + 256 + 64 + 2048 + 1024};
+  }
+  TORCH_CHECK(false, "ssd quant: unsupported GGUF type ", t);
+}
+
+static bool k_type(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+
+// ---- fp16 -> fp32, exact (normal, subnormal, inf, nan) -----------------------------------------
+static inline float half_to_float(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+  if (exp == 0x1F) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    int e = -1;
+    do { ++e; man <<= 1; } while (!(man & 0x400));
+    bits = sign | uint32_t(112 - e) << 23 | ((man & 0x3FF) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+static inline uint16_t rd16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+static inline uint32_t rd32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+
+// Q4_K / Q5_K 6-bit scale and min of sub-block j from the 12 packed bytes (as the gguf package).
+static inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// ---- one GGUF block -> integer quants (the values the gguf package multiplies by its scales) ----
+// Legacy types: q[32] (0..15 / 0..31 / -128..127, before any offset). K types: q[256] unsigned
+// (Q6_K: 0..63, before -32), in the element order of the dequantised row.
+static void unpack_block(int64_t t, const uint8_t* b, int32_t* q) {
+  switch (t) {
+    case Q4_0: case Q4_1: {
+      const uint8_t* qs = b + (t == Q4_0 ? 2 : 4);
+      for (int j = 0; j < 16; ++j) { q[j] = qs[j] & 0x0F; q[j + 16] = qs[j] >> 4; }
+      break;
+    }
+    case Q5_0: case Q5_1: {
+      const uint8_t* p = b + (t == Q5_0 ? 2 : 4);
+      const uint32_t qh = rd32(p);
+      const uint8_t* qs = p + 4;
+      for (int j = 0; j < 16; ++j) {
+        q[j] = (qs[j] & 0x0F) | (((qh >> j) & 1) << 4);
+        q[j + 16] = (qs[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+      }
+      break;
+    }
+    case Q8_0:
+      for (int j = 0; j < 32; ++j) q[j] = int8_t(b[2 + j]);
+      break;
+    case Q4_K: case Q5_K: {
+      const uint8_t* qh = b + 16;
+      const uint8_t* qs = b + (t == Q4_K ? 16 : 48);
+      for (int g = 0; g < 4; ++g)
+        for (int l = 0; l < 32; ++l) {
+          q[64 * g + l] = qs[32 * g + l] & 0x0F;
+          q[64 * g + 32 + l] = qs[32 * g + l] >> 4;
+          if (t == Q5_K) {
+            q[64 * g + l] |= ((qh[l] >> (2 * g)) & 1) << 4;
+            q[64 * g + 32 + l] |= ((qh[l] >> (2 * g + 1)) & 1) << 4;
+          }
+        }
+      break;
+    }
+    case Q6_K: {
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      for (int h = 0; h < 2; ++h)
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t* L = ql + 64 * h;
+          const uint8_t H = qh[32 * h + l];
+          int32_t* y = q + 128 * h;
+          y[l] = (L[l] & 0x0F) | ((H & 3) << 4);
+          y[l + 32] = (L[l + 32] & 0x0F) | (((H >> 2) & 3) << 4);
+          y[l + 64] = (L[l] >> 4) | (((H >> 4) & 3) << 4);
+          y[l + 96] = (L[l + 32] >> 4) | (((H >> 6) & 3) << 4);
+        }
+      break;
+    }
+  }
+}
+
+// ---- dequantisation of whole rows, exactly as the gguf package computes it (fp32, no fma) -------
+static void dequant_block(int64_t t, const uint8_t* b, float* y) {
+  int32_t q[256];
+  unpack_block(t, b, q);
+  switch (t) {
+    case Q4_0: case Q5_0: case Q8_0: {
+      const float d = half_to_float(rd16(b));
+      const int off = t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0;
+      for (int j = 0; j < 32; ++j) y[j] = d * float(q[j] - off);
+      break;
+    }
+    case Q4_1: case Q5_1: {
+      const float d = half_to_float(rd16(b)), m = half_to_float(rd16(b + 2));
+      for (int j = 0; j < 32; ++j) y[j] = d * float(q[j]) + m;
+      break;
+    }
+    case Q4_K: case Q5_K: {
+      const float d = half_to_float(rd16(b)), dmin = half_to_float(rd16(b + 2));
+      for (int j = 0; j < 8; ++j) {
+        uint8_t sc, mn;
+        scale_min_k4(j, b + 4, &sc, &mn);
+        const float d1 = d * float(sc), m1 = dmin * float(mn);
+        for (int l = 0; l < 32; ++l) y[32 * j + l] = d1 * float(q[32 * j + l]) - m1;
+      }
+      break;
+    }
+    case Q6_K: {
+      const float d = half_to_float(rd16(b + 208));
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      for (int j = 0; j < 16; ++j) {
+        const float d1 = d * float(sc[j]);
+        for (int l = 0; l < 16; ++l) y[16 * j + l] = d1 * float(q[16 * j + l] - 32);
+      }
+      break;
+    }
+  }
+}
+
+at::Tensor dequant_rows(const at::Tensor& raw, int64_t type, const at::Tensor& ids, int64_t K) {
+  TORCH_CHECK(known(type), "ssd quant: unsupported GGUF type ", type);
+  const Info in = info(type);
+  TORCH_CHECK(K % in.block == 0, "ssd quant: row length ", K, " is not a multiple of ", in.block);
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(), "ssd quant: raw bytes");
+  const int64_t nb = K / in.block, row_bytes = nb * in.raw_bytes, rows = raw.numel() / row_bytes;
+  TORCH_CHECK(raw.numel() == rows * row_bytes, "ssd quant: the data is not whole rows");
+  auto idc = ids.to(at::kLong).contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  const int64_t T = idc.numel();
+  for (int64_t i = 0; i < T; ++i) TORCH_CHECK(0 <= id[i] && id[i] < rows, "ssd quant: row ", id[i], " out of range");
+  at::Tensor y = at::empty({T, K}, at::kFloat);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  float* dst = y.data_ptr<float>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t i = t0; i < t1; ++i)
+      for (int64_t b = 0; b < nb; ++b) dequant_block(type, src + id[i] * row_bytes + b * in.raw_bytes,
+                                                     dst + i * K + b * in.block);
+  });
+  return y;
+}
+
+// ---- repacking -----------------------------------------------------------------------------
+// Within a packed group-block: the quants of "k-group" kg (4 consecutive weights of all 16
+// rows) are 64 values in the order (row r, weight e) -> r * 4 + e.
+static inline int vpos(int r, int e) { return r * 4 + e; }
+
+// Nibble plane of nkg k-groups (nkg even): byte i of vector v: low nibble = k-group 2v, high = 2v+1.
+static void put_nibbles(uint8_t* dst, const int32_t (*q)[256], int nkg) {
+  for (int v = 0; v < nkg / 2; ++v)
+    for (int r = 0; r < G; ++r)
+      for (int e = 0; e < 4; ++e) {
+        const int lo = q[r][4 * (2 * v) + e] & 0x0F, hi = q[r][4 * (2 * v + 1) + e] & 0x0F;
+        dst[64 * v + vpos(r, e)] = uint8_t(lo | (hi << 4));
+      }
+}
+
+// One 64-bit mask per k-group: bit vpos(r, e) = bit `bit` of the quant.
+static void put_bits(uint8_t* dst, const int32_t (*q)[256], int nkg, int bit) {
+  for (int kg = 0; kg < nkg; ++kg) {
+    uint64_t m = 0;
+    for (int r = 0; r < G; ++r)
+      for (int e = 0; e < 4; ++e) m |= uint64_t((q[r][4 * kg + e] >> bit) & 1) << vpos(r, e);
+    std::memcpy(dst + 8 * kg, &m, 8);
+  }
+}
+
+static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out) {
+  // rows[r]: the raw GGUF block of row r of the group (nullptr: a padding row, all zero).
+  static thread_local int32_t q[G][256];
+  for (int r = 0; r < G; ++r) {
+    if (rows[r]) unpack_block(t, rows[r], q[r]);
+    else std::fill(q[r], q[r] + 256, 0);
+  }
+  auto half = [&](int r, int off) -> uint16_t { return rows[r] ? rd16(rows[r] + off) : 0; };
+  uint8_t* p = out;
+  switch (t) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 0); std::memcpy(p + 2 * r, &d, 2); }
+      p += 32;
+      if (t == Q4_1 || t == Q5_1) {
+        for (int r = 0; r < G; ++r) { const uint16_t m = half(r, 2); std::memcpy(p + 2 * r, &m, 2); }
+        p += 32;
+      }
+      put_nibbles(p, q, 8);
+      p += 256;
+      if (t == Q5_0 || t == Q5_1) put_bits(p, q, 8, 4);
+      break;
+    }
+    case Q8_0: {
+      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 0); std::memcpy(p + 2 * r, &d, 2); }
+      p += 32;
+      for (int kg = 0; kg < 8; ++kg)
+        for (int r = 0; r < G; ++r)
+          for (int e = 0; e < 4; ++e) p[64 * kg + vpos(r, e)] = uint8_t(q[r][4 * kg + e] + 128);
+      break;
+    }
+    case Q4_K: case Q5_K: {
+      for (int r = 0; r < G; ++r) {
+        const uint16_t d = half(r, 0), dm = half(r, 2);
+        std::memcpy(p + 2 * r, &d, 2);
+        std::memcpy(p + 32 + 2 * r, &dm, 2);
+      }
+      p += 64;
+      for (int j = 0; j < 8; ++j)
+        for (int r = 0; r < G; ++r) {
+          uint8_t sc = 0, mn = 0;
+          if (rows[r]) scale_min_k4(j, rows[r] + 4, &sc, &mn);
+          p[16 * j + r] = sc;
+          p[128 + 32 * (j / 2) + 2 * r + j % 2] = mn;  // min pairs (j, j + 1) side by side per row
+        }
+      p += 256;
+      put_nibbles(p, q, 64);
+      p += 2048;
+      if (t == Q5_K) put_bits(p, q, 64, 4);
+      break;
+    }
+    case Q6_K: {
+      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 208); std::memcpy(p + 2 * r, &d, 2); }
+      p += 32;
+      int32_t corr[G];
+      for (int r = 0; r < G; ++r) {
+        int32_t c = 0;
+        for (int j = 0; j < 16; ++j) {
+          const int8_t sc = rows[r] ? int8_t(rows[r][192 + j]) : 0;
+          p[16 * j + r] = uint8_t(sc);
+          int32_t wsum = 0;
+          for (int l = 0; l < 16; ++l) wsum += q[r][16 * j + l] - 32;
+          c += sc * wsum;
+        }
+        corr[r] = 128 * c;  // the activation goes in as q + 128: take 128 * sum_j sc_j sum w back
+      }
+      p += 256;
+      std::memcpy(p, corr, 64);
+      p += 64;
+      put_nibbles(p, q, 64);
+      p += 2048;
+      put_bits(p, q, 64, 4);
+      put_bits(p + 512, q, 64, 5);
+      break;
+    }
+  }
+}
+
+at::Tensor repack(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
+  TORCH_CHECK(known(type), "ssd quant: unsupported GGUF type ", type);
+  const Info in = info(type);
+  TORCH_CHECK(N > 0 && K > 0 && K % in.block == 0, "ssd quant: bad shape ", N, " x ", K);
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.device().is_cpu(), "ssd quant: raw bytes");
+  const int64_t nb = K / in.block, row_bytes = nb * in.raw_bytes, groups = (N + G - 1) / G;
+  TORCH_CHECK(raw.numel() == N * row_bytes, "ssd quant: expected ", N * row_bytes, " bytes, got ", raw.numel());
+  at::Tensor out = at::empty({groups * nb * in.pack_bytes}, at::kByte);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    const uint8_t* rows[G];
+    for (int64_t g = g0; g < g1; ++g)
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int r = 0; r < G; ++r) {
+          const int64_t n = g * G + r;
+          rows[r] = n < N ? src + n * row_bytes + b * in.raw_bytes : nullptr;
+        }
+        pack_group_block(type, rows, dst + (g * nb + b) * in.pack_bytes);
+      }
+  });
+  return out;
+}
+
+// ---- activations --------------------------------------------------------------------------
+// One activation row quantised per block of `block` (32 or 256) values. The plain arrays serve
+// the portable code; the fast code reads the same values laid out per tile of MT rows, each
+// k-group's 4 bytes of the tile's rows side by side, so that every broadcast is one load.
+constexpr int MT = 8;  // rows of x per register tile
+constexpr int64_t MIN_GROUPS_PER_THREAD = 8;
+
+struct Act {
+  int block = 0;
+  int64_t K = 0, nb = 0, M = 0;
+  std::vector<int8_t> q;      // [M][K]
+  std::vector<float> d;       // [M][nb]
+  std::vector<int32_t> sum;   // [M][nb] sum of q over the block
+  std::vector<float> sx;      // [M][nb] d * float(sum) (Q4_1 / Q5_1)
+  std::vector<int32_t> bsum;  // [M][nb][8] sums over 32 (K types: the mins of Q4_K / Q5_K)
+  // Tiled, tile t = rows MT*t .. MT*t + MT - 1 (missing rows zero):
+  std::vector<int8_t> qt;     // [tiles][K/4][MT][4]
+  std::vector<uint8_t> ut;    // as qt, q + 128 (Q6_K takes x as the unsigned operand)
+  std::vector<float> dt;      // [tiles][nb][MT]
+  std::vector<int32_t> st;    // [tiles][nb][MT] sum
+  std::vector<float> sxt;     // [tiles][nb][MT] sx
+  std::vector<int32_t> bst;   // [tiles][nb][4][MT] (bsum_2p & 0xFFFF) | bsum_2p+1 << 16
+};
+
+static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, int block, Act& a) {
+  a.block = block;
+  a.K = K;
+  a.M = M;
+  a.nb = K / block;
+  a.q.resize(M * K);
+  a.d.resize(M * a.nb);
+  a.sum.resize(M * a.nb);
+  a.sx.resize(M * a.nb);
+  a.bsum.resize(M * a.nb * 8);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < a.nb; ++b) {
+      const float* xb = x + m * ldx + b * block;
+      float amax = 0.f;
+      for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
+      int8_t* q = a.q.data() + m * K + b * block;
+      int32_t s = 0;
+      for (int i = 0; i < block; ++i) {
+        const float v = std::nearbyint(xb[i] * id);
+        q[i] = int8_t(std::min(127.f, std::max(-127.f, v)));
+        s += q[i];
+      }
+      a.d[m * a.nb + b] = d;
+      a.sum[m * a.nb + b] = s;
+      a.sx[m * a.nb + b] = d * float(s);
+      if (block == 256)
+        for (int j = 0; j < 8; ++j) {
+          int32_t t = 0;
+          for (int i = 0; i < 32; ++i) t += q[32 * j + i];
+          a.bsum[(m * a.nb + b) * 8 + j] = t;
+        }
+    }
+#if SSD_FAST
+  const int64_t tiles = (M + MT - 1) / MT, kgs = K / 4;
+  a.qt.assign(tiles * kgs * MT * 4, 0);
+  a.ut.assign(tiles * kgs * MT * 4, 128);
+  a.dt.assign(tiles * a.nb * MT, 0.f);
+  a.st.assign(tiles * a.nb * MT, 0);
+  a.sxt.assign(tiles * a.nb * MT, 0.f);
+  a.bst.assign(tiles * a.nb * 4 * MT, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t t = m / MT, r = m % MT;
+    for (int64_t kg = 0; kg < kgs; ++kg)
+      for (int e = 0; e < 4; ++e) {
+        const int8_t v = a.q[m * K + 4 * kg + e];
+        a.qt[((t * kgs + kg) * MT + r) * 4 + e] = v;
+        a.ut[((t * kgs + kg) * MT + r) * 4 + e] = uint8_t(v + 128);
+      }
+    for (int64_t b = 0; b < a.nb; ++b) {
+      a.dt[(t * a.nb + b) * MT + r] = a.d[m * a.nb + b];
+      a.st[(t * a.nb + b) * MT + r] = a.sum[m * a.nb + b];
+      a.sxt[(t * a.nb + b) * MT + r] = a.sx[m * a.nb + b];
+      if (block == 256)
+        for (int p = 0; p < 4; ++p) {
+          const int32_t* bs = &a.bsum[(m * a.nb + b) * 8 + 2 * p];
+          a.bst[((t * a.nb + b) * 4 + p) * MT + r] = (bs[0] & 0xFFFF) | int32_t(uint32_t(bs[1]) << 16);
+        }
+    }
+  }
+#endif
+}
+
+// ---- the products: portable reference -----------------------------------------------------
+// Decodes a packed group-block back to integer weights w[r][i] (with offsets applied) and the
+// per-row scales, then follows the definition above literally.
+struct GroupBlock {
+  float d[G], dmin[G], m[G];
+  int32_t w[G][256];
+  int32_t sc[G][16], mn[G][8];
+};
+
+static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
+  auto nib = [&](const uint8_t* plane, int kg, int r, int e) -> int32_t {
+    const uint8_t byte = plane[64 * (kg / 2) + vpos(r, e)];
+    return kg % 2 ? byte >> 4 : byte & 0x0F;
+  };
+  auto bit = [&](const uint8_t* plane, int kg, int r, int e) -> int32_t {
+    uint64_t mask;
+    std::memcpy(&mask, plane + 8 * kg, 8);
+    return int32_t((mask >> vpos(r, e)) & 1);
+  };
+  switch (t) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+      const bool has_m = t == Q4_1 || t == Q5_1, five = t == Q5_0 || t == Q5_1;
+      const uint8_t* qs = p + (has_m ? 64 : 32);
+      const int off = t == Q4_0 ? 8 : t == Q5_0 ? 16 : 0;
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        gb.m[r] = has_m ? half_to_float(rd16(p + 32 + 2 * r)) : 0.f;
+        for (int kg = 0; kg < 8; ++kg)
+          for (int e = 0; e < 4; ++e)
+            gb.w[r][4 * kg + e] = nib(qs, kg, r, e) + (five ? bit(qs + 256, kg, r, e) << 4 : 0) - off;
+      }
+      break;
+    }
+    case Q8_0:
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        for (int kg = 0; kg < 8; ++kg)
+          for (int e = 0; e < 4; ++e) gb.w[r][4 * kg + e] = int32_t(p[32 + 64 * kg + vpos(r, e)]) - 128;
+      }
+      break;
+    case Q4_K: case Q5_K:
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        gb.dmin[r] = half_to_float(rd16(p + 32 + 2 * r));
+        for (int j = 0; j < 8; ++j) {
+          gb.sc[r][j] = p[64 + 16 * j + r];
+          gb.mn[r][j] = p[192 + 32 * (j / 2) + 2 * r + j % 2];
+        }
+        for (int kg = 0; kg < 64; ++kg)
+          for (int e = 0; e < 4; ++e)
+            gb.w[r][4 * kg + e] = nib(p + 320, kg, r, e) + (t == Q5_K ? bit(p + 2368, kg, r, e) << 4 : 0);
+      }
+      break;
+    case Q6_K:
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        for (int j = 0; j < 16; ++j) gb.sc[r][j] = int8_t(p[32 + 16 * j + r]);
+        for (int kg = 0; kg < 64; ++kg)
+          for (int e = 0; e < 4; ++e)
+            gb.w[r][4 * kg + e] = nib(p + 352, kg, r, e) + (bit(p + 2400, kg, r, e) << 4) +
+                                  (bit(p + 2912, kg, r, e) << 5) - 32;
+      }
+      break;
+  }
+}
+
+static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const Act& a, int64_t M,
+                           float* acc /* [M][G] */) {
+  const Info in = info(t);
+  static thread_local GroupBlock gb;
+  std::fill(acc, acc + M * G, 0.f);
+  for (int64_t b = 0; b < nb; ++b) {
+    decode_group_block(t, packed + b * in.pack_bytes, gb);
+    for (int64_t m = 0; m < M; ++m) {
+      const int8_t* q = a.q.data() + m * a.K + b * in.block;
+      const float dx = a.d[m * a.nb + b];
+      for (int r = 0; r < G; ++r) {
+        float& y = acc[m * G + r];
+        if (!k_type(t)) {
+          int32_t s = 0;
+          for (int i = 0; i < 32; ++i) s += gb.w[r][i] * q[i];
+          y = std::fma(float(s), gb.d[r] * dx, y);
+          if (t == Q4_1 || t == Q5_1) y = std::fma(gb.m[r], a.sx[m * a.nb + b], y);
+        } else if (t == Q6_K) {
+          int32_t s = 0;
+          for (int j = 0; j < 16; ++j) {
+            int32_t dj = 0;
+            for (int i = 0; i < 16; ++i) dj += gb.w[r][16 * j + i] * q[16 * j + i];
+            s += gb.sc[r][j] * dj;
+          }
+          y = std::fma(float(s), gb.d[r] * dx, y);
+        } else {
+          int32_t s = 0, mins = 0;
+          for (int j = 0; j < 8; ++j) {
+            int32_t dj = 0;
+            for (int i = 0; i < 32; ++i) dj += gb.w[r][32 * j + i] * q[32 * j + i];
+            s += gb.sc[r][j] * dj;
+            mins += gb.mn[r][j] * a.bsum[(m * a.nb + b) * 8 + j];
+          }
+          y = std::fma(float(s), gb.d[r] * dx, y);
+          y = std::fma(float(mins), -(gb.dmin[r] * dx), y);
+        }
+      }
+    }
+  }
+}
+
+#if SSD_FAST
+// ---- the products: AVX-512 VNNI and AVX2 ---------------------------------------------------
+// The block code below is written once over `V`, 16 int32 or fp32 lanes = the 16 rows of a
+// group: one zmm with AVX-512, two ymm halves (rows 0-7, 8-15) with AVX2. A tile of NM <= MT
+// rows of x passes over each group.
+constexpr int PF_BYTES = 2048;  // software prefetch distance along the packed stream
+
+static inline __m512i bcast_512(const void* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+// Software prefetch along the packed stream, one line per line read, PF_BYTES ahead (a hint:
+// no fault past the end). Keeps DRAM busy while the cores compute.
+static inline void ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES), _MM_HINT_T0); }
+
+#if SSD_VNNI
+struct V {
+  using I = __m512i;
+  using F = __m512;
+  static constexpr bool kQ8Offset = true;  // Q8_0 goes in as w + 128 (unsigned): subtract 128 * sum x
+  static I zero() { return _mm512_setzero_si512(); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+  static I bytes(int8_t v) { return _mm512_set1_epi8(v); }
+  static I and_(I a, I b) { return _mm512_and_si512(a, b); }
+  static I hi_nibbles(I a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), bytes(0x0F)); }
+  static I add_where(I w, const uint8_t* bits, I v) {  // w + v in the bytes whose bit is set
+    uint64_t m;
+    std::memcpy(&m, bits, 8);
+    return _mm512_mask_add_epi8(w, _cvtu64_mask64(m), w, v);
+  }
+  static I sub8(I a, I b) { return _mm512_sub_epi8(a, b); }
+  static I bcast(const void* p) { return bcast_512(p); }
+  static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // acc + 4 products per lane
+  static I dot_q8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
+  static I dot16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }  // acc + 2 int16 products
+  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
+  static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I u8_to_32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I s8_to_32(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static I u8_to_16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
+  static F set1f(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
+  static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+};
+#else
+struct V {
+  struct I { __m256i lo, hi; };
+  struct F { __m256 lo, hi; };
+  static constexpr bool kQ8Offset = false;  // maddubs would saturate on w + 128: Q8_0 uses signs
+  static I zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static F zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static I load(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  static I bytes(int8_t v) { return {_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
+  static I and_(I a, I b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+  static I hi_nibbles(I a) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
+  }
+  static __m256i bit_bytes(uint32_t x) {  // 0xFF in byte i where bit i of x is set
+    const __m256i sel = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), sel), bit), bit);
+  }
+  static I add_where(I w, const uint8_t* bits, I v) {
+    const __m256i lo = bit_bytes(rd32(bits)), hi = bit_bytes(rd32(bits + 4));
+    return {_mm256_add_epi8(w.lo, _mm256_and_si256(lo, v.lo)), _mm256_add_epi8(w.hi, _mm256_and_si256(hi, v.hi))};
+  }
+  static I sub8(I a, I b) { return {_mm256_sub_epi8(a.lo, b.lo), _mm256_sub_epi8(a.hi, b.hi)}; }
+  static I bcast(const void* p) {
+    const __m256i v = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+    return {v, v};
+  }
+  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+  // u8 x s8: two products to int16 (no saturation at the magnitudes used here: <= 31 * 127 or
+  // 255 * 32, times 2), then pairs of those to int32.
+  static __m256i dot8(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I dot(I acc, I u, I s) { return {dot8(acc.lo, u.lo, s.lo), dot8(acc.hi, u.hi, s.hi)}; }
+  static I dot_q8(I acc, I w, I x) {  // w + 128 as stored: |w| times x with w's sign (|w| <= 128)
+    const __m256i f = _mm256_set1_epi8(int8_t(0x80));
+    const __m256i wl = _mm256_xor_si256(w.lo, f), wh = _mm256_xor_si256(w.hi, f);
+    return {dot8(acc.lo, _mm256_abs_epi8(wl), _mm256_sign_epi8(x.lo, wl)),
+            dot8(acc.hi, _mm256_abs_epi8(wh), _mm256_sign_epi8(x.hi, wh))};
+  }
+  static I dot16(I acc, I a, I b) {
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
+  }
+  static I add32(I a, I b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
+  static I sub32(I a, I b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+  static I mul32(I a, I b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
+  static __m128i ld64(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static __m128i ld128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static I u8_to_32(const uint8_t* p) { return {_mm256_cvtepu8_epi32(ld64(p)), _mm256_cvtepu8_epi32(ld64(p + 8))}; }
+  static I s8_to_32(const uint8_t* p) { return {_mm256_cvtepi8_epi32(ld64(p)), _mm256_cvtepi8_epi32(ld64(p + 8))}; }
+  static I u8_to_16(const uint8_t* p) { return {_mm256_cvtepu8_epi16(ld128(p)), _mm256_cvtepu8_epi16(ld128(p + 16))}; }
+  static F half(const uint8_t* p) { return {_mm256_cvtph_ps(ld128(p)), _mm256_cvtph_ps(ld128(p + 16))}; }
+  static F cvt(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+  static F set1f(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  static F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static F fnma(F a, F b, F c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+};
+#endif
+using VI = V::I;
+using VF = V::F;
+
+// One tile's activations at block b: k-group kg of row m is 4 bytes at q + (kg * MT + m) * 4.
+struct Tile {
+  const int8_t* q;     // block b's first k-group
+  const uint8_t* u;    // the same, + 128
+  const float* d;      // [MT]
+  const int32_t* sum;  // [MT]
+  const float* sx;     // [MT]
+  const int32_t* bs;   // [4][MT]
+};
+
+static inline Tile tile_at(const Act& a, int64_t tile, int64_t b) {
+  const int64_t kgs = a.K / 4, kg0 = b * (a.block / 4), i = tile * a.nb + b;
+  return {a.qt.data() + ((tile * kgs + kg0) * MT) * 4, a.ut.data() + ((tile * kgs + kg0) * MT) * 4,
+          a.dt.data() + i * MT, a.st.data() + i * MT, a.sxt.data() + i * MT,
+          a.bst.empty() ? nullptr : a.bst.data() + i * 4 * MT};
+}
+
+// Legacy types: one block of 32 weights (8 k-groups).
+template <int64_t T, int NM>
+static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
+  constexpr bool has_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
+  constexpr int off = T == Q4_0 ? 8 : T == Q5_0 ? 16 : (T == Q8_0 && V::kQ8Offset) ? 128 : 0;
+  const uint8_t* qs = p + (has_m ? 64 : 32);
+  VI s[NM];
+  for (int m = 0; m < NM; ++m) s[m] = V::zero();
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; ++v) {
+    VI w0, w1;
+    if constexpr (T == Q8_0) {
+      w0 = V::load(p + 32 + 128 * v);
+      w1 = V::load(p + 32 + 128 * v + 64);
+    } else {
+      const VI raw = V::load(qs + 64 * v);
+      w0 = V::and_(raw, V::bytes(0x0F));
+      w1 = V::hi_nibbles(raw);
+      if constexpr (five) {
+        w0 = V::add_where(w0, qs + 256 + 16 * v, V::bytes(16));
+        w1 = V::add_where(w1, qs + 256 + 16 * v + 8, V::bytes(16));
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) {
+      const VI x0 = V::bcast(x.q + ((2 * v) * MT + m) * 4), x1 = V::bcast(x.q + ((2 * v + 1) * MT + m) * 4);
+      if constexpr (T == Q8_0) {
+        s[m] = V::dot_q8(V::dot_q8(s[m], w0, x0), w1, x1);
+      } else {
+        s[m] = V::dot(V::dot(s[m], w0, x0), w1, x1);
+      }
+    }
+  }
+  const VF d = V::half(p);
+#pragma GCC unroll 8
+  for (int m = 0; m < NM; ++m) {
+    if constexpr (off != 0) s[m] = V::sub32(s[m], V::set1(off * x.sum[m]));
+    acc[m] = V::fma(V::cvt(s[m]), V::mul(d, V::set1f(x.d[m])), acc[m]);
+    if constexpr (has_m) acc[m] = V::fma(V::half(p + 32), V::set1f(x.sx[m]), acc[m]);
+  }
+}
+
+// Q4_K / Q5_K: one super-block of 256 (8 sub-blocks of 8 k-groups).
+template <int64_t T, int NM>
+static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
+  const uint8_t* qs = p + 320;
+  VI s[NM], mins[NM];
+  for (int m = 0; m < NM; ++m) s[m] = mins[m] = V::zero();
+#pragma GCC unroll 1
+  for (int j = 0; j < 8; ++j) {
+    VI t[NM];
+    for (int m = 0; m < NM; ++m) t[m] = V::zero();
+#pragma GCC unroll 4
+    for (int v = 4 * j; v < 4 * j + 4; ++v) {
+      ahead(qs + 64 * v);
+      const VI raw = V::load(qs + 64 * v);
+      VI w0 = V::and_(raw, V::bytes(0x0F)), w1 = V::hi_nibbles(raw);
+      if constexpr (T == Q5_K) {
+        w0 = V::add_where(w0, p + 2368 + 16 * v, V::bytes(16));
+        w1 = V::add_where(w1, p + 2368 + 16 * v + 8, V::bytes(16));
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < NM; ++m)
+        t[m] = V::dot(V::dot(t[m], w0, V::bcast(x.q + ((2 * v) * MT + m) * 4)), w1,
+                      V::bcast(x.q + ((2 * v + 1) * MT + m) * 4));
+    }
+    const VI sc = V::u8_to_32(p + 64 + 16 * j);
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) s[m] = V::add32(s[m], V::mul32(t[m], sc));
+  }
+  // M_b: the min pairs (j, j+1) of each row times the sums of x over those sub-blocks.
+#pragma GCC unroll 4
+  for (int pr = 0; pr < 4; ++pr) {
+    const VI mn = V::u8_to_16(p + 192 + 32 * pr);
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) mins[m] = V::dot16(mins[m], mn, V::set1(x.bs[pr * MT + m]));
+  }
+  const VF d = V::half(p), dmin = V::half(p + 32);
+#pragma GCC unroll 8
+  for (int m = 0; m < NM; ++m) {
+    const VF dx = V::set1f(x.d[m]);
+    acc[m] = V::fma(V::cvt(s[m]), V::mul(d, dx), acc[m]);
+    acc[m] = V::fnma(V::cvt(mins[m]), V::mul(dmin, dx), acc[m]);
+  }
+}
+
+// Q6_K: one super-block of 256 (16 sub-blocks of 4 k-groups); x goes in as q + 128 (u8).
+template <int NM>
+static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
+  const uint8_t* ql = p + 352;
+  VI s[NM];
+  for (int m = 0; m < NM; ++m) s[m] = V::zero();
+#pragma GCC unroll 1
+  for (int j = 0; j < 16; ++j) {
+    VI t[NM];
+    for (int m = 0; m < NM; ++m) t[m] = V::zero();
+#pragma GCC unroll 2
+    for (int v = 2 * j; v < 2 * j + 2; ++v) {
+      ahead(ql + 64 * v);
+      const VI raw = V::load(ql + 64 * v);
+      VI w0 = V::and_(raw, V::bytes(0x0F)), w1 = V::hi_nibbles(raw);
+      w0 = V::add_where(V::add_where(w0, p + 2400 + 16 * v, V::bytes(16)), p + 2912 + 16 * v, V::bytes(32));
+      w1 = V::add_where(V::add_where(w1, p + 2400 + 16 * v + 8, V::bytes(16)), p + 2912 + 16 * v + 8, V::bytes(32));
+      w0 = V::sub8(w0, V::bytes(32));
+      w1 = V::sub8(w1, V::bytes(32));
+#pragma GCC unroll 8
+      for (int m = 0; m < NM; ++m)
+        t[m] = V::dot(V::dot(t[m], V::bcast(x.u + ((2 * v) * MT + m) * 4), w0),
+                      V::bcast(x.u + ((2 * v + 1) * MT + m) * 4), w1);
+    }
+    const VI sc = V::s8_to_32(p + 32 + 16 * j);
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) s[m] = V::add32(s[m], V::mul32(t[m], sc));
+  }
+  const VI corr = V::load(p + 288);
+  const VF d = V::half(p);
+#pragma GCC unroll 8
+  for (int m = 0; m < NM; ++m)
+    acc[m] = V::fma(V::cvt(V::sub32(s[m], corr)), V::mul(d, V::set1f(x.d[m])), acc[m]);
+}
+
+// Bytes of a K-type packed block before its 2048-byte quant plane (scales); bit planes follow it.
+template <int64_t T>
+constexpr int HEAD = T == Q6_K ? 352 : 320;
+
+// NG groups side by side, block by block: each group is a stream of its own in memory, and
+// several streams at once keep more of DRAM's latency covered than one (the hardware
+// prefetcher follows each), and give the core independent chains to overlap.
+template <int64_t T, int NM, int NG>
+static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
+  constexpr int pb = T == Q4_0 ? 288 : T == Q4_1 ? 320 : T == Q5_0 ? 352 : T == Q5_1 ? 384 : T == Q8_0 ? 544
+                   : T == Q4_K ? 2368 : T == Q5_K ? 2880 : 3424;
+  VF acc[NG][NM];
+  for (int g = 0; g < NG; ++g)
+    for (int m = 0; m < NM; ++m) acc[g][m] = V::zerof();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Tile x = tile_at(a, tile, b);
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; ++g) {
+      const uint8_t* p = packed + g * stride + b * pb;
+      if constexpr (pb < 2048) {  // a small legacy block: all of its lines
+#pragma GCC unroll 16
+        for (int off = 0; off < pb; off += 64) ahead(p + off);
+      } else {  // the scales and bit planes (the quants are fetched ahead as they are read)
+#pragma GCC unroll 24
+        for (int off = 0; off < pb - 2048; off += 64) ahead(p + (off < HEAD<T> ? off : off + 2048));
+      }
+      if constexpr (T == Q4_K || T == Q5_K) k4_block<T, NM>(p, x, acc[g]);
+      else if constexpr (T == Q6_K) q6k_block<NM>(p, x, acc[g]);
+      else legacy_block<T, NM>(p, x, acc[g]);
+    }
+  }
+  for (int g = 0; g < NG; ++g)
+    for (int m = 0; m < NM; ++m) V::store(out + (g * a.M + tile * MT + m) * G, acc[g][m]);
+}
+
+// Groups per pass by rows of x: as many streams as the registers hold accumulators for.
+static int groups_per_pass(int64_t M) { return M == 1 ? 4 : M <= 4 ? 2 : 1; }
+
+template <int64_t T>
+static void group_simd(const uint8_t* packed, int64_t ng, int64_t nb, const Act& a, int64_t M, float* out) {
+  const int64_t stride = nb * info(T).pack_bytes;
+  for (int64_t t = 0; t * MT < M; ++t) {
+    switch (std::min<int64_t>(MT, M - t * MT) * 10 + ng) {
+      case 14: group_tile<T, 1, 4>(packed, stride, nb, a, t, out); break;
+      case 13: group_tile<T, 1, 3>(packed, stride, nb, a, t, out); break;
+      case 12: group_tile<T, 1, 2>(packed, stride, nb, a, t, out); break;
+      case 11: group_tile<T, 1, 1>(packed, stride, nb, a, t, out); break;
+      case 22: group_tile<T, 2, 2>(packed, stride, nb, a, t, out); break;
+      case 21: group_tile<T, 2, 1>(packed, stride, nb, a, t, out); break;
+      case 32: group_tile<T, 3, 2>(packed, stride, nb, a, t, out); break;
+      case 31: group_tile<T, 3, 1>(packed, stride, nb, a, t, out); break;
+      case 42: group_tile<T, 4, 2>(packed, stride, nb, a, t, out); break;
+      case 41: group_tile<T, 4, 1>(packed, stride, nb, a, t, out); break;
+      case 51: group_tile<T, 5, 1>(packed, stride, nb, a, t, out); break;
+      case 61: group_tile<T, 6, 1>(packed, stride, nb, a, t, out); break;
+      case 71: group_tile<T, 7, 1>(packed, stride, nb, a, t, out); break;
+      default:  // full tiles of MT rows of a larger M, one group at a time
+        for (int64_t g = 0; g < ng; ++g) group_tile<T, 8, 1>(packed + g * stride, stride, nb, a, t, out + g * M * G);
+        break;
+    }
+  }
+}
+
+static void group_fast(int64_t t, const uint8_t* packed, int64_t ng, int64_t nb, const Act& a, int64_t M, float* out) {
+  switch (t) {
+    case Q4_0: group_simd<Q4_0>(packed, ng, nb, a, M, out); break;
+    case Q4_1: group_simd<Q4_1>(packed, ng, nb, a, M, out); break;
+    case Q5_0: group_simd<Q5_0>(packed, ng, nb, a, M, out); break;
+    case Q5_1: group_simd<Q5_1>(packed, ng, nb, a, M, out); break;
+    case Q8_0: group_simd<Q8_0>(packed, ng, nb, a, M, out); break;
+    case Q4_K: group_simd<Q4_K>(packed, ng, nb, a, M, out); break;
+    case Q5_K: group_simd<Q5_K>(packed, ng, nb, a, M, out); break;
+    case Q6_K: group_simd<Q6_K>(packed, ng, nb, a, M, out); break;
+  }
+}
+#else
+static int groups_per_pass(int64_t) { return 1; }
+static void group_fast(int64_t t, const uint8_t* packed, int64_t, int64_t nb, const Act& a, int64_t M, float* out) {
+  group_portable(t, packed, nb, a, M, out);
+}
+#endif
+
+// ---- the op --------------------------------------------------------------------------------
+at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef types, at::IntArrayRef rows,
+                   int64_t K, const std::optional<at::Tensor>& bias, bool reference) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(1) == K &&
+                  (x.stride(1) == 1 || K <= 1),
+              "ssd qlinear: x must be fp32 [M, K] on the CPU with contiguous rows");
+  TORCH_CHECK(parts.size() == types.size() && types.size() == rows.size() && !parts.empty(),
+              "ssd qlinear: one type and row count per part");
+  const int64_t M = x.size(0);
+  int64_t N = 0;
+  std::vector<int64_t> offsets, groups_before = {0};
+  bool need32 = false, need256 = false;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    TORCH_CHECK(known(types[p]), "ssd qlinear: unsupported GGUF type ", types[p]);
+    const Info in = info(types[p]);
+    TORCH_CHECK(K % in.block == 0, "ssd qlinear: K = ", K, " is not a multiple of ", in.block);
+    const int64_t groups = (rows[p] + G - 1) / G;
+    TORCH_CHECK(parts[p].scalar_type() == at::kByte && parts[p].is_contiguous() &&
+                    parts[p].numel() == groups * (K / in.block) * in.pack_bytes,
+                "ssd qlinear: part ", p, " is not a packed tensor of ", rows[p], " x ", K);
+    (k_type(types[p]) ? need256 : need32) = true;
+    offsets.push_back(N);
+    N += rows[p];
+    groups_before.push_back(groups_before.back() + groups);
+  }
+  const float* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "ssd qlinear: bad bias");
+    bp = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  if (M == 0) return y;
+  Act a32, a256;
+  if (need32) quantize_act(x.data_ptr<float>(), x.stride(0), M, K, 32, a32);
+  if (need256) quantize_act(x.data_ptr<float>(), x.stride(0), M, K, 256, a256);
+  float* yp = y.data_ptr<float>();
+  const int64_t total = groups_before.back();
+  // A thread per few groups at least: waking threads for a small matrix costs more than it saves.
+  const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / MIN_GROUPS_PER_THREAD));
+  // Threads take runs of consecutive groups, which lie back to back in memory: each thread reads
+  // one long stream that its prefetches (and the hardware's) run ahead in. A few runs per
+  // thread, handed out dynamically, so a thread slowed by a busy core takes fewer.
+  const int64_t run = std::max<int64_t>(1, (total + 4 * nt - 1) / (4 * nt));
+  std::atomic<int64_t> next{0};
+  const int64_t per_pass = groups_per_pass(M);
+  auto body = [&](int64_t, int64_t) {
+    std::vector<float> out(per_pass * M * G);  // [group of the pass][M][G]
+    for (;;) {
+      const int64_t u0 = next.fetch_add(run, std::memory_order_relaxed);
+      if (u0 >= total) break;
+      const int64_t u1 = std::min(total, u0 + run);
+      size_t p = 0;
+      for (int64_t u = u0; u < u1;) {
+        while (groups_before[p + 1] <= u) ++p;
+        // The next groups of this part in the run, done in one pass.
+        const int64_t g = u - groups_before[p], ng = std::min({per_pass, u1 - u, groups_before[p + 1] - u});
+        const int64_t t = types[p];
+        const Info in = info(t);
+        const int64_t nb = K / in.block;
+        const uint8_t* packed = parts[p].data_ptr<uint8_t>() + g * nb * in.pack_bytes;
+        const Act& a = k_type(t) ? a256 : a32;
+        if (reference)
+          for (int64_t i = 0; i < ng; ++i) group_portable(t, packed + i * nb * in.pack_bytes, nb, a, M, out.data() + i * M * G);
+        else group_fast(t, packed, ng, nb, a, M, out.data());
+        for (int64_t i = 0; i < ng; ++i) {
+          const int64_t n0 = (g + i) * G, valid = std::min<int64_t>(G, rows[p] - n0);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t r = 0; r < valid; ++r) {
+              const int64_t n = offsets[p] + n0 + r;
+              float v = out[(i * M + m) * G + r];
+              if (bp) v = v + bp[n];
+              yp[m * N + n] = v;
+            }
+        }
+        u += ng;
+      }
+    }
+  };
+  if (nt <= 1) body(0, 1);
+  else at::parallel_for(0, nt, 1, body);
+  return y;
+}
+
+// The activation quantisation, for tests: (q int8 [M, K], d fp32 [M, K / block]).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && (block == 32 || block == 256) &&
+                  x.size(1) % block == 0, "ssd quant: bad activations");
+  Act a;
+  quantize_act(x.data_ptr<float>(), x.size(1), x.size(0), x.size(1), int(block), a);
+  at::Tensor q = at::empty({x.size(0), x.size(1)}, at::kChar), d = at::empty({x.size(0), a.nb}, at::kFloat);
+  std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
+  std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * 4);
+  return {q, d};
+}
+
+int64_t packed_bytes(int64_t type, int64_t N, int64_t K) {
+  TORCH_CHECK(known(type), "ssd quant: unsupported GGUF type ", type);
+  const Info in = info(type);
+  return (N + G - 1) / G * (K / in.block) * in.pack_bytes;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(SSD_NS, m) {
+  m.def("repack(Tensor raw, int type, int N, int K) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor[] parts, int[] types, int[] rows, int K, Tensor? bias, bool reference) -> Tensor");
+  m.def("dequant_rows(Tensor raw, int type, Tensor ids, int K) -> Tensor");
+  m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor)");
+  m.def("packed_bytes(int type, int N, int K) -> int", &packed_bytes);
+  m.impl("repack", c10::DispatchKey::CPU, &repack);
+  m.impl("qlinear", c10::DispatchKey::CPU, &qlinear);
+  m.impl("dequant_rows", c10::DispatchKey::CPU, &dequant_rows);
+  m.impl("quantize_rows", c10::DispatchKey::CPU, &quantize_rows);
+}

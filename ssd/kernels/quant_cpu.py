@@ -1,0 +1,110 @@
+"""Batch-invariant CPU matrix products on GGUF-quantised weights, with 8-bit activations.
+
+Why: a 4-bit model read as its own blocks streams ~7x fewer bytes per token than its fp32
+copy, and decoding on a CPU is bound by those bytes. The weights are the GGUF file's, exactly
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the activations are quantised to 8 bits per
+block, each row alone, as llama.cpp does, so the block products are exact integer sums
+(AVX-512 VNNI ``vpdpbusd``) and only the per-block scaling is floating point. The C++ source,
+ssd/kernels/csrc/quant.cpp, states the arithmetic exactly: a row's result does not depend on
+the number of rows in the call, what they hold, or the thread count, which keeps SD and SSD
+exactly equal to AR.
+
+At load, `repack` lays each matrix out in groups of 16 rows whose quants are interleaved 4
+weights at a time, so one VNNI instruction adds 4 products into each of the 16 rows' lanes:
+no horizontal sums, and each weight block is read once per call for every row of x (up to 8
+per register tile), so scoring K+1 tokens costs about what scoring one does. Repacking keeps
+the bytes of the file (+2-3% for unpacked sub-block scales).
+
+Builds (ssd/kernels/build.py): ``avx512`` needs AVX-512 BW/VL, VNNI and F16C here (vpdpbusd);
+``avx2`` (AVX2, FMA, F16C) runs the same block code on two 8-row halves with vpmaddubsw; a CPU
+without them gets ``portable`` plain C++. All compute the same bits (integer sums are exact,
+the float steps are the same); `qlinear(..., reference=True)` runs the portable code on any
+build, for tests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as GGML
+
+from ssd.kernels.build import CppKernel
+
+SUPPORTED = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K}
+ACTIVATION_BLOCK = {t: 256 if t in (GGML.Q4_K, GGML.Q5_K, GGML.Q6_K) else 32 for t in SUPPORTED}
+
+_KERNEL = CppKernel("quant", requires={
+    "avx512": ({"avx512bw", "avx512vl", "avx512_vnni", "f16c"},
+               ["-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mf16c"]),
+    "avx2": ({"f16c"}, ["-mf16c"])})
+
+
+def get_op(name: str, variant: str | None = None):
+    """A compiled op of this kernel (repack, qlinear, dequant_rows, quantize_rows,
+    packed_bytes), building it on first use; None if it cannot be built. Never raises."""
+    return _KERNEL.op(name, variant)
+
+
+def available(variant: str | None = None) -> bool:
+    return get_op("qlinear", variant) is not None
+
+
+def variant() -> str | None:
+    return _KERNEL.variant()
+
+
+def runnable_variants() -> list[str]:
+    return _KERNEL.runnable()
+
+
+@dataclass
+class QuantMatrix:
+    """One weight matrix [rows, cols] of a GGUF type, repacked for `qlinear`."""
+
+    qtype: GGML
+    rows: int
+    cols: int
+    packed: torch.Tensor  # uint8, the layout of csrc/quant.cpp
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel()
+
+
+def _op(name: str, variant: str | None):
+    op = get_op(name, variant)
+    if op is None:
+        raise RuntimeError("the CPU quant kernel is not available here (see the message above)")
+    return op
+
+
+def repack(raw: torch.Tensor, qtype: GGML, rows: int, cols: int, *, variant: str | None = None) -> QuantMatrix:
+    """raw: the tensor's GGUF bytes (uint8), rows of `cols` weights each."""
+    packed = _op("repack", variant)(raw.contiguous(), int(qtype), rows, cols)
+    return QuantMatrix(GGML(qtype), rows, cols, packed)
+
+
+def qlinear(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None, *,
+            variant: str | None = None, reference: bool = False) -> torch.Tensor:
+    """x [..., K] fp32 -> [..., sum of the parts' rows]: x @ W.T (+ bias), W the parts stacked."""
+    k = parts[0].cols
+    if x.shape[-1] != k or any(p.cols != k for p in parts):
+        raise ValueError(f"x has {x.shape[-1]} features, the weights {sorted({p.cols for p in parts})}")
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    y = _op("qlinear", variant)(x2, [p.packed for p in parts], [int(p.qtype) for p in parts],
+                                [p.rows for p in parts], k, bias, reference)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def dequant_rows(raw: torch.Tensor, qtype: GGML, ids: torch.Tensor, cols: int, *,
+                 variant: str | None = None) -> torch.Tensor:
+    """Rows `ids` of a GGUF tensor in fp32, bit for bit as the gguf package dequantises them
+    (the embedding lookup)."""
+    return _op("dequant_rows", variant)(raw, int(qtype), ids, cols)
+
+
+def quantize_rows(x: torch.Tensor, block: int, *, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit activations qlinear computes with: (q int8 [M, K], d fp32 [M, K / block])."""
+    return _op("quantize_rows", variant)(x.contiguous(), block)

@@ -1,0 +1,81 @@
+"""GGUF files for tests: a real model cut to its first layers, and quantised copies of small
+random-weight Hugging Face folders, written with the gguf package as llama.cpp lays them out."""
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+from safetensors.torch import load_file
+
+from ssd.models.gguf_file import GGUF_LINK, GLOBAL_NAMES, LAYER_NAMES, copy_metadata
+from ssd.store import resolve_model
+
+def truncated_gguf(src: Path, dst: Path, layers: int) -> Path:
+    """`src` with only its first `layers` decoder layers, as a GGUF at `dst`; returns the model
+    folder the store prepares for it."""
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst), arch)
+    copy_metadata(reader, writer, skip=(f"{arch}.block_count",))
+    writer.add_block_count(layers)
+    for t in reader.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= layers:
+            continue
+        raw = np.array(t.data)
+        writer.add_tensor(t.name, raw, raw_dtype=t.tensor_type if raw.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return resolve_model(dst)
+
+
+def _gguf_name(hf: str) -> str:
+    name = hf.removeprefix("model.")
+    stem, _, kind = name.rpartition(".")
+    for ours, theirs in LAYER_NAMES.items():
+        if stem.endswith("." + theirs) and stem.startswith("layers."):
+            return f"blk.{stem.split('.')[1]}.{ours}.{kind}"
+    for theirs, ours in ((v, k) for k, v in GLOBAL_NAMES.items()):
+        if f"model.{stem}" == theirs or stem == theirs:
+            return f"{ours}.{kind}"
+    raise KeyError(hf)
+
+
+def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+    """A model folder beside `folder` (a Hugging Face one, fp32 safetensors) whose weights are a
+    GGUF: every matrix quantised to `qtype` by the gguf package, vectors in F32, llama's q/k
+    rows interleaved as llama.cpp's converter does. Config and tokenizer are copied as they are."""
+    cfg = json.loads((folder / "config.json").read_text())
+    arch = cfg["model_type"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    dst.mkdir(parents=True, exist_ok=True)
+    path = dst / "weights.gguf"
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    state = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(f))
+    if cfg.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    for name, w in state.items():
+        w = w.float().numpy()
+        gname = _gguf_name(name)
+        n = heads if ".attn_q." in gname else kv_heads if ".attn_k." in gname else None
+        if arch == "llama" and n is not None:  # llama.cpp's permute, which the loader undoes
+            w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+        if w.ndim == 2:
+            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gname, w.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for f in folder.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            shutil.copy(f, dst / f.name)
+    (dst / GGUF_LINK).symlink_to(path)
+    return dst

@@ -37,7 +37,7 @@ if [ ! -x "$bin/llama-server" ] || [ "$(cat "$stamp" 2>/dev/null)" != "${flags[*
   echo "${flags[*]}" > "$stamp"
 fi
 if ! python -c "import llama_cpp" 2>/dev/null || [ "$(cat "$dir/python-flags" 2>/dev/null)" != "${flags[*]}" ]; then
-  CMAKE_ARGS="${flags[*]}" python -m pip install -q --force-reinstall --no-deps --no-binary llama-cpp-python \
+  CMAKE_ARGS="${flags[*]}" python -m pip install -q --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python \
     "llama-cpp-python==$version" >&2
   echo "${flags[*]}" > "$dir/python-flags"
 fi

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd.kernels import attention_cpu
+from ssd.kernels import attention_cpu, fused_cpu
 from ssd.layers.linear import Linear
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
@@ -65,10 +65,15 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
         k_cache, v_cache = kv[0], kv[1]
-        k_cache.index_copy_(0, batch.slot_mapping, k)
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        rotated = fused_cpu.rope_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
+                                       batch.slot_mapping)
+        if rotated is not None:
+            q = rotated
+        else:
+            q, k = self.rotary(positions, q, k)
+            k_cache.index_copy_(0, batch.slot_mapping, k)
+            v_cache.index_copy_(0, batch.slot_mapping, v)
         o = attention_cpu.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len,
                                     self.head_dim ** -0.5)
         if o is None:

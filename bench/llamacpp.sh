@@ -39,6 +39,7 @@ fi
 if ! python -c "import llama_cpp" 2>/dev/null || [ "$(cat "$dir/python-flags" 2>/dev/null)" != "${flags[*]}" ]; then
   CMAKE_ARGS="${flags[*]}" python -m pip install -q --force-reinstall --no-deps --no-cache-dir --no-binary llama-cpp-python \
     "llama-cpp-python==$version" >&2
+  python -m pip install -q "llama-cpp-python==$version" >&2  # its dependencies (the build above skipped them)
   echo "${flags[*]}" > "$dir/python-flags"
 fi
 echo "$bin"

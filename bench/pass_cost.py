@@ -3,8 +3,8 @@ M = K+1 (a verify pass) against T(1) (a decode step), on 1 or more threads, in o
 These are the inputs of the speed model in ssd-algorithm.md §7 (T_target(K+1)/T_target(1),
 c = T_draft(1)/T_target(1), the draft tree's T(B)).
 
-    python bench/pass_cost.py --model qwen2.5-coder-1.5b-instruct --m 1,2,3,4,5,6,7,8,9 --threads 2,1
-    python bench/pass_cost.py --model qwen2.5-coder-0.5b-instruct --quantize int8 --m 1,5,10,15,20 --threads 2,1
+    python bench/pass_cost.py --model qwen2.5-coder-1.5b-instruct --m 1,2,3,4,5,6,7,8,9,16 --threads 2,1
+    python bench/pass_cost.py --model qwen2.5-coder-0.5b-instruct --weights int8 --m 1,5,10,15,20 --threads 2,1
 
 Each pass scores M new tokens after a 200-token context; the configurations are
 interleaved within each repeat, and the best repeat is reported (the host is shared).
@@ -17,7 +17,7 @@ import torch
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.models.loader import load_model
+from ssd.models.loader import WEIGHTS, load_model
 from ssd.store import resolve_model
 
 CONTEXT = 200
@@ -26,13 +26,14 @@ CONTEXT = 200
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--quantize", choices=["int8"])
+    ap.add_argument("--weights", choices=WEIGHTS, default="auto", help="as LLM(weights=...): auto is the GGUF "
+                    "blocks for a GGUF model")
     ap.add_argument("--m", default="1,2,3,4,5,6,7,8,9", help="tokens per pass")
     ap.add_argument("--threads", default="2,1", help="thread counts (pinned to the first cores)")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     ms, threads = [int(x) for x in args.m.split(",")], [int(x) for x in args.threads.split(",")]
-    model = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32, quantize=args.quantize)
+    model = load_model(resolve_model(args.model), torch.device("cpu"), torch.float32, args.weights)
     cache = PagedKVCache(model.config, CONTEXT + max(ms) + 16, 16, torch.device("cpu"), torch.float32)
     cache.reserve(0, CONTEXT + max(ms))
     runner = ModelRunner(model, cache, torch.device("cpu"))
@@ -53,7 +54,7 @@ def main() -> None:
             for m in ms:
                 best[m, t] = min(best[m, t], timed(m, t))
     os.sched_setaffinity(0, cores)
-    name = args.model + (f" ({args.quantize})" if args.quantize else "")
+    name = f"{args.model} (weights {args.weights})"
     print(f"{name}: one forward pass after {CONTEXT} tokens, best of {args.repeats}, ms (and T(M)/T(1))")
     print("M        " + "".join(f"{t} thread{'s' if t > 1 else '':1}      " for t in threads))
     for m in ms:

@@ -118,8 +118,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
               f"ttft {m.ttft_s:.3f} s, {m.tokens_per_second:.1f} tok/s]", file=sys.stderr)
         if m.rounds:
             print(f"[{m.rounds} rounds, acceptance {m.acceptance_rate:.0%}, mean accepted length "
-                  f"{m.mean_accepted_length:.2f}, accepted by length {m.accepted_hist}, draft {m.draft_s:.2f} s, "
-                  f"verify {m.verify_s:.2f} s]", file=sys.stderr)
+                  f"{m.mean_accepted_length:.2f}, accepted by length {m.accepted_hist}, K asked {m.k_hist} "
+                  f"(mean {m.mean_k:.1f})" + (f", {m.empty_rounds} rounds without a proposal" if m.empty_rounds else "")
+                  + f", draft {m.draft_s:.2f} s, verify {m.verify_s:.2f} s]", file=sys.stderr)
         if m.hits + m.misses:
             print(f"[cache hit rate {m.cache_hit_rate:.0%} ({m.hits}/{m.hits + m.misses}), tokens per round "
                   f"{m.tokens_per_round_hit:.2f} on hit / {m.tokens_per_round_miss:.2f} on miss, draft tree "
@@ -173,7 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--json", action="store_true", help="print as JSON")
     m.set_defaults(func=cmd_models)
     from ssd.bench.cli import add_bench_parser
+    from ssd.bench.vocab import add_vocab_parser
     add_bench_parser(sub)
+    add_vocab_parser(sub)
 
     from ssd.speculative import worker
     w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",

@@ -19,8 +19,9 @@ from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, resolve_weights, shared_model
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
+from ssd.speculative.adaptive_k import AutoK, FixedK
 from ssd.speculative.launch import start_speculator
-from ssd.speculative.options import SpecOptions
+from ssd.speculative.options import AUTO_K, SpecOptions
 from ssd.speculative.round import speculative_round
 from ssd.speculative.speculator import Speculator
 from ssd.store import resolve_model
@@ -75,7 +76,7 @@ class LLM:
         if (draft is None) != (mode == "ar"):
             raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
-        self.mode, self.k = mode, spec.speculate_k
+        self.mode, self.k = mode, spec.max_k
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise SSDError(f"threads must be an integer >= 1, got {threads!r}")
         target_device = spec.target_device if mode == "ssd" else None
@@ -98,7 +99,8 @@ class LLM:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         cache_tokens = kv_cache_tokens or max(self.max_model_len, 16384)
         self.speculator: Speculator | None = None if draft is None else start_speculator(
-            spec, mode, draft, tokenizer=self.tokenizer, config=self.config, device=self.device, dtype=self.dtype,
+            spec, mode, draft, target_folder=self.folder, tokenizer=self.tokenizer, config=self.config,
+            eos_ids=self.eos_ids, device=self.device, dtype=self.dtype,
             cache_tokens=cache_tokens, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
             block_size=block_size, seed=seed)
         # The target loads while an SSD worker loads the draft.
@@ -108,9 +110,11 @@ class LLM:
         self.cache = PagedKVCache(self.config, cache_tokens, block_size, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self.runner.warm_up()
+        self.k_policy = (None if self.speculator is None else FixedK(self.k) if spec.speculate_k != AUTO_K else
+                         AutoK(self.k, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost()))
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
                                    lookahead=self.k if self.speculator else 0,
-                                   on_release=self.speculator.release if self.speculator else None)
+                                   on_release=self._release if self.speculator else None)
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
@@ -259,20 +263,26 @@ class LLM:
     def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int], list[bool]]]:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding."""
         # No more drafts than the sequence can still use (its max_tokens and the context).
-        ks = [max(0, min(self.k, s.params.max_tokens - len(s.output_ids) - 1,
-                         self.max_model_len - s.num_tokens - 1)) for s in seqs]
+        ks = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1))
+              for s, k in zip(seqs, self.k_policy.choose(seqs))]
         results = speculative_round(self.speculator, self.runner, seqs, ks)
+        self.k_policy.observe(seqs, [len(r.proposal.tokens) for r in results], [r.accepted for r in results],
+                              results[0].draft_s, results[0].verify_s)
         now = time.perf_counter()
         events = []
-        for seq, r in zip(seqs, results):
+        for seq, k, r in zip(seqs, ks, results):
             st, p = seq.stats, r.proposal
             st.tree_s += p.tree_s
             st.draft_idle_s += p.idle_s
             st.backup_s += p.backup_s
             st.draft_failures += p.failed_over
-            st.record_round(len(p.tokens), r.accepted, r.draft_s, r.verify_s, p.hit if self.mode == "ssd" else None)
+            st.record_round(k, len(p.tokens), r.accepted, r.draft_s, r.verify_s, p.hit if self.mode == "ssd" else None)
             events.append(self._append(seq, r.tokens, [True] * r.accepted + [False], now))
         return events
+
+    def _release(self, seq: Sequence) -> None:
+        self.speculator.release(seq)
+        self.k_policy.release(seq)
 
     def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float
                 ) -> tuple[Sequence, list[int], list[bool]]:

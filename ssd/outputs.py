@@ -16,6 +16,8 @@ class RequestMetrics:
     accepted_hist: list[int] = field(default_factory=list)  # [k] = rounds that accepted k drafts
     accepted_by_position: list[int] = field(default_factory=list)  # [i] = rounds accepting draft i+1
     drafted_by_position: list[int] = field(default_factory=list)  # [i] = rounds proposing draft i+1
+    k_hist: list[int] = field(default_factory=list)  # [k] = rounds that asked for k drafts (k=0: plain decoding)
+    empty_rounds: int = 0  # rounds that asked for drafts and got none (prompt lookup without a match)
     draft_s: float = 0.0  # wall time the target spent getting proposals (SD: drafting; SSD: waiting for the reply)
     verify_s: float = 0.0  # same, of the target's verify passes
     # SSD: each round's speculation came from the cache (hit) or from a backup (miss).
@@ -43,6 +45,11 @@ class RequestMetrics:
         return 1 + self.accepted / self.rounds if self.rounds else 0.0
 
     @property
+    def mean_k(self) -> float:
+        """Draft tokens asked for per round (speculate_k, or auto-K's mean choice)."""
+        return sum(k * n for k, n in enumerate(self.k_hist)) / self.rounds if self.rounds else 0.0
+
+    @property
     def cache_hit_rate(self) -> float:
         return self.hits / (self.hits + self.misses) if self.hits + self.misses else 0.0
 
@@ -54,10 +61,13 @@ class RequestMetrics:
     def tokens_per_round_miss(self) -> float:
         return self.tokens_on_miss / self.misses if self.misses else 0.0
 
-    def record_round(self, drafted: int, accepted: int, draft_s: float, verify_s: float,
+    def record_round(self, asked: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
                      hit: bool | None = None) -> None:
-        """One speculative round; `hit` is None outside SSD."""
+        """One speculative round that asked for `asked` drafts; `hit` is None outside SSD."""
         self.rounds += 1
+        self.k_hist.extend([0] * (asked + 1 - len(self.k_hist)))
+        self.k_hist[asked] += 1
+        self.empty_rounds += asked > 0 and drafted == 0
         self.drafted += drafted
         self.accepted += accepted
         grow = lambda xs, n: xs.extend([0] * (n - len(xs)))  # noqa: E731
@@ -80,7 +90,7 @@ class RequestMetrics:
 
     def as_dict(self) -> dict:
         return {**asdict(self), "tokens_per_second": self.tokens_per_second,
-                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
+                "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length, "mean_k": self.mean_k,
                 "cache_hit_rate": self.cache_hit_rate, "tokens_per_round_hit": self.tokens_per_round_hit,
                 "tokens_per_round_miss": self.tokens_per_round_miss}
 

@@ -80,3 +80,11 @@ def fresh_variant():
     build.default_variant.cache_clear()
     yield
     build.default_variant.cache_clear()  # re-read after monkeypatch restores the environment
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A random target over an 8-token vocabulary and a noisy copy of it as the draft."""
+    from tiny_pair import make_tiny_pair
+    return make_tiny_pair(tmp_path_factory)
+

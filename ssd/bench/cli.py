@@ -10,6 +10,7 @@ from ssd.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompt_set, load_pr
 from ssd.bench.report import check_out, earlier_results, format_table, summarise, write_report
 from ssd.bench.runner import ENGINE_MODES, PEERS, BenchSpec, FanOut, expand_configs, run_bench
 from ssd.errors import SSDError
+from ssd.speculative.options import AUTO_K, parse_k
 from ssd.store import resolve_model
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -45,12 +46,15 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help=f"target: store name, model folder or .gguf file (default: {DEFAULT_TARGET})")
     b.add_argument("--draft", help=f"draft model, same forms (default: {DEFAULT_DRAFT} with the default target; "
                                    "needed with any other target)")
-    b.add_argument("--modes", default="ar,sd,ssd", help="comma-separated modes among ar, sd, ssd (default: ar,sd,ssd)")
-    b.add_argument("--k", type=int, default=4, help="draft tokens per round for sd and ssd (default: 4)")
+    b.add_argument("--modes", default="ar,sd,ssd", help="comma-separated modes among ar, sd, ssd, ngram (sd drafted "
+                   "by prompt lookup, no draft model) (default: ar,sd,ssd)")
+    b.add_argument("--k", default="4", help="draft tokens per round for sd, ssd and ngram, or auto "
+                   "(default: 4)")
     b.add_argument("--f", metavar="F", help="SSD fan-out: N, one N per depth (4,2,1) or auto (default: the engine's)")
     b.add_argument("--backup", choices=("jit", "fast"), help="SSD backup on a cache miss (default: the engine's)")
     b.add_argument("--sweep", metavar="KEY=V,V,..",
-                   help="one configuration per value: k=2,4,6 (sd and ssd) or f=1,2,3 (ssd); needs ar in --modes")
+                   help="one configuration per value: k=2,4,auto (sd, ssd, ngram), f=1,2,3 (ssd) or v=full,32768 "
+                   "(the draft head's vocabulary, sd and ssd; see `ssd vocab`); needs ar in --modes")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 is greedy, where every mode must match AR token for token (default: 0)")
     b.add_argument("--batch-size", type=int, default=1, metavar="B",
@@ -99,11 +103,14 @@ def parse_fan_out(text: str) -> FanOut:
 
 
 def parse_sweep(text: str) -> tuple[str, list]:
-    """--sweep: "k=2,4,6" or "f=1,2,auto"."""
-    m = re.fullmatch(r"\s*([kf])\s*=\s*(.+)", text)
+    """--sweep: "k=2,4,auto", "f=1,2,auto" or "v=full,32768,16384" (reduced draft heads)."""
+    m = re.fullmatch(r"\s*([kfv])\s*=\s*(.+)", text)
     if not m:
-        raise SSDError(f"bad --sweep {text!r}: expected k=V,V,... or f=V,V,... (e.g. k=2,4,6)")
-    values = [(_positive if m[1] == "k" else _fan_out)(v, f"--sweep {m[1]}") for v in m[2].split(",")]
+        raise SSDError(f"bad --sweep {text!r}: expected k=V,V,..., f=V,V,... or v=V,V,... (e.g. k=2,4,6)")
+    parse = {"k": lambda v, what: AUTO_K if v.strip() == AUTO_K else _positive(v, what),
+             "f": _fan_out,
+             "v": lambda v, what: None if v.strip() == "full" else _positive(v, what)}[m[1]]
+    values = [parse(v, f"--sweep {m[1]}") for v in m[2].split(",")]
     if len(set(values)) != len(values):
         raise SSDError(f"--sweep {text!r} repeats a value")
     return m[1], values
@@ -124,21 +131,23 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     sweep = parse_sweep(args.sweep) if args.sweep else None
     if sweep and "ar" not in modes:
         raise SSDError("--sweep measures speedup vs AR: add ar to --modes")
-    if sweep and not set(modes) & ({"sd", "ssd"} if sweep[0] == "k" else {"ssd"}):
-        raise SSDError(f"--sweep {sweep[0]}=... needs mode {'sd or ssd' if sweep[0] == 'k' else 'ssd'} in --modes")
+    needs = {"k": {"sd", "ssd", "ngram"}, "f": {"ssd"}, "v": {"sd", "ssd"}}
+    if sweep and not set(modes) & needs[sweep[0]]:
+        raise SSDError(f"--sweep {sweep[0]}=... needs one of the modes {', '.join(sorted(needs[sweep[0]]))} in --modes")
     if (args.f or args.backup) and "ssd" not in modes:
         raise SSDError("--f and --backup apply to mode ssd, which is not in --modes")
-    if args.k < 1 or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
+    k = parse_k(args.k)
+    if (k != AUTO_K and k < 1) or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
         raise SSDError("--k, --batch-size and --threads must be at least 1")
     draft = args.draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
-    if draft is None and (set(modes) - {"ar"} or peers):
+    if draft is None and (set(modes) - {"ar", "ngram"} or peers):
         raise SSDError("--draft is needed for sd, ssd and the peers' speculation when --model is not the default")
     if args.out:
         check_out(Path(args.out), args.overwrite)
     resolve_model(args.model)  # unknown names fail now, not after loading half the run
     if draft is not None:
         resolve_model(draft)
-    spec = BenchSpec(args.model, draft, expand_configs(modes, args.k, parse_fan_out(args.f) if args.f else None,
+    spec = BenchSpec(args.model, draft, expand_configs(modes, k, parse_fan_out(args.f) if args.f else None,
                                                        args.backup, sweep, peers),
                      temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                      batch_size=args.batch_size, chat_template=args.chat_template == "on", device=args.device,

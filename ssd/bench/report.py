@@ -28,12 +28,15 @@ class Row:
     config: str  # RunConfig.label
     mode: str
     prompts: int = 0
+    threads: int = 0  # CPU threads of this row's engine (the same for every row of a run)
     tok_s: float | None = None  # decode tok/s, mean over prompts
     tok_s_agg: float | None = None  # all decode tokens / all decode seconds
     e2e_tok_s: float | None = None  # all output tokens / wall time of the generate() calls, prefill included
     ttft_s: float | None = None  # mean time to first token
     acceptance: float | None = None  # accepted / drafted, over all prompts
     accepted_len: float | None = None  # 1 + accepted / rounds: tokens per target pass
+    mean_k: float | None = None  # draft tokens asked for per round (auto-K's mean choice)
+    k0_share: float | None = None  # rounds at K = 0 (plain decoding chosen by auto-K) / all rounds
     hit_rate: float | None = None  # SSD: rounds whose speculation was in the cache / all rounds
     tokens_per_hit: float | None = None  # SSD: tokens gained per round on a hit
     tokens_per_miss: float | None = None  # SSD: tokens gained per round on a miss
@@ -56,7 +59,12 @@ def _ratio(a: float, b: float) -> float | None:
     return a / b if b else None
 
 
-def _row(name: str, c: RunConfig, records: list[PromptRecord]) -> Row:
+def _k_hist(metrics: list[dict]) -> list[int]:
+    hists = [x.get("k_hist") or [] for x in metrics]
+    return [sum(h[k] for h in hists if k < len(h)) for k in range(max(map(len, hists), default=0))]
+
+
+def _row(name: str, c: RunConfig, records: list[PromptRecord], threads: int) -> Row:
     m = [r.metrics for r in records]
 
     def total(key: str) -> float:
@@ -64,14 +72,17 @@ def _row(name: str, c: RunConfig, records: list[PromptRecord]) -> Row:
 
     walls = {r.batch: r.batch_wall_s for r in records}  # one wall time per generate() call
     rounds, accepted, hits, misses = total("rounds"), total("accepted"), total("hits"), total("misses")
+    k_hist = _k_hist(m)
     return Row(
-        name, c.label, c.mode, len(records),
+        name, c.label, c.mode, len(records), threads,
         tok_s=total("tokens_per_second") / len(m),
         tok_s_agg=_ratio(sum(max(0, x["output_tokens"] - 1) for x in m), total("decode_s")),
         e2e_tok_s=_ratio(total("output_tokens"), sum(walls.values())),
         ttft_s=total("ttft_s") / len(m),
         acceptance=_ratio(accepted, total("drafted")),
         accepted_len=1 + accepted / rounds if rounds else None,
+        mean_k=_ratio(sum(k * n for k, n in enumerate(k_hist)), sum(k_hist)),
+        k0_share=_ratio(k_hist[0], sum(k_hist)) if k_hist else None,
         hit_rate=_ratio(hits, hits + misses),
         tokens_per_hit=_ratio(total("tokens_on_hit"), hits),
         tokens_per_miss=_ratio(total("tokens_on_miss"), misses),
@@ -86,7 +97,7 @@ def summarise(result: BenchResult) -> list[Row]:
         for c in result.spec.configs:
             records = [r for r in result.records if r.set == name and r.config == c.label]
             set_rows.append(Row(name, c.label, c.mode, skipped=result.skipped[c.label]) if c.label in result.skipped
-                            else _row(name, c, records))
+                            else _row(name, c, records, result.threads))
         ar = next((r for r in set_rows if r.config == "ar" and r.tok_s_agg), None)
         for r in set_rows:
             if ar and r.tok_s_agg is not None:
@@ -95,16 +106,17 @@ def summarise(result: BenchResult) -> list[Row]:
     return rows
 
 
-COLUMNS = ("set", "config", "n", "tok/s", "tok/s all", "e2e tok/s", "TTFT s", "accept", "acc len", "hit",
-           "speedup", "=AR")
+COLUMNS = ("set", "config", "n", "thr", "tok/s", "tok/s all", "e2e tok/s", "TTFT s", "accept", "acc len", "K",
+           "K=0", "hit", "speedup", "=AR")
 
 
 def _cells(r: Row) -> list[str]:
     if r.skipped is not None:
-        return [r.set, r.config, "0", "skipped", *["-"] * (len(COLUMNS) - 4)]
+        return [r.set, r.config, "0", "-", "skipped", *["-"] * (len(COLUMNS) - 5)]
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
-    return [r.set, r.config, str(r.prompts), fmt(r.tok_s, ".1f"), fmt(r.tok_s_agg, ".1f"), fmt(r.e2e_tok_s, ".1f"),
-            fmt(r.ttft_s, ".3f"), fmt(r.acceptance, ".0%"), fmt(r.accepted_len, ".2f"), fmt(r.hit_rate, ".0%"),
+    return [r.set, r.config, str(r.prompts), str(r.threads or "-"), fmt(r.tok_s, ".1f"), fmt(r.tok_s_agg, ".1f"),
+            fmt(r.e2e_tok_s, ".1f"), fmt(r.ttft_s, ".3f"), fmt(r.acceptance, ".0%"), fmt(r.accepted_len, ".2f"),
+            fmt(r.mean_k, ".1f"), fmt(r.k0_share, ".0%"), fmt(r.hit_rate, ".0%"),
             "-" if r.speedup is None else f"{r.speedup:.2f}x", r.same_as_ar]
 
 

@@ -19,11 +19,12 @@ from ssd import LLM, SamplingParams
 from ssd.bench.peers import PeerResult, PeerSkip, isolated, run_hf, run_llamacpp
 from ssd.bench.prompts import BenchPrompt
 from ssd.errors import SSDError
+from ssd.speculative.options import NGRAM, SpecOptions
 from ssd.store import REGISTRY, gguf_path, resolve_model
 
-ENGINE_MODES = ("ar", "sd", "ssd")
+ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt lookup (draft="ngram"), no draft model
 PEERS = {"hf": ("hf", "hf-assisted"), "llamacpp": ("llamacpp", "llamacpp-spec")}  # --peers name -> rows
-SWEEP_FIELDS = {"k": "k", "f": "fan_out"}  # --sweep key -> RunConfig field
+SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab"}  # --sweep key -> RunConfig field
 WARMUP_PROMPT = "Count from one to ten."
 WARMUP_TOKENS = 8
 
@@ -34,16 +35,17 @@ FanOut = int | str | tuple[int, ...]  # per depth, or "auto"
 class RunConfig:
     """One configuration the benchmark runs: an engine mode or a peer, with its settings."""
 
-    mode: str  # "ar" | "sd" | "ssd", or a peer: "hf" | "hf-assisted" | "llamacpp" | "llamacpp-spec"
-    k: int | None = None  # draft tokens per round
+    mode: str  # "ar" | "sd" | "ssd" | "ngram", or a peer: "hf" | "hf-assisted" | "llamacpp" | "llamacpp-spec"
+    k: int | str | None = None  # draft tokens per round, or "auto"
     fan_out: FanOut | None = None  # SSD only; None = the engine's default
     backup: str | None = None  # SSD only: "jit" | "fast"; None = the engine's default
+    draft_vocab: int | None = None  # sd and ssd: a reduced-vocabulary draft head of this many tokens
 
     @property
     def label(self) -> str:
         f = ",".join(map(str, self.fan_out)) if isinstance(self.fan_out, tuple) else self.fan_out
-        parts = [self.mode, *(f"{name}={v}" for name, v in (("k", self.k), ("f", f), ("backup", self.backup))
-                              if v is not None)]
+        parts = [self.mode, *(f"{name}={v}" for name, v in (("k", self.k), ("f", f), ("backup", self.backup),
+                                                           ("v", self.draft_vocab)) if v is not None)]
         return " ".join(parts)
 
     @property
@@ -59,7 +61,8 @@ def expand_configs(modes: Sequence[str], k: int, fan_out: FanOut | None = None, 
     for mode in modes:
         base = RunConfig(mode) if mode == "ar" else RunConfig(
             mode, k, *((fan_out, backup) if mode == "ssd" else (None, None)))
-        applies = sweep is not None and mode != "ar" and (sweep[0] == "k" or mode == "ssd")
+        applies = sweep is not None and mode != "ar" and (
+            sweep[0] == "k" or (sweep[0] == "f" and mode == "ssd") or (sweep[0] == "v" and mode in ("sd", "ssd")))
         configs += [replace(base, **{SWEEP_FIELDS[sweep[0]]: v}) for v in sweep[1]] if applies else [base]
     for peer in peers:
         plain, spec = PEERS[peer]
@@ -91,12 +94,16 @@ class BenchSpec:
     def engine_kwargs(self, c: RunConfig) -> dict:
         kwargs = dict(device=self.device, dtype=self.dtype, threads=self.threads,
                       max_num_seqs=max(16, self.batch_size), seed=self.seed)
-        if c.mode != "ar":
+        if c.mode == "ngram":
+            kwargs.update(draft=NGRAM, mode="sd", speculate_k=c.k)
+        elif c.mode != "ar":
             kwargs.update(draft=self.draft, mode=c.mode, speculate_k=c.k, draft_quantization=self.draft_quantization)
         if c.fan_out is not None:
             kwargs["fan_out"] = list(c.fan_out) if isinstance(c.fan_out, tuple) else c.fan_out
         if c.backup is not None:
             kwargs["backup"] = c.backup
+        if c.draft_vocab is not None:
+            kwargs["draft_vocab"] = c.draft_vocab
         return kwargs
 
 
@@ -212,7 +219,9 @@ def _run_peer(result: BenchResult, c: RunConfig, prompt_ids: dict[str, list[list
     ids, pids = [x[2] for x in flat], [x[1] for x in flat]
     # The engine's own thread count, exactly: a peer left to its default (llama-cpp-python: half
     # the cores) would be handicapped.
-    common = dict(ignore_eos=spec.ignore_eos, threads=result.threads, num_draft=c.k or 1)  # k: spec peers only
+    # k: spec peers only; they have no auto-K, so "auto" gives them the engine's default K.
+    common = dict(ignore_eos=spec.ignore_eos, threads=result.threads,
+                  num_draft=c.k if isinstance(c.k, int) else SpecOptions.speculate_k)
     speculative = c.mode in ("hf-assisted", "llamacpp-spec")
     if c.mode.startswith("hf"):
         draft = resolve_model(spec.draft) if speculative else None

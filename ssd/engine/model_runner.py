@@ -1,4 +1,5 @@
 """Packs a step's work into tensors for one forward pass of a model over the paged cache."""
+import time
 from dataclasses import dataclass
 
 import torch
@@ -26,15 +27,25 @@ class ModelRunner:
     def __init__(self, model: DecoderLM, cache: PagedKVCache, device: torch.device):
         self.model, self.cache, self.device = model, cache, device
 
-    @torch.inference_mode()
     def warm_up(self) -> None:
         """One throw-away forward pass of one token: every kernel the model calls is built (or
         loaded) now, with its message on stderr, not inside the first request's time or
         streamed text; first-call allocations happen here too."""
+        self.timed_pass(1)
+
+    @torch.inference_mode()
+    def timed_pass(self, rows: int, repeat: int = 1) -> float:
+        """Seconds of a throw-away forward pass over `rows` tokens of one sequence, all with
+        logits (as a verify pass of rows - 1 drafts); the fastest of `repeat` passes."""
         owner = WARM_UP_OWNER
-        self.cache.reserve(owner, 1)
+        self.cache.reserve(owner, rows)
         try:
-            self.forward([Chunk(owner, [0], 0, 1)])
+            best = float("inf")
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                self.forward([Chunk(owner, [0] * rows, 0, rows)])
+                best = min(best, time.perf_counter() - t0)
+            return best
         finally:
             self.cache.release(owner)
 

@@ -1,8 +1,10 @@
 """Loading a model's weights: from its GGUF file (the quantised blocks themselves, on a CPU,
 or dequantised to fp32) or from Hugging Face safetensors."""
 import weakref
+from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from torch import nn
@@ -112,14 +114,22 @@ def to_engine_names(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     return out
 
 
-def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> DecoderLM:
+def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto",
+               head_rows: tuple[int, ...] | None = None) -> DecoderLM:
     """weights: see WEIGHTS ("int8": every Linear (q/k/v/o, gate_up, down, lm_head) gets
-    weight-only int8, for a draft model, whose numerics change only the acceptance rate)."""
+    weight-only int8, for a draft model, whose numerics change only the acceptance rate).
+    head_rows: token ids the output layer keeps (its logits come in that order), for a
+    reduced-vocabulary draft head; None keeps them all."""
     weights = resolve_weights(folder, device, weights)
     cfg = ModelConfig.from_folder(folder)
+    rows = None if head_rows is None else torch.tensor(head_rows, dtype=torch.long)
+    if rows is not None and not (rows.numel() and 0 <= int(rows.min()) and int(rows.max()) < cfg.vocab_size):
+        raise SSDError(f"head rows must be token ids in 0..{cfg.vocab_size - 1}")
     if weights == "gguf":
-        return load_gguf_blocks(weight_files(folder)[0], cfg).eval()
+        return load_gguf_blocks(weight_files(folder)[0], cfg, rows).eval()
     state = to_engine_names(read_weights(folder), cfg)
+    if rows is not None:
+        state["lm_head.weight"] = state["lm_head.weight"][rows]
     with torch.device("meta"):
         model = DecoderLM(cfg)
     expected = set(model.state_dict())
@@ -127,16 +137,18 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     if missing or unexpected:
         raise ModelFileError(f"weights in {folder} do not fit the {cfg.arch} config: "
                              f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    if rows is not None:
+        model.lm_head = Linear(cfg.hidden_size, len(rows), bias=False, device="meta")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
     del state  # the model holds the only references: quantizing frees each fp32 matrix
-    if cfg.tie_word_embeddings:
+    if cfg.tie_word_embeddings and rows is None:
         model.lm_head.weight = model.embed_tokens.weight
     if weights == "int8":
         quantize_int8(model)
     return model.to(device).eval()
 
 
-def load_gguf_blocks(path: Path, cfg: ModelConfig) -> DecoderLM:
+def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | None = None) -> DecoderLM:
     """The model on its GGUF file's own blocks (CPU), read in one pass: each matrix is
     repacked for the kernel from the file's pages (no fp32 copy is ever made), the embedding
     keeps its blocks, norms and biases are fp32. A matrix stored as F32/F16/BF16 stays a plain
@@ -152,8 +164,11 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig) -> DecoderLM:
     def vector(name: str) -> nn.Parameter:
         return nn.Parameter(dequantize(get(name)), requires_grad=False)
 
-    def linear(names: list[str], bias: torch.Tensor | None = None) -> nn.Module:
+    def linear(names: list[str], bias: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> nn.Module:
         parts = [get(n) for n in names]
+        if rows is not None:  # whole quantised rows: the kept rows' blocks are exact
+            parts = [replace(t, raw=np.ascontiguousarray(t.raw[rows.numpy()]), shape=(len(rows), *t.shape[1:]))
+                     for t in parts]
         plain = [t for t in parts if t.qtype not in quant_cpu.SUPPORTED]
         if not plain:
             packed = []
@@ -197,7 +212,8 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig) -> DecoderLM:
         index.unmap(embed.raw)
     else:
         model.embed_tokens = nn.Embedding.from_pretrained(dequantize(embed))
-    model.lm_head = linear(["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+    model.lm_head = linear(["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
+                           rows=head_rows)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
@@ -222,13 +238,14 @@ def quantize_int8(model: DecoderLM) -> None:
 _loaded: "weakref.WeakValueDictionary[tuple, DecoderLM]" = weakref.WeakValueDictionary()
 
 
-def shared_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto") -> DecoderLM:
+def shared_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto",
+                 head_rows: tuple[int, ...] | None = None) -> DecoderLM:
     """Load a model, or hand back the copy another LLM already holds: weights are read-only
     at inference, so engines of the same model (an AR, an SD and an SSD engine side by side
     in a benchmark) share one copy."""
     weights = resolve_weights(Path(folder), device, weights)
-    key = (str(Path(folder).resolve()), str(device), dtype, weights)
+    key = (str(Path(folder).resolve()), str(device), dtype, weights, head_rows)
     model = _loaded.get(key)
     if model is None:
-        model = _loaded[key] = load_model(folder, device, dtype, weights)
+        model = _loaded[key] = load_model(folder, device, dtype, weights, head_rows)
     return model

@@ -40,11 +40,15 @@ class DraftSeq:
 
 class DraftEngine:
     def __init__(self, model: DecoderLM, device: torch.device, *, k: int, cache_tokens: int,
-                 block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None):
-        """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD)."""
+                 block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None,
+                 vocab_ids: tuple[int, ...] | None = None):
+        """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
+        vocab_ids: the token ids of a reduced-vocabulary head (the model's logits are for those,
+        in that order): the draft proposes only them, and its q is 0 on every other token."""
         cfg = model.config
         self.k, self.device, self.saguaro = k, device, saguaro
         self.max_len, self.vocab = cfg.max_position_embeddings, cfg.vocab_size
+        self.vocab_ids = None if vocab_ids is None else torch.tensor(vocab_ids, dtype=torch.long, device=device)
         self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype)
         self.runner = ModelRunner(model, self.kv, device)
         self.runner.warm_up()
@@ -57,9 +61,10 @@ class DraftEngine:
     def from_config(cls, cfg: DraftConfig, device: torch.device, saguaro: tuple[float, int] | None = None
                     ) -> "DraftEngine":
         from ssd.store import resolve_model
-        model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.weights)
+        ids = None if cfg.vocab_ids is None else tuple(cfg.vocab_ids)
+        model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.weights, ids)
         return cls(model, device, k=cfg.k, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
-                   seed=cfg.seed, saguaro=saguaro)
+                   seed=cfg.seed, saguaro=saguaro, vocab_ids=ids)
 
     def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None) -> DraftSeq:
         """Apply the target's outcome: keep the first num_valid tokens the draft holds, append
@@ -141,9 +146,10 @@ class DraftEngine:
     def pick(self, logits: torch.Tensor, seqs: list[DraftSeq], rows: list[int]
              ) -> tuple[list[int], list[torch.Tensor | None]]:
         """Draw one token per logits row; seqs[i] owns the next rows[i] rows. Returns the
-        tokens and, per sequence, the distributions drawn from (None for greedy rows)."""
+        tokens and, per sequence, the distributions drawn from over the whole vocabulary
+        (None for greedy rows)."""
         out, qs, start = [], [], 0
-        greedy = logits.argmax(-1).tolist()
+        greedy = self.token_ids(logits.argmax(-1)).tolist()
         for s, n in zip(seqs, rows):
             if s.params.greedy_decoding:
                 out += greedy[start:start + n]
@@ -152,7 +158,17 @@ class DraftEngine:
                 q = probs_from_logits(logits[start:start + n], s.params)
                 if self.saguaro is not None:
                     q = saguaro(q, *self.saguaro)
-                out += sample(q, s.generator).tolist()
-                qs.append(q)
+                out += self.token_ids(sample(q, s.generator)).tolist()
+                qs.append(self.over_vocabulary(q))
             start += n
         return out, qs
+
+    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
+        """Token ids of positions in the draft's logits (the same, but for a reduced head)."""
+        return index if self.vocab_ids is None else self.vocab_ids[index]
+
+    def over_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the head's tokens as one over the whole vocabulary (0 elsewhere)."""
+        if self.vocab_ids is None:
+            return q
+        return q.new_zeros(q.shape[0], self.vocab).index_copy_(1, self.vocab_ids, q)

@@ -17,9 +17,27 @@ from ssd.models.loader import QUANTIZATIONS, resolve_weights
 from ssd.speculative.protocol import parse_address
 
 MODES = ("ar", "sd", "ssd")
+NGRAM = "ngram"  # draft=NGRAM: prompt lookup, no draft model (ssd/speculative/ngram.py)
 BACKUPS = ("jit", "fast")
 SECRET_ENV = "SSD_DRAFT_SECRET"  # shared secret of a target and a draft worker started by hand
 MAX_K = 32
+AUTO_K = "auto"  # speculate_k=AUTO_K: K chosen each round (ssd/speculative/adaptive_k.py)
+
+
+def check_ngram_sizes(ngram_min: int, ngram_max: int) -> None:
+    if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max <= 16):
+        raise SSDError(f"n-gram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, got {ngram_min}, {ngram_max}")
+
+
+def parse_k(text: str) -> int | str:
+    """A K as written on the command line: an integer or "auto"."""
+    text = text.strip()
+    if text == AUTO_K:
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SSDError(f"bad K {text!r}: expected an integer or '{AUTO_K}'") from None
 
 
 def parse_fan_out(text: str) -> int | str | list[int]:
@@ -46,12 +64,23 @@ class SpecOptions:
     """How SD and SSD speculate (README.md, "Speculative decoding"). Checked by `check(mode)`
     before any model loads or worker starts."""
 
-    speculate_k: int = _option(4, "draft tokens per round (1..32)", flag="--k", parse=int, metavar="K")
+    speculate_k: int | str = _option(
+        4, "draft tokens per round (1..32), or auto: chosen per sequence and round from the measured acceptance "
+        "and costs, 0 (plain decoding) when drafting does not pay", flag="--k", parse=parse_k, metavar="K|auto")
+    k_max: int = _option(8, "with --k auto: the most draft tokens a round may ask for", flag="--k-max", parse=int,
+                         metavar="K")
     draft_quantization: str | None = _option(
         "auto", "the draft's weights: gguf (its GGUF file's own blocks), int8 (weight-only int8 from its "
         "values), none (dequantised to the target's dtype); the output stays exact whatever they are, only "
         "acceptance may change. auto: gguf for a GGUF draft on a CPU, int8 for another CPU draft, none on a GPU",
         flag="--draft-quantization", choices=("auto", "none", *QUANTIZATIONS))
+    draft_vocab: int | None = _option(
+        None, "reduced-vocabulary draft head: the V tokens the target writes most (counted by `ssd vocab`); "
+        "the draft proposes only those, the output stays exact", flag="--draft-vocab", parse=int, metavar="V")
+    ngram_min: int = _option(1, "draft='ngram': the shortest n-gram looked up", flag="--ngram-min", parse=int,
+                             metavar="N")
+    ngram_max: int = _option(4, "draft='ngram': the longest n-gram looked up (tried first)", flag="--ngram-max",
+                             parse=int, metavar="N")
     fan_out: int | list[int] | str = _option(
         3, "fork tokens per depth of the speculation tree: F, one count per depth F0,..,FK, or auto "
         "(sized from the measured acceptance)", flag="--f", ssd_only=True, parse=parse_fan_out, metavar="F|auto|F0,..,FK")
@@ -82,11 +111,17 @@ class SpecOptions:
             raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if mode == "ar":
             return
-        if not isinstance(self.speculate_k, int) or not 1 <= self.speculate_k <= MAX_K:
-            raise SSDError(f"speculate_k must be an integer in 1..{MAX_K}, got {self.speculate_k!r}")
+        if self.speculate_k != AUTO_K and (isinstance(self.speculate_k, bool) or not isinstance(self.speculate_k, int)
+                                           or not 1 <= self.speculate_k <= MAX_K):
+            raise SSDError(f"speculate_k must be an integer in 1..{MAX_K} or '{AUTO_K}', got {self.speculate_k!r}")
+        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or not 1 <= self.k_max <= MAX_K:
+            raise SSDError(f"k_max must be an integer in 1..{MAX_K}, got {self.k_max!r}")
+        if self.k_max != SpecOptions.k_max and self.speculate_k != AUTO_K:
+            raise SSDError(f"k_max applies to speculate_k='{AUTO_K}' only")
         changed = [f.name for f in fields(self) if f.metadata["ssd_only"] and getattr(self, f.name) != f.default]
         if mode != "ssd" and changed:
             raise SSDError(f"{', '.join(changed)} only apply to mode 'ssd'")
+        check_ngram_sizes(self.ngram_min, self.ngram_max)
         if self.draft_quantization not in ("auto", None, *QUANTIZATIONS):
             raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
                            f"got {self.draft_quantization!r}")
@@ -102,11 +137,16 @@ class SpecOptions:
             raise SSDError(f"a draft worker started by hand needs a shared secret: set {SECRET_ENV} to the same value "
                            "where the target and the worker run (or pass draft_secret=...)")
         from ssd.speculative.fanout import FanOut
-        FanOut(self.speculate_k, self.fan_out, self.fan_out_miss, self.tree_budget)  # raises on a bad fan-out
+        FanOut(self.max_k, self.fan_out, self.fan_out_miss, self.tree_budget)  # raises on a bad fan-out
         if mode == "ssd":
             for device in (self.target_device, self.draft_device):
                 if device is not None:
                     parse_placement(device)
+
+    @property
+    def max_k(self) -> int:
+        """The most draft tokens a round asks for."""
+        return self.k_max if self.speculate_k == AUTO_K else self.speculate_k
 
     def secret(self) -> str | None:
         return self.draft_secret or os.environ.get(SECRET_ENV) or None
@@ -160,6 +200,7 @@ class DraftConfig:
     tree_budget: int | None = None
     backup: str = "jit"
     saguaro_c: float | None = None
+    vocab_ids: list[int] | None = None  # a reduced-vocabulary head's token ids (see SpecOptions.draft_vocab)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -79,7 +79,7 @@ class SpecReply:
 class Limits:
     """The largest message a peer may send: what the configuration can need, with room to spare."""
 
-    json_bytes: int = 1 << 20  # until the hello: a configuration is small
+    json_bytes: int = 4 << 20  # until the hello: a configuration (with a reduced vocabulary, up to ~1 MB)
     floats: int = 0
 
     @classmethod

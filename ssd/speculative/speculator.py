@@ -39,6 +39,11 @@ class Speculator:
     def wait_ready(self) -> None:
         """Return once the draft can answer (SSD: its worker has loaded the model)."""
 
+    def step_cost(self) -> float:
+        """Seconds the target waits per draft token, as first guessed before any round is
+        timed (SSD: 0, its drafting is meant to be hidden; prompt lookup: 0)."""
+        return 0.0
+
     def placement(self) -> AbstractContextManager:
         """The target's share of the hardware while it runs (SSD: its cores, pinned)."""
         return nullcontext()
@@ -79,6 +84,9 @@ class LocalSpeculator(Speculator):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         return propose_locally(self, self.engine, seqs, ks)
+
+    def step_cost(self) -> float:
+        return self.engine.runner.timed_pass(1, repeat=2)
 
 
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]

@@ -140,7 +140,7 @@ class SSDDraft:
             if not s.params.greedy_decoding:  # rank by the processed distribution (top-k/top-p cut)
                 rows = probs_from_logits(rows, s.params)
             sizes = self.fan_out.sizes(n, s.after_hit)
-            top = rows.topk(min(MAX_RANK + 1, rows.shape[-1]), dim=-1).indices.tolist()
+            top = self.engine.token_ids(rows.topk(min(MAX_RANK + 1, rows.shape[-1]), dim=-1).indices).tolist()
             s.candidates = [[t for t in top[j] if j == n - 1 or t != spec[j]][:MAX_RANK] for j in range(n)]
             forks += [Fork(s, j, t) for j in range(n) for t in s.candidates[j][:sizes[j]]]
         return forks

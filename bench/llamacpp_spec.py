@@ -1,0 +1,69 @@
+"""llama.cpp's own speculative decoding (`llama-speculative`, native build from
+bench/llamacpp.sh) on the bench's prompt sets, at the engine's thread count: the peer row that
+`ssd bench --peers llamacpp` cannot give, since llama-cpp-python has no binding for it (its
+`llamacpp-spec` row goes through the package's Python draft hook, with logits for every
+position, which is not how llama.cpp's users speculate).
+
+    python bench/llamacpp_spec.py --bin "$(bash bench/llamacpp.sh)" --all --num-prompts 4 --k 3,5,8 --threads 2
+
+Each prompt is rendered with the target's chat template, as `ssd bench` renders it, and
+decoded greedily for --max-tokens tokens; the figures are llama-speculative's own "decoded N
+tokens in S seconds" and its acceptance. Per set and K: all decoded tokens / all seconds.
+"""
+import argparse
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ssd.bench.prompts import PROMPT_SETS, load_prompt_set
+from ssd.models.loader import load_tokenizer
+from ssd.store import gguf_path, resolve_model
+
+DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+ACCEPT = re.compile(r"n_drafted\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", re.S)
+
+
+def run(binary: Path, target: Path, draft: Path, prompt: str, k: int, max_tokens: int, threads: int
+        ) -> tuple[int, float, int, int]:
+    with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+        f.write(prompt)
+        f.flush()
+        cmd = [str(binary / "llama-speculative"), "-m", str(target), "-md", str(draft), "-f", f.name,
+               "-n", str(max_tokens), "-t", str(threads), "-tb", str(threads), "-td", str(threads),
+               "-tbd", str(threads), "--temp", "0", "-c", "4096", "--spec-draft-n-max", str(k)]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    log = out.stdout + out.stderr
+    (n, s), (drafted, accepted) = DECODED.search(log).groups(), ACCEPT.search(log).groups()
+    return int(n), float(s), int(drafted), int(accepted)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--bin", required=True, type=Path, help="the folder with llama-speculative")
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap.add_argument("sets", nargs="*")
+    ap.add_argument("--all", action="store_true")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--k", default="3,5,8", help="draft tokens per round (--spec-draft-n-max), one run each")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    tok = load_tokenizer(resolve_model(args.model))
+    target, draft = gguf_path(args.model), gguf_path(args.draft)
+    sets = list(PROMPT_SETS) if args.all else args.sets or ["humaneval"]
+    print(f"| set | config | thr | n | tok/s all | accept |\n|---|---|---:|---:|---:|---:|")
+    for name in sets:
+        prompts = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                           tokenize=False) for p in load_prompt_set(name, args.num_prompts)]
+        for k in map(int, args.k.split(",")):
+            runs = [run(args.bin, target, draft, p, k, args.max_tokens, args.threads) for p in prompts]
+            tokens, seconds = sum(r[0] for r in runs), sum(r[1] for r in runs)
+            drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
+            print(f"| {name} | llama-speculative k={k} | {args.threads} | {len(runs)} | {tokens / seconds:.1f} | "
+                  f"{accepted / max(drafted, 1):.0%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""Draft-free speculation by prompt lookup (n-gram drafting): the last n tokens of a sequence
+are looked up in its own earlier tokens (prompt and output), and the K tokens that followed
+their most recent earlier occurrence are proposed. Summaries, code edits and answers that
+quote their input repeat long spans of it, which this proposes at no cost.
+
+The proposals are not drawn from any distribution, so they are verified as one-hot proposals
+(q = None, ssd/speculative/verifier.py): exact for greedy and sampled requests alike.
+"""
+from dataclasses import dataclass, field
+
+from ssd.engine.sequence import Sequence
+from ssd.speculative.options import check_ngram_sizes
+from ssd.speculative.speculator import Proposal, Speculator
+
+
+@dataclass
+class _Index:
+    """Where each n-gram (n = 1..ngram_max) of a sequence last ended, for the tokens seen so far."""
+
+    seen: int = 0  # tokens indexed
+    last: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index just past its latest end
+
+
+class NgramSpeculator(Speculator):
+    def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+        super().__init__()
+        check_ngram_sizes(ngram_min, ngram_max)
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+        self.indexes: dict[int, _Index] = {}
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        for seq_id in self.take_released():
+            self.indexes.pop(seq_id, None)
+        return [Proposal(self.lookup(seq, k), None) for seq, k in zip(seqs, ks)]
+
+    def release(self, seq: Sequence) -> None:
+        self.indexes.pop(seq.seq_id, None)
+
+    def lookup(self, seq: Sequence, k: int) -> list[int]:
+        tokens = seq.token_ids
+        index = self.indexes.setdefault(seq.seq_id, _Index())
+        # Index the n-grams that end before the newest token (the newest one is the query).
+        for end in range(max(index.seen, 1), len(tokens)):
+            for n in range(1, min(self.ngram_max, end) + 1):
+                index.last[tuple(tokens[end - n:end])] = end
+        index.seen = max(index.seen, len(tokens) - 1)
+        if k <= 0:
+            return []
+        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
+            start = index.last.get(tuple(tokens[len(tokens) - n:]))
+            if start is not None:
+                return tokens[start:start + k]
+        return []

@@ -1,0 +1,60 @@
+"""A target and draft small enough to enumerate the target's distribution exactly: random weights
+over an 8-token vocabulary, for the sampling-statistics tests."""
+import itertools
+
+import torch
+import transformers
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from stats import chi_square, p_value
+
+V, NEW = 8, 6  # a vocabulary small enough to enumerate the target's distribution exactly
+PROMPT = "w2 w5 w3"
+
+
+def make_tiny_pair(tmp_path_factory):
+    """A random target over an 8-token vocabulary and a noisy copy of it as the draft."""
+    vocab = {f"w{i}": i for i in range(V)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
+    cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=False, eos_token_id=1, bos_token_id=None)
+    torch.manual_seed(0)
+    target = transformers.LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)  # peaked, varied next-token distributions
+    folders = []
+    for name, noise in (("target", 0.0), ("draft", 0.6)):
+        folder = tmp_path_factory.mktemp(name)
+        state = {n: w + noise * w.std() * torch.randn_like(w) if w.dim() > 1 else w.clone()
+                 for n, w in target.state_dict().items()}
+        target.config.save_pretrained(folder)
+        save_file(state, folder / "model.safetensors")
+        fast.save_pretrained(folder)
+        folders.append(folder)
+    return folders
+
+
+def exact_joint(folder, prompt_ids: list[int], temperature: float) -> torch.Tensor:
+    """P(t_1..t_NEW) [V]*NEW under the target, from all V^(NEW-1) continuations at once."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64).eval()
+    conts = torch.tensor(list(itertools.product(range(V), repeat=NEW - 1)))
+    ids = torch.cat([torch.tensor(prompt_ids).expand(len(conts), -1), conts], 1)
+    with torch.no_grad():
+        logp = (model(ids).logits[:, len(prompt_ids) - 1:] / temperature).log_softmax(-1)  # [N, NEW, V]
+    joint = logp[:, -1]  # log P(t_NEW | t_1..t_{NEW-1}) for each continuation
+    for i in range(NEW - 1):
+        joint = joint + logp[:, i].gather(1, conts[:, i:i + 1])
+    return joint.exp().view(*[V] * NEW)
+
+
+def pooled_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square p-value with the cells expected below 5 pooled into one."""
+    expected = counts.sum() * probs
+    small = expected < 5
+    c = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
+    p = torch.cat([probs[~small], probs[small].sum(0, keepdim=True)])
+    return p_value(*chi_square(c, p))

@@ -111,7 +111,8 @@ class LLM:
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self.runner.warm_up()
         self.k_policy = (None if self.speculator is None else FixedK(self.k) if spec.speculate_k != AUTO_K else
-                         AutoK(self.k, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost()))
+                         AutoK(self.k, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost(),
+                               self.speculator.measures_steps))
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
                                    lookahead=self.k if self.speculator else 0,
                                    on_release=self._release if self.speculator else None)
@@ -265,9 +266,17 @@ class LLM:
         # No more drafts than the sequence can still use (its max_tokens and the context).
         ks = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1))
               for s, k in zip(seqs, self.k_policy.choose(seqs))]
+        if not any(ks):  # plain decoding this round: no draft pass; the draft catches up when next asked
+            start = time.perf_counter()
+            events = self._forward([Work(s, 1) for s in seqs])
+            verify_s = time.perf_counter() - start
+            self.k_policy.observe(seqs, [0] * len(seqs), [0] * len(seqs), 0.0, verify_s)
+            for seq in seqs:
+                seq.stats.record_round(0, 0, 0, 0.0, verify_s)
+            return events
         results = speculative_round(self.speculator, self.runner, seqs, ks)
         self.k_policy.observe(seqs, [len(r.proposal.tokens) for r in results], [r.accepted for r in results],
-                              results[0].draft_s, results[0].verify_s)
+                              results[0].draft_s, results[0].verify_s, self.speculator.last_step_s())
         now = time.perf_counter()
         events = []
         for seq, k, r in zip(seqs, ks, results):

@@ -42,13 +42,14 @@ def test_a_draft_that_is_never_accepted_turns_speculation_off_then_probes():
     assert policy.choose(seqs)[0] > 0  # optimistic before any data
     _rounds(policy, seqs, lambda k: 0, 20)
     chosen = []
-    for _ in range(3 * (PROBE_EVERY + 1)):  # rounds at K = 0 teach nothing: every PROBE_EVERY of them, a probe
+    for _ in range(8 * PROBE_EVERY):  # rounds at K = 0 teach nothing: a probe now and then
         (k,) = policy.choose(seqs)
         chosen.append(k)
         policy.observe(seqs, [k], [0], 0.0, 0.05)
     probes = [i for i, k in enumerate(chosen) if k]
-    assert {chosen[i] for i in probes} == {PROBE_K} and len(probes) == 3
-    assert {b - a for a, b in zip(probes, probes[1:])} == {PROBE_EVERY + 1}
+    assert {chosen[i] for i in probes} == {PROBE_K} and len(probes) >= 2
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]  # each fruitless probe doubles the wait
+    assert all(g2 == 2 * g1 for g1, g2 in zip(gaps, gaps[1:])) and gaps[-1] >= 2 * PROBE_EVERY, gaps
 
 
 def test_a_draft_that_is_always_accepted_drafts_deep():
@@ -102,7 +103,7 @@ def test_auto_k_with_prompt_lookup_drafts_deep_on_repeats(smollm_dir, ar_outputs
     with LLM(smollm_dir, draft="ngram", mode="sd", speculate_k="auto") as llm:
         (out,) = llm.generate([REPEATING], params)
     assert out.token_ids == ar_outputs([REPEATING], params)[0]
-    assert out.metrics.mean_k >= 4, out.metrics  # drafting is free and copies are accepted
+    assert out.metrics.mean_k >= 3, out.metrics  # drafting is free and copies are accepted (k_max 8)
 
 
 def test_auto_k_target_as_its_own_draft_accepts_everything_it_drafts(smollm_dir, ar_outputs):
@@ -118,7 +119,7 @@ class _FixedCosts(AutoK):
     def __init__(self):
         super().__init__(4, lambda rows: 1.0 + (rows - 1) / 3000, 0.0)
 
-    def observe(self, seqs, drafted, accepted, draft_s, verify_s):
+    def observe(self, seqs, drafted, accepted, draft_s, verify_s, step_s=None):
         super().observe(seqs, drafted, accepted, 0.0, 1.0 + (sum(drafted) + len(seqs) - 1) / 3000)
 
 

@@ -98,8 +98,10 @@ def plot_sweep(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
             if points:
                 ax.plot(*zip(*points), style, color=f"C{i}", label=f"{mode}, {s}")
     ax.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="AR")
-    ax.set_xticks(range(len(values)), [",".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in values])
-    ax.set_xlabel({"k": "K (draft tokens per round)", "f": "f (SSD fan-out)"}[key])
+    ax.set_xticks(range(len(values)), [",".join(map(str, v)) if isinstance(v, tuple) else "full" if v is None
+                                       else str(v) for v in values])
+    ax.set_xlabel({"k": "K (draft tokens per round)", "f": "f (SSD fan-out)",
+                   "v": "V (tokens of the draft's head)"}[key])
     ax.set_ylabel("speedup vs AR (decode tok/s)")
     ax.grid(alpha=0.3)
     return _save(fig, ax, result, path)

@@ -13,8 +13,11 @@ timing one draft step, then both from every round (moving averages), and the a_i
 counts) shrunk towards the engine-wide rates, which stand in for positions a sequence has not
 reached. The round's K per sequence maximises the batch's tokens per second,
 sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))); K = 0 is plain decoding, chosen when drafting
-does not pay. A sequence at K = 0 learns nothing about its acceptance, so every PROBE_EVERY
-rounds at K = 0 it drafts PROBE_K tokens again (a small, bounded cost; then it can turn back on).
+does not pay. A sequence at K = 0 learns nothing about its acceptance, so after PROBE_EVERY
+rounds at K = 0 it drafts PROBE_K tokens again; a probe that gains nothing doubles the wait
+before the next (up to PROBE_BACKOFF times), as each one costs a draft step and the draft's
+catch-up on the tokens it missed; a sequence that never drafted does not probe once the
+engine-wide rates rest on enough rounds (its probe would pay the draft's prefill too).
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +32,8 @@ ENGINE_DECAY = 0.995
 TIME_EMA = 0.2
 PROBE_EVERY = 16
 PROBE_K = 2
+ENGINE_EVIDENCE = 8  # decayed rounds at the first position
+PROBE_BACKOFF = 16  # a probe that gains nothing doubles the wait before the next, up to this factor
 
 
 @dataclass
@@ -114,7 +119,7 @@ class FixedK:
         return [self.k_max] * len(seqs)
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int], draft_s: float,
-                verify_s: float) -> None:
+                verify_s: float, step_s: float | None = None) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:
@@ -124,15 +129,20 @@ class FixedK:
 class AutoK(FixedK):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
-    def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float):
+    def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
+                 steps_measured: bool = False):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
-        draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup)."""
+        draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
+        steps_measured: the draft times its steps itself (observe's step_s; SD), else a round's
+        wait per draft token is the step's cost (SSD, prompt lookup)."""
         super().__init__(k_max)
+        self.steps_measured = steps_measured
         self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2)})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
         self.engine = Acceptance(ENGINE_DECAY)
         self.seqs: dict[int, Acceptance] = {}
         self.idle: dict[int, int] = {}  # seq_id -> rounds in a row at K = 0
+        self.wait: dict[int, int] = {}  # seq_id -> rounds at K = 0 before its next probe
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         prior = self.engine.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
@@ -140,9 +150,15 @@ class AutoK(FixedK):
                                  .rates(self.k_max, prior, SEQ_WEIGHT)) for s in seqs]
         ks = self._best(gains)
         for b, s in enumerate(seqs):
-            if ks[b] == 0 and self.idle.get(s.seq_id, 0) >= PROBE_EVERY:
+            if ks[b] == 0 and self.idle.get(s.seq_id, 0) >= self.wait.get(s.seq_id, PROBE_EVERY) \
+                    and (self.seqs[s.seq_id].reached or not self.engine_knows()):
                 ks[b] = min(PROBE_K, self.k_max)
         return ks
+
+    def engine_knows(self) -> bool:
+        """Enough recent rounds engine-wide that a sequence with none of its own follows them
+        without a probe (its first probe would also pay the draft's prefill of its prompt)."""
+        return bool(self.engine.reached) and self.engine.reached[0] >= ENGINE_EVIDENCE
 
     def _best(self, gains: list[list[float]]) -> list[int]:
         """The K per sequence that maximise sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))): the best
@@ -168,20 +184,26 @@ class AutoK(FixedK):
         return ks
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int], draft_s: float,
-                verify_s: float) -> None:
-        """One round's outcome: tokens each sequence drafted and had accepted, and the round's
-        wait for proposals and verify pass (the whole batch's)."""
+                verify_s: float, step_s: float | None = None) -> None:
+        """One round's outcome: tokens each sequence drafted and had accepted, the round's wait
+        for proposals and verify pass (the whole batch's), and where the draft measured it, its
+        time per draft token without catch-up (a prompt's prefill, tokens missed at K = 0:
+        counting those would make drafting look dearer the longer it was off)."""
         for s, d, a in zip(seqs, drafted, accepted):
+            if d and self.idle.get(s.seq_id, 0) >= self.wait.get(s.seq_id, PROBE_EVERY):  # a probe
+                wait = self.wait.get(s.seq_id, PROBE_EVERY)
+                self.wait[s.seq_id] = PROBE_EVERY if a else min(2 * wait, PROBE_BACKOFF * PROBE_EVERY)
             self.idle[s.seq_id] = 0 if d else self.idle.get(s.seq_id, 0) + 1
             if d:
                 self.seqs.setdefault(s.seq_id, Acceptance(SEQ_DECAY)).observe(d, a)
                 self.engine.observe(d, a)
-        if deepest := max(drafted, default=0):  # a round drafts as deep as its longest proposal
-            step = draft_s / deepest
+        deepest = max(drafted, default=0)  # a round drafts as deep as its longest proposal
+        step = step_s if self.steps_measured else draft_s / deepest if deepest else None
+        if step is not None:  # None: no step without catch-up this round
             self.draft_step = self.draft_step + TIME_EMA * (step - self.draft_step) if self.draft_measured else step
             self.draft_measured = True
         self.verify.observe(sum(drafted) + len(seqs), verify_s)
 
     def release(self, seq: Sequence) -> None:
-        self.seqs.pop(seq.seq_id, None)
-        self.idle.pop(seq.seq_id, None)
+        for table in (self.seqs, self.idle, self.wait):
+            table.pop(seq.seq_id, None)

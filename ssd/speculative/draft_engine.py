@@ -6,6 +6,7 @@ After a round where the target accepted k of the draft's tokens and added its ow
 the draft's first `confirmed + k` tokens are still right: `sync` keeps those, appends the
 target's tokens, and rolls the draft's KV cache back to the part that is still valid.
 """
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -53,6 +54,7 @@ class DraftEngine:
         self.runner = ModelRunner(model, self.kv, device)
         self.runner.warm_up()
         self.seqs: dict[int, DraftSeq] = {}
+        self.step_s: float | None = None  # the last draft() call's mean step, catch-up steps left out
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
             self._seeds.seed()
@@ -112,7 +114,9 @@ class DraftEngine:
         token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests)."""
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        steps: list[float] = []  # times of the steps that fed one or two tokens per sequence
         for step in range(max(ks, default=0)):
+            start = time.perf_counter()
             live = [b for b, k in enumerate(ks) if k > step]
             chunks = []
             for b in live:
@@ -127,6 +131,11 @@ class DraftEngine:
                 tokens[b].append(picked[row])
                 if q[row] is not None:
                     qs[b].append(q[row][0])
+            # A first step that feeds a prompt or many tokens missed while K was 0 is catch-up,
+            # not what one more draft token costs (adaptive_k.py reads step_s).
+            if max(len(c.tokens) for c in chunks) <= 2:
+                steps.append(time.perf_counter() - start)
+        self.step_s = sum(steps) / len(steps) if steps else None
         return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
 
     @torch.inference_mode()

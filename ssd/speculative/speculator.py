@@ -44,6 +44,14 @@ class Speculator:
         timed (SSD: 0, its drafting is meant to be hidden; prompt lookup: 0)."""
         return 0.0
 
+    # Whether last_step_s() times draft steps apart from catch-up (else adaptive_k.py takes a
+    # round's wait per draft token).
+    measures_steps = False
+
+    def last_step_s(self) -> float | None:
+        """Seconds per draft token in the last round, catch-up left out; None: no such step."""
+        return None
+
     def placement(self) -> AbstractContextManager:
         """The target's share of the hardware while it runs (SSD: its cores, pinned)."""
         return nullcontext()
@@ -78,6 +86,8 @@ class Speculator:
 class LocalSpeculator(Speculator):
     """SD: the draft runs in the target's process, between the target's passes."""
 
+    measures_steps = True
+
     def __init__(self, engine: DraftEngine):
         super().__init__()
         self.engine = engine
@@ -87,6 +97,9 @@ class LocalSpeculator(Speculator):
 
     def step_cost(self) -> float:
         return self.engine.runner.timed_pass(1, repeat=2)
+
+    def last_step_s(self) -> float | None:
+        return self.engine.step_s
 
 
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]

@@ -1,4 +1,4 @@
-"""The `ssd` command: generate, bench, pull, models, worker."""
+"""The `ssd` command: generate, chat, serve, bench, pull, models, worker."""
 import argparse
 import json
 import sys
@@ -178,6 +178,36 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_vocab_parser(sub)
 
+    c = sub.add_parser("chat", help="talk with a model in the terminal",
+                       description="A multi-turn chat in the terminal with the model's chat template; replies "
+                                   "stream as they are made, each followed by a metrics line. Type /help for "
+                                   "the commands. Ctrl-C stops a reply, Ctrl-D or /exit leaves.")
+    add_engine_args(c)
+    add_speculation_args(c)
+    add_sampling_args(c)
+    c.add_argument("--system", help="a system message to start the conversation with")
+    c.add_argument("--show-draft", action="store_true", help="mark the tokens that were accepted draft proposals")
+    c.set_defaults(func=lambda args: _chat(args))
+
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
+                       description="Serve one model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
+                                   "/v1/completions (streamed or not), /v1/models, /health and /metrics "
+                                   "(Prometheus). Requests join and leave the running batch between steps.")
+    add_engine_args(s)
+    add_speculation_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default: 8000)")
+    s.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes (or set SSD_API_KEY)")
+    s.add_argument("--served-model-name", help="the model id clients name (default: --model as given)")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="most requests in the running batch (default: 16)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="most requests waiting for the batch; past it, 429 at once (default: 64)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds requests in flight may take to finish before they are "
+                        "cancelled (default: 30)")
+    s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(func=lambda args: _serve(args))
+
     from ssd.speculative import worker
     w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",
                        description="Run an SSD draft worker that connects to a target waiting at HOST:PORT "
@@ -186,6 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_arguments(w)
     w.set_defaults(func=lambda args: sys.exit(worker.run(args)))
     return parser
+
+
+def _chat(args: argparse.Namespace) -> None:
+    from ssd.serving.chat import chat
+    chat(args)
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from ssd.serving.openai_server import serve
+    serve(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -138,34 +138,83 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise SSDError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params: "
                            "pass one SamplingParams for all prompts or a list of one per prompt")
-        seqs = [self._new_sequence(p, sp) for p, sp in zip(prompts, sampling_params)]
+        seqs = [self.new_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
         for seq in seqs:
             self.scheduler.add(seq)
         try:
             while self.scheduler.has_work:
-                for seq, _, _ in self._step():
+                for seq, _, _ in self.step():
                     if seq.finished:
                         bar.update(1)
         finally:
             bar.close()
-            self._abort(seqs)
+            self.abort(seqs)
         return [self._output(s) for s in seqs]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
                ) -> Iterator[StreamChunk]:
         """Yield StreamChunks as tokens are made; the last one has finish_reason and metrics."""
-        seq = self._new_sequence(prompt, sampling_params or SamplingParams())
+        seq = self.new_request(prompt, sampling_params or SamplingParams())
         self.scheduler.add(seq)
         try:
             while not seq.finished:
-                for s, new, from_draft in self._step():
+                for s, new, from_draft in self.step():
                     if s is seq:
                         text = seq.text.take(final=seq.finished)
                         yield StreamChunk(text, new, from_draft,
                                           seq.finish_reason, seq.metrics() if seq.finished else None)
         finally:
-            self._abort([seq])
+            self.abort([seq])
+
+    # ---- driving the engine step by step (ssd/serving/engine_loop.py) -----------------
+    def new_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+        """A checked request, not yet scheduled: PromptError, ContextLengthError or
+        SamplingParamsError here. Only tokenizes, so another thread may call it while
+        the engine steps."""
+        if not isinstance(params, SamplingParams):
+            raise SSDError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        ids = self.encode(prompt)
+        if not ids:
+            raise PromptError("the prompt encodes to no tokens")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthError(
+                f"context length exceeded: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
+                f"{len(ids) + params.max_tokens} in all, but the context holds {self.max_model_len} tokens; "
+                + (f"lower max_tokens to at most {self.max_model_len - len(ids)}" if len(ids) < self.max_model_len
+                   else "shorten the prompt"))
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(self.device)
+            gen.manual_seed(params.seed)
+        label = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+        return Sequence(label, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
+
+    def add_request(self, seq: Sequence) -> None:
+        """Queue a request from new_request(); it joins the running batch at a later step."""
+        self.scheduler.add(seq)
+
+    def step(self) -> list[tuple[Sequence, list[int], list[bool]]]:
+        """Run one scheduled step; return (sequence, new tokens, from_draft flags) for each
+        sequence that got tokens. Prompt chunks run through the target alone; in SD and SSD
+        modes the sequences that are decoding run one speculative round."""
+        placement = self.speculator.placement() if self.speculator else nullcontext()
+        with placement:
+            work = self.scheduler.schedule()
+            decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
+            plain = [w for w in work if w.seq not in decoding]
+            events = self._forward(plain) if plain else []
+            return events + (self._speculate(decoding) if decoding else [])
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Stop unfinished requests and free what they hold (KV blocks, the draft's state)."""
+        for seq in seqs:
+            if not seq.finished:
+                self.scheduler.finish(seq)
+
+    def kv_blocks_in_use(self) -> int:
+        """The target's KV cache blocks held by requests (0 when none is in flight)."""
+        return self.cache.num_blocks - len(self.cache.free_blocks)
 
     @property
     def draft_failures(self) -> int:
@@ -174,7 +223,7 @@ class LLM:
 
     def close(self) -> None:
         """Free the requests in flight and stop the draft worker, if any. Idempotent."""
-        self._abort(list(self.scheduler.running) + list(self.scheduler.waiting))
+        self.abort(list(self.scheduler.running) + list(self.scheduler.waiting))
         if self.speculator is not None:
             self.speculator.close()
 
@@ -214,37 +263,6 @@ class LLM:
             if not isinstance(m["content"], str):
                 raise PromptError(f"chat message {i} has content of type {type(m['content']).__name__}; "
                                   "content must be a string")
-
-    def _new_sequence(self, prompt: Prompt, params: SamplingParams) -> Sequence:
-        if not isinstance(params, SamplingParams):
-            raise SSDError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        ids = self.encode(prompt)
-        if not ids:
-            raise PromptError("the prompt encodes to no tokens")
-        if len(ids) + params.max_tokens > self.max_model_len:
-            raise ContextLengthError(
-                f"context length exceeded: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                f"{len(ids) + params.max_tokens} in all, but the context holds {self.max_model_len} tokens; "
-                + (f"lower max_tokens to at most {self.max_model_len - len(ids)}" if len(ids) < self.max_model_len
-                   else "shorten the prompt"))
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(self.device)
-            gen.manual_seed(params.seed)
-        label = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        return Sequence(label, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
-
-    def _step(self) -> list[tuple[Sequence, list[int], list[bool]]]:
-        """Run one scheduled step; return (sequence, new tokens, from_draft flags) for each
-        sequence that got tokens. Prompt chunks run through the target alone; in SD and SSD
-        modes the sequences that are decoding run one speculative round."""
-        placement = self.speculator.placement() if self.speculator else nullcontext()
-        with placement:
-            work = self.scheduler.schedule()
-            decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
-            plain = [w for w in work if w.seq not in decoding]
-            events = self._forward(plain) if plain else []
-            return events + (self._speculate(decoding) if decoding else [])
 
     def _forward(self, work: list[Work]) -> list[tuple[Sequence, list[int], list[bool]]]:
         logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.seq.num_cached:][:w.num_new],
@@ -311,12 +329,6 @@ class LLM:
                 self.scheduler.finish(seq)
                 return seq, tokens[:i + 1], from_draft[:i + 1]
         return seq, tokens, from_draft
-
-    def _abort(self, seqs: list[Sequence]) -> None:
-        """Free what unfinished sequences hold (after an error or Ctrl-C)."""
-        for seq in seqs:
-            if not seq.finished:
-                self.scheduler.finish(seq)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt, seq.text.text, list(seq.output_ids),

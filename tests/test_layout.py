@@ -1,4 +1,4 @@
-"""Layers point one way: llm -> speculative -> engine -> store -> models -> layers -> kernels
+"""Layers point one way: serving -> llm -> speculative -> engine -> store -> models -> layers -> kernels
 (README.md, "Layout"). A module may import its own package, a lower layer, and the plain-data
 modules every layer shares; never a higher layer (that is how import cycles start)."""
 import ast
@@ -6,7 +6,7 @@ from pathlib import Path
 
 import ssd
 
-ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "llm", "bench", "cli"]
+ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "llm", "serving", "bench", "cli"]
 SHARED = {"errors", "outputs", "sampling_params"}  # plain data and exceptions, no imports of the engine
 
 

@@ -1,0 +1,160 @@
+"""One engine for many callers: the LLM runs in a thread of its own, and requests join and
+leave the running batch between its steps (continuous batching, in AR, SD and SSD alike).
+
+Callers (the HTTP server's handlers) check and tokenize a request in their own thread
+(`submit`, which raises the user's mistakes at once), then get `Event`s through a callback
+called from the engine thread. `cancel` takes effect before the next step and frees the
+request's KV blocks. Everything else of the LLM is touched by the engine thread only.
+"""
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ssd.engine.sequence import Sequence
+from ssd.errors import SSDError
+from ssd.llm import LLM
+from ssd.outputs import RequestMetrics
+from ssd.sampling_params import SamplingParams
+
+log = logging.getLogger("ssd.serving")
+
+
+class QueueFullError(SSDError):
+    """Too many requests are waiting for a place in the running batch."""
+
+
+class ShuttingDownError(SSDError):
+    """The engine is stopping and takes no new requests."""
+
+
+@dataclass
+class Event:
+    """What one engine step made for one request. The last event of a request has
+    finish_reason ("stop", "length", or "error" with `error` set) and its metrics."""
+
+    text: str
+    token_ids: list[int]
+    from_draft: list[bool]
+    finish_reason: str | None = None
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+
+
+Sink = Callable[[Event], None]
+
+
+class EngineLoop:
+    def __init__(self, llm: LLM, max_queue: int = 64, on_step: Callable[[LLM], None] | None = None):
+        self.llm = llm
+        self.max_queue = max_queue  # requests waiting for the batch, beyond llm's max_num_seqs running
+        self.on_step = on_step or (lambda llm: None)  # after every step, in the engine thread
+        self._cond = threading.Condition()
+        self._incoming: list[tuple[Sequence, Sink]] = []
+        self._cancelled: list[Sequence] = []
+        self._sinks: dict[int, Sink] = {}  # seq_id -> sink, engine thread only
+        self._stopping = False
+        self.failed_steps = 0
+        self._thread = threading.Thread(target=self._run, name="ssd-engine", daemon=True)
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def queued(self) -> int:
+        """Requests accepted but not running yet."""
+        return len(self._incoming) + len(self.llm.scheduler.waiting)
+
+    def running(self) -> int:
+        return len(self.llm.scheduler.running)
+
+    def submit(self, prompt, params: SamplingParams, sink: Sink) -> Sequence:
+        """Check and queue a request; its events go to `sink` (called in the engine thread).
+        Raises the engine's SSDErrors for bad input, QueueFullError, ShuttingDownError."""
+        seq = self.llm.new_request(prompt, params)
+        with self._cond:
+            if not self.alive:
+                raise ShuttingDownError("the server is shutting down and takes no new requests")
+            if self.queued() >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._incoming.append((seq, sink))
+            self._cond.notify()
+        return seq
+
+    def cancel(self, seq: Sequence) -> None:
+        """Stop a request (its client went away); no more events come for it."""
+        with self._cond:
+            self._cancelled.append(seq)
+            self._cond.notify()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Cancel what is still in flight, end the engine thread, close the LLM (and so the
+        SSD draft worker). Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        self.llm.close()
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_num_threads(self.llm.threads)  # a setting of each thread, not of the process
+        while True:
+            with self._cond:
+                while not (self._incoming or self._cancelled or self._stopping or self.llm.scheduler.has_work):
+                    self._cond.wait()
+                incoming, self._incoming = self._incoming, []
+                cancelled, self._cancelled = self._cancelled, []
+                stopping = self._stopping
+            for seq, sink in incoming:
+                self._sinks[seq.seq_id] = sink
+                self.llm.add_request(seq)
+            self._drop(cancelled + [s for s, _ in incoming if stopping])
+            if stopping:
+                self._fail(list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting),
+                           "the server shut down before the request finished")
+                return
+            if self.llm.scheduler.has_work:
+                self._step()
+
+    def _step(self) -> None:
+        try:
+            events = self.llm.step()
+        except Exception as e:  # a bug or a resource failure: fail the batch, keep serving
+            self.failed_steps += 1
+            log.exception("ssd: an engine step failed")
+            self._fail(list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting),
+                       f"the engine failed: {type(e).__name__}: {e}")
+            return
+        for seq, tokens, from_draft in events:
+            sink = self._sinks.get(seq.seq_id)
+            if sink is None:
+                continue
+            text = seq.text.take(final=seq.finished)
+            if seq.finished:
+                del self._sinks[seq.seq_id]
+                sink(Event(text, tokens, from_draft, seq.finish_reason, seq.metrics()))
+            else:
+                sink(Event(text, tokens, from_draft))
+        self.on_step(self.llm)
+
+    def _drop(self, seqs: list[Sequence]) -> None:
+        self.llm.abort(seqs)
+        for seq in seqs:
+            self._sinks.pop(seq.seq_id, None)
+        if seqs:
+            self.on_step(self.llm)
+
+    def _fail(self, seqs: list[Sequence], message: str) -> None:
+        sinks = [self._sinks.get(s.seq_id) for s in seqs]
+        self._drop(seqs)
+        for seq, sink in zip(seqs, sinks):
+            if sink is not None:
+                sink(Event("", [], [], "error", seq.metrics(), error=message))

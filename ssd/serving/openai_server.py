@@ -1,0 +1,252 @@
+"""`ssd serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one EngineLoop.
+
+Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or
+not), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors use OpenAI's JSON shape.
+A client that goes away cancels its request. SIGTERM / SIGINT: uvicorn stops accepting and
+lets requests in flight finish (for up to --shutdown-timeout seconds, then cancels them);
+then the engine stops and the SSD draft worker with it.
+"""
+import asyncio
+import hmac
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ssd.engine.sequence import Sequence
+from ssd.errors import SSDError
+from ssd.serving.engine_loop import EngineLoop, Event, QueueFullError, ShuttingDownError
+from ssd.serving.metrics import ServerMetrics
+from ssd.serving.openai_protocol import (APIError, api_error, chunk, completion, new_id, parse_request,
+                                         speculation, usage)
+
+API_KEY_ENV = "SSD_API_KEY"
+log = logging.getLogger("ssd.serving")
+
+
+class _StatusCounter:
+    """Counts every answer by route and status code (a plain ASGI wrapper: unlike an
+    http middleware, it leaves streaming and disconnect detection alone)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def counted(message):
+            if message["type"] == "http.response.start":
+                route = scope["path"] if scope["path"] in ROUTES else "other"
+                self.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+        await self.app(scope, receive, counted)
+
+
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+
+
+def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics: ServerMetrics,
+              aliases: tuple[str, ...] = ()) -> FastAPI:
+    llm = engine.llm
+    served = {served_name, *aliases}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="ssd-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def on_api_error(request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request, e: HTTPException):  # unknown route, wrong method
+        kind = "not_found" if e.status_code == 404 else None
+        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                     code=kind).body(), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def on_bug(request, e: Exception):
+        log.exception("ssd: request failed")
+        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(),
+                            status_code=500)
+
+    def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise APIError(401, "a valid API key is needed: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "stopping"}, status_code=503)
+        return {"status": "ok", "mode": llm.mode, "running": engine.running(), "waiting": engine.queued()}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [{"id": served_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "ssd-engine", "max_model_len": llm.max_model_len}]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}") from None
+        req = parse_request(body, chat, served, default_max_tokens=16)  # OpenAI's default for completions
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+        seq = await asyncio.to_thread(submit, req, lambda ev: aloop.call_soon_threadsafe(queue.put_nowait, ev))
+        rid = new_id(chat)
+        if req.stream:
+            return StreamingResponse(stream(chat, rid, req.include_usage, seq, queue),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        text, last = [], None
+        try:
+            async for ev in events(queue, request):
+                text.append(ev.text)
+                last = ev
+        finally:
+            settle(seq, last)
+        if last is None or not last.finish_reason:  # the client went away; nobody reads this
+            return Response(status_code=499)
+        if last.error:
+            raise APIError(500, last.error, type="server_error")
+        return JSONResponse(completion(chat, rid, served_name, "".join(text), last.finish_reason, last.metrics,
+                                       llm.mode))
+
+    def submit(req, sink) -> Sequence:
+        """The engine's checks, in a worker thread (tokenizing a long prompt must not hold up
+        the event loop)."""
+        if not req.max_tokens_given and req.prompt and isinstance(req.prompt, list):
+            # chat without max_tokens: as much as the context leaves
+            try:
+                req.params.max_tokens = max(1, llm.max_model_len - len(llm.encode(req.prompt)))
+            except SSDError as e:
+                raise api_error(e) from None
+        try:
+            return engine.submit(req.prompt, req.params, sink)
+        except QueueFullError as e:
+            raise APIError(429, str(e), type="requests", code="rate_limit_exceeded") from None
+        except ShuttingDownError as e:
+            raise APIError(503, str(e), type="server_error", code="shutting_down") from None
+        except SSDError as e:
+            raise api_error(e) from None
+
+    async def events(queue: asyncio.Queue, request: Request | None = None
+                     ) -> AsyncIterator[Event]:
+        """A request's events until its last; the token gaps go to the metrics. A non-streamed
+        request polls for its client going away (a streamed one is cancelled by Starlette)."""
+        previous, checked = None, time.perf_counter()
+        while True:
+            if request is None:
+                ev = await queue.get()
+            else:
+                try:
+                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                except TimeoutError:
+                    ev = None
+                if time.perf_counter() - checked > 0.5:
+                    checked = time.perf_counter()
+                    if await request.is_disconnected():
+                        return
+                if ev is None:
+                    continue
+            now = time.perf_counter()
+            if ev.token_ids and previous is not None:
+                metrics.tokens_arrived(now - previous, len(ev.token_ids))
+            previous = now if ev.token_ids else previous
+            yield ev
+            if ev.finish_reason:
+                return
+
+    def settle(seq: Sequence, last: Event | None) -> None:
+        """Count a request that ended, or cancel one whose client went away."""
+        if last is not None and last.finish_reason:
+            metrics.request_done(last.metrics, last.finish_reason)
+        else:
+            engine.cancel(seq)
+            metrics.request_done(seq.metrics(), "cancelled")
+
+    async def stream(chat: bool, rid: str, include_usage: bool, seq: Sequence, queue: asyncio.Queue
+                     ) -> AsyncIterator[str]:
+        data = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
+        last = None
+        try:
+            if chat:
+                yield data(chunk(True, rid, served_name, None, None, role=True))
+            async for ev in events(queue):
+                last = ev
+                if ev.error:
+                    yield data(APIError(500, ev.error, type="server_error").body())
+                    break
+                if ev.text:
+                    yield data(chunk(chat, rid, served_name, ev.text, None))
+                if ev.finish_reason:
+                    final = chunk(chat, rid, served_name, None, ev.finish_reason)
+                    final["ssd_metrics"] = speculation(ev.metrics, llm.mode)
+                    yield data(final)
+                    if include_usage:
+                        yield data({**chunk(chat, rid, served_name, None, None, choices=False),
+                                    "usage": usage(ev.metrics)})
+            yield "data: [DONE]\n\n"
+        finally:
+            settle(seq, last)
+
+    app.add_middleware(_StatusCounter, metrics=metrics)
+    return app
+
+
+def serve(args) -> None:
+    """`ssd serve` (ssd/cli.py has the flags)."""
+    import uvicorn
+
+    from ssd.cli import llm_kwargs
+    from ssd.llm import LLM
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.max_queue < 0:
+        raise SSDError(f"--max-queue must be >= 0, got {args.max_queue}")
+    metrics = ServerMetrics()
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, **llm_kwargs(args))
+    engine = EngineLoop(llm, args.max_queue)
+    engine.on_step = lambda llm: metrics.engine_state(llm, engine.queued())
+    metrics.engine_state(llm, 0)
+    name = args.served_model_name or str(args.model)
+    app = build_app(engine, name, api_key, metrics, aliases=(llm.folder.name,))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    server = uvicorn.Server(config)
+    engine.start()
+    print(f"ssd serve: {name} ({llm.mode}) on http://{args.host}:{args.port}/v1"
+          + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+    try:
+        server.run()
+    finally:
+        engine.stop()  # also when uvicorn could not bind the port
+    if not server.started:
+        raise SSDError(f"could not listen on {args.host}:{args.port} (is the port in use?)")

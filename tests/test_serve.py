@@ -1,0 +1,292 @@
+"""`ssd serve` through the official openai client and raw HTTP, on SmolLM2, as a subprocess."""
+import json
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from serving import start_server
+from ssd import SamplingParams
+
+KEY = "test-key-123"
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = [f"In one sentence: {topic}?" for topic in (
+    "what is a prime number", "why is the sky blue", "what does a compiler do", "who wrote Hamlet",
+    "what is photosynthesis", "how do magnets work", "what is an atom", "why do we sleep",
+    "what is gravity", "how does a bicycle stay up", "what is inflation", "what is DNA",
+    "why is the sea salty", "what is a black hole", "how do vaccines work", "what is a neural network",
+    "what is the speed of light", "how do bees make honey", "what is a volcano", "why do leaves change colour",
+    "what is democracy", "how does a rainbow form", "what is an algorithm", "what causes tides",
+    "what is electricity", "how do planes fly", "what is a galaxy", "why do cats purr",
+    "what is climate", "how does the heart pump blood", "what is a fraction", "what is friction")]
+
+
+def chat(q: str) -> list[dict]:
+    return [{"role": "user", "content": q}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server("--model", MODEL, "--api-key", KEY, "--max-num-seqs", "16",
+                     tmp_path=tmp_path_factory.mktemp("serve"))
+    yield s
+    assert s.stop() == 0 or s.proc.returncode in (-signal.SIGTERM,)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url, api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sequential(smollm):
+    """Each question's greedy output, generated alone in this process."""
+    cache = {}
+
+    def run(q: str, max_tokens: int) -> str:
+        if (q, max_tokens) not in cache:
+            cache[q, max_tokens] = smollm.generate(chat(q), SamplingParams.greedy(max_tokens=max_tokens))[0].text
+        return cache[q, max_tokens]
+    return run
+
+
+def test_chat_greedy_equals_generate(client, sequential):
+    r = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == sequential(QUESTIONS[0], 24)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert r.model_extra["ssd_metrics"]["mode"] == "ar"
+
+
+def test_chat_streamed_equals_not_streamed(client, sequential):
+    stream = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[1]), temperature=0, max_tokens=24,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == sequential(QUESTIONS[1], 24)
+    finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finals) == 1
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
+
+
+def test_completions_streamed_and_not(client, smollm):
+    prompt = "The three primary colours are"
+    expected = smollm.generate(prompt, SamplingParams.greedy(max_tokens=20))[0].text
+    r = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=20)
+    assert r.choices[0].text == expected and r.object == "text_completion"
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, temperature=0, max_tokens=20, stream=True) if c.choices)
+    assert text == expected
+    assert client.completions.create(model=MODEL, prompt=prompt).usage.completion_tokens <= 16  # OpenAI's default
+
+
+def test_stop_strings(client, sequential):
+    full = sequential(QUESTIONS[2], 24)
+    word = full.split()[3]
+    for stop in (word, [word, "zzzz"]):
+        r = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[2]), temperature=0, max_tokens=24,
+                                           stop=stop)
+        assert r.choices[0].finish_reason == "stop"
+        assert r.choices[0].message.content == full[:full.index(word)]
+
+
+def test_seed_reproducible(client):
+    def sample(seed):
+        return client.chat.completions.create(model=MODEL, messages=chat("Tell me a story."), temperature=1.0,
+                                              max_tokens=24, seed=seed).choices[0].message.content
+    a = sample(7)
+    assert sample(7) == a
+    assert sample(8) != a or sample(9) != a
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.parametrize("kwargs, status, param, code", [
+    (dict(temperature=-1), 400, "temperature", None),
+    (dict(top_p=0), 400, "top_p", None),
+    (dict(max_tokens=0), 400, "max_tokens", None),
+    (dict(stop=[""]), 400, "stop", None),
+    (dict(n=2), 400, "n", None),
+    (dict(logprobs=True), 400, "logprobs", None),
+    (dict(presence_penalty=0.5), 400, "presence_penalty", None),
+    (dict(response_format={"type": "json_object"}), 400, "response_format", None),
+    (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools", None),
+    (dict(extra_body={"mirostat": 2}), 400, "mirostat", None),
+    (dict(max_tokens=10_000), 400, "max_tokens", "context_length_exceeded"),
+    (dict(model="gpt-4o"), 404, "model", "model_not_found"),
+    (dict(messages=[]), 400, "messages", None),
+    (dict(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role", None),
+    (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
+     "messages[0].content", None),
+])
+def test_errors_in_openai_shape(client, kwargs, status, param, code):
+    request = dict(model=MODEL, messages=chat("Hi"), max_tokens=8) | kwargs
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(**request)
+    e = info.value
+    assert e.status_code == status
+    assert e.body["param"] == param and e.body["code"] == code and e.body["message"]
+    assert e.body["type"] == "invalid_request_error"
+
+
+def test_prompt_longer_than_the_context(client):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="word " * 9000, max_tokens=4)
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+def test_raw_http_errors(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.base_url + "/chat/completions", content=b"{not json", headers=auth)
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.base_url + "/completions", json={"prompt": [1, 2, 3]}, headers=auth)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = httpx.get(server.base_url + "/nothing-here", headers=auth)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_api_key_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.get(server.base_url + "/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
+
+
+def load_test(server, client, sequential, questions: list[str], max_tokens: int) -> None:
+    """Every client streams its own question at once; each output must equal its sequential run."""
+    def one(q):
+        stream = client.chat.completions.create(model=MODEL, messages=chat(q), temperature=0, max_tokens=max_tokens,
+                                                stream=True)
+        return "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    with ThreadPoolExecutor(len(questions)) as pool:
+        outputs = list(pool.map(one, questions))
+    wrong = [(q, o, sequential(q, max_tokens)) for q, o in zip(questions, outputs) if o != sequential(q, max_tokens)]
+    assert not wrong, wrong[:3]
+    m = server.wait_idle()  # every KV block back
+    assert m.get('ssd_request_finish_total{reason="error"}', 0) == 0
+
+
+def test_32_concurrent_streaming_clients(server, client, sequential):
+    load_test(server, client, sequential, QUESTIONS, 24)
+    m = server.metrics()
+    assert m["ssd_time_to_first_token_seconds_count"] >= 32 and m["ssd_inter_token_latency_seconds_count"] > 0
+
+
+def disconnect_mid_stream(server, headers: dict) -> None:
+    before = server.metrics().get('ssd_request_finish_total{reason="cancelled"}', 0)
+    body = {"model": MODEL, "messages": chat("Write a long essay about the ocean."), "max_tokens": 2000,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.base_url + "/chat/completions", json=body, headers=headers, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(8)]
+        assert any(line.startswith("data: ") for line in got)
+        assert server.metrics()["ssd_kv_cache_blocks_used"] > 0
+    # The connection is closed: the request is cancelled and its blocks freed, long before 2000 tokens.
+    m = server.wait_idle(timeout=20)
+    assert m['ssd_request_finish_total{reason="cancelled"}'] == before + 1
+
+
+def test_disconnect_mid_stream_cancels(server):
+    disconnect_mid_stream(server, {"Authorization": f"Bearer {KEY}"})
+
+
+def test_disconnect_while_waiting_for_a_whole_answer(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=1.5)
+    server.wait_idle(timeout=20)
+
+
+def test_full_queue_answers_429_and_sigterm_finishes_in_flight(tmp_path, smollm):
+    s = start_server("--model", MODEL, "--max-num-seqs", "1", "--max-queue", "1", tmp_path=tmp_path)
+    c = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=120)
+    long = dict(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            running = pool.submit(c.completions.create, **long)
+            while s.metrics()["ssd_requests_running"] < 1:
+                time.sleep(0.05)
+            waiting = pool.submit(c.completions.create, **long)
+            while s.metrics()["ssd_requests_waiting"] < 1:
+                time.sleep(0.05)
+            start = time.monotonic()
+            with pytest.raises(openai.RateLimitError) as info:
+                c.completions.create(**long)
+            assert time.monotonic() - start < 5 and info.value.body["code"] == "rate_limit_exceeded"
+            # SIGTERM with two requests in flight: both finish, then the server exits.
+            s.proc.send_signal(signal.SIGTERM)
+            expected = smollm.generate("Once upon a time", SamplingParams.greedy(max_tokens=300, ignore_eos=True))
+            for f in (running, waiting):
+                assert f.result().choices[0].text == expected[0].text
+        assert s.proc.wait(60) in (0, -signal.SIGTERM)
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+@pytest.fixture(scope="module", params=["sd", "ssd"])
+def spec_server(request, tmp_path_factory, truncated_draft):
+    s = start_server("--model", MODEL, "--mode", request.param, "--draft", str(truncated_draft), "--k", "3",
+                     "--max-num-seqs", "8", tmp_path=tmp_path_factory.mktemp(request.param))
+    s.mode = request.param
+    yield s
+    s.stop()
+
+
+def test_speculative_modes_serve_exactly(spec_server, sequential):
+    c = openai.OpenAI(base_url=spec_server.base_url, api_key="none", max_retries=0, timeout=120)
+    r = c.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[0]), temperature=0, max_tokens=24)
+    assert r.choices[0].message.content == sequential(QUESTIONS[0], 24)
+    extra = r.model_extra["ssd_metrics"]
+    assert extra["mode"] == spec_server.mode and extra["rounds"] > 0 and 0 <= extra["acceptance_rate"] <= 1
+    if spec_server.mode == "ssd":
+        assert "cache_hit_rate" in extra
+    load_test(spec_server, c, sequential, QUESTIONS[:8], 16)
+    m = spec_server.metrics()
+    assert m["ssd_spec_rounds_total"] > 0 and m["ssd_spec_mean_accepted_length"] >= 1
+    disconnect_mid_stream(spec_server, {})
+
+
+def test_sigterm_ends_the_ssd_worker(tmp_path, truncated_draft):
+    s = start_server("--model", MODEL, "--mode", "ssd", "--draft", str(truncated_draft), tmp_path=tmp_path)
+    try:
+        workers = s.children()
+        assert workers, "the SSD worker should be a child of the server"
+        body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        got = []
+
+        def read():
+            with httpx.stream("POST", s.base_url + "/completions", json=body, timeout=120) as r:
+                got.extend(r.iter_lines())
+        reader = threading.Thread(target=read)
+        reader.start()
+        while s.metrics()["ssd_requests_running"] < 1:
+            time.sleep(0.05)
+        assert s.stop(signal.SIGTERM) in (0, -signal.SIGTERM)
+        reader.join(30)
+        assert got[-2:] == ["data: [DONE]", ""] or got[-1] == "data: [DONE]"  # the stream in flight finished
+        finals = [json.loads(x[6:]) for x in got if x.startswith("data: {")]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length"
+        time.sleep(0.5)
+        alive = [pid for pid in workers if _alive(pid)]
+        assert not alive, f"orphan worker processes: {alive}"
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False

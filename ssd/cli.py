@@ -219,13 +219,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _chat(args: argparse.Namespace) -> None:
+    from ssd import LLM
     from ssd.serving.chat import chat
-    chat(args)
+    params = sampling_params(args)
+    with LLM(args.model, **llm_kwargs(args)) as llm:
+        chat(llm, params, args.system, args.show_draft)
 
 
 def _serve(args: argparse.Namespace) -> None:
+    from ssd import LLM
     from ssd.serving.openai_server import serve
-    serve(args)
+    if args.max_queue < 0 or args.max_num_seqs < 1:
+        raise SSDError(f"--max-queue must be >= 0 and --max-num-seqs >= 1, got {args.max_queue}, {args.max_num_seqs}")
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, **llm_kwargs(args))
+    serve(llm, name=args.served_model_name or str(args.model), host=args.host, port=args.port,
+          api_key=args.api_key, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
+          log_level=args.log_level)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -110,9 +110,8 @@ class LLM:
         self.cache = PagedKVCache(self.config, cache_tokens, block_size, self.device, self.dtype)
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self.runner.warm_up()
-        self.k_policy = (None if self.speculator is None else FixedK(self.k) if spec.speculate_k != AUTO_K else
-                         AutoK(self.k, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost(),
-                               self.speculator.measures_steps))
+        self.speculate_k = spec.speculate_k if self.speculator else 0  # set_speculate_k() changes it
+        self.k_policy = None if self.speculator is None else self._k_policy(spec.speculate_k)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
                                    lookahead=self.k if self.speculator else 0,
                                    on_release=self._release if self.speculator else None)
@@ -215,6 +214,22 @@ class LLM:
     def kv_blocks_in_use(self) -> int:
         """The target's KV cache blocks held by requests (0 when none is in flight)."""
         return self.cache.num_blocks - len(self.cache.free_blocks)
+
+    def set_speculate_k(self, k: int | str) -> None:
+        """Change K for the next rounds: 0 (plain decoding, the draft idle) up to the K the
+        engine was started with (its KV room per round), or "auto" (`ssd chat`'s /k, /mode)."""
+        if self.speculator is None:
+            raise SSDError("there is no draft model: speculation needs mode 'sd' or 'ssd'")
+        if k != AUTO_K and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k):
+            raise SSDError(f"K must be an integer in 0..{self.k} (the most this engine was started with) "
+                           f"or '{AUTO_K}', got {k!r}")
+        self.k_policy, self.speculate_k = self._k_policy(k), k
+
+    def _k_policy(self, k: int | str) -> FixedK | AutoK:
+        if k != AUTO_K:
+            return FixedK(k)
+        return AutoK(self.k, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost(),
+                     self.speculator.measures_steps)
 
     @property
     def draft_failures(self) -> int:

@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from ssd.engine.sequence import Sequence
 from ssd.errors import SSDError
+from ssd.llm import LLM
 from ssd.serving.engine_loop import EngineLoop, Event, QueueFullError, ShuttingDownError
 from ssd.serving.metrics import ServerMetrics
 from ssd.serving.openai_protocol import (APIError, api_error, chunk, completion, new_id, parse_request,
@@ -221,32 +222,26 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
     return app
 
 
-def serve(args) -> None:
-    """`ssd serve` (ssd/cli.py has the flags)."""
+def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          max_queue: int = 64, shutdown_timeout: float = 30.0, log_level: str = "warning") -> None:
+    """Serve `llm` until SIGTERM / SIGINT; the LLM is closed on the way out (`ssd serve`)."""
     import uvicorn
 
-    from ssd.cli import llm_kwargs
-    from ssd.llm import LLM
-
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if args.max_queue < 0:
-        raise SSDError(f"--max-queue must be >= 0, got {args.max_queue}")
+    api_key = api_key or os.environ.get(API_KEY_ENV) or None
     metrics = ServerMetrics()
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs, **llm_kwargs(args))
-    engine = EngineLoop(llm, args.max_queue)
+    engine = EngineLoop(llm, max_queue)
     engine.on_step = lambda llm: metrics.engine_state(llm, engine.queued())
     metrics.engine_state(llm, 0)
-    name = args.served_model_name or str(args.model)
     app = build_app(engine, name, api_key, metrics, aliases=(llm.folder.name,))
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.log_level == "debug")
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
+                            timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
     engine.start()
-    print(f"ssd serve: {name} ({llm.mode}) on http://{args.host}:{args.port}/v1"
-          + (" (API key required)" if api_key else ""), file=sys.stderr, flush=True)
+    print(f"ssd serve: {name} ({llm.mode}) on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
+          file=sys.stderr, flush=True)
     try:
         server.run()
     finally:
         engine.stop()  # also when uvicorn could not bind the port
     if not server.started:
-        raise SSDError(f"could not listen on {args.host}:{args.port} (is the port in use?)")
+        raise SSDError(f"could not listen on {host}:{port} (is the port in use?)")

@@ -42,4 +42,6 @@ if ! python -c "import llama_cpp" 2>/dev/null || [ "$(cat "$dir/python-flags" 2>
   python -m pip install -q "llama-cpp-python==$version" >&2  # its dependencies (the build above skipped them)
   echo "${flags[*]}" > "$dir/python-flags"
 fi
+# The OpenAI server's dependencies (python -m llama_cpp.server, the serving benchmark's peer).
+python -c "import llama_cpp.server.app" 2>/dev/null || python -m pip install -q "llama-cpp-python[server]==$version" >&2
 echo "$bin"

@@ -176,6 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ssd.bench.cli import add_bench_parser
     from ssd.bench.vocab import add_vocab_parser
     add_bench_parser(sub)
+    from ssd.bench.serving import add_serve_bench_parser
+    add_serve_bench_parser(sub)
     add_vocab_parser(sub)
 
     c = sub.add_parser("chat", help="talk with a model in the terminal",
@@ -238,6 +240,9 @@ def _serve(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "serve"]:  # `ssd bench serve` is the serving benchmark
+        argv = ["bench-serve", *argv[2:]]
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

@@ -209,9 +209,12 @@ def test_disconnect_while_waiting_for_a_whole_answer(server):
 
 
 def test_full_queue_answers_429_and_sigterm_finishes_in_flight(tmp_path, smollm):
-    s = start_server("--model", MODEL, "--max-num-seqs", "1", "--max-queue", "1", tmp_path=tmp_path)
+    # First, so that no generation in this process competes with the server's for the cores.
+    expected = smollm.generate("Once upon a time", SamplingParams.greedy(max_tokens=200, ignore_eos=True))
+    s = start_server("--model", MODEL, "--max-num-seqs", "1", "--max-queue", "1", "--shutdown-timeout", "120",
+                     tmp_path=tmp_path)
     c = openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=120)
-    long = dict(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    long = dict(model=MODEL, prompt="Once upon a time", max_tokens=200, temperature=0, extra_body={"ignore_eos": True})
     try:
         with ThreadPoolExecutor(2) as pool:
             running = pool.submit(c.completions.create, **long)
@@ -226,7 +229,6 @@ def test_full_queue_answers_429_and_sigterm_finishes_in_flight(tmp_path, smollm)
             assert time.monotonic() - start < 5 and info.value.body["code"] == "rate_limit_exceeded"
             # SIGTERM with two requests in flight: both finish, then the server exits.
             s.proc.send_signal(signal.SIGTERM)
-            expected = smollm.generate("Once upon a time", SamplingParams.greedy(max_tokens=300, ignore_eos=True))
             for f in (running, waiting):
                 assert f.result().choices[0].text == expected[0].text
         assert s.proc.wait(60) in (0, -signal.SIGTERM)

@@ -1,10 +1,15 @@
-"""One engine for many callers: the LLM runs in a thread of its own, and requests join and
-leave the running batch between its steps (continuous batching, in AR, SD and SSD alike).
+"""One engine for many callers: `run()` steps the LLM, and requests join and leave the
+running batch between its steps (continuous batching, in AR, SD and SSD alike).
 
-Callers (the HTTP server's handlers) check and tokenize a request in their own thread
-(`submit`, which raises the user's mistakes at once), then get `Event`s through a callback
-called from the engine thread. `cancel` takes effect before the next step and frees the
-request's KV blocks. Everything else of the LLM is touched by the engine thread only.
+Callers (the HTTP server's handlers, in other threads) check and tokenize a request in their
+own thread (`submit`, which raises the user's mistakes at once), then get `Event`s through a
+callback called from the engine's thread. `cancel` takes effect before the next step and
+frees the request's KV blocks. Everything else of the LLM is touched by the engine only.
+
+`run()` belongs in the main thread, where the LLM was loaded and warmed up: the CPU kernels'
+OpenMP team is that thread's. A second thread stepping the model starts a second team,
+libgomp then counts more threads than cores and stops spinning between parallel regions,
+and every kernel call pays a futex wake-up (measured: SmolLM2's decode step 9 -> 14-18 ms).
 """
 import logging
 import threading
@@ -56,16 +61,14 @@ class EngineLoop:
         self._cancelled: list[Sequence] = []
         self._sinks: dict[int, Sink] = {}  # seq_id -> sink, engine thread only
         self._stopping = False
+        self._running = False
+        self._done = threading.Event()
         self.failed_steps = 0
-        self._thread = threading.Thread(target=self._run, name="ssd-engine", daemon=True)
-
-    def start(self) -> "EngineLoop":
-        self._thread.start()
-        return self
 
     @property
     def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        """Taking requests: not stopping or stopped."""
+        return not self._stopping
 
     def queued(self) -> int:
         """Requests accepted but not running yet."""
@@ -94,35 +97,46 @@ class EngineLoop:
             self._cond.notify()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Cancel what is still in flight, end the engine thread, close the LLM (and so the
-        SSD draft worker). Idempotent."""
+        """Make run() cancel what is still in flight and return; wait for it (from another
+        thread) for up to `timeout` seconds. Idempotent."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
-        if self._thread.is_alive() and threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
-        self.llm.close()
+        if self._running:
+            self._done.wait(timeout)
 
-    # ---- the engine thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        torch.set_num_threads(self.llm.threads)  # a setting of each thread, not of the process
-        while True:
-            with self._cond:
-                while not (self._incoming or self._cancelled or self._stopping or self.llm.scheduler.has_work):
-                    self._cond.wait()
-                incoming, self._incoming = self._incoming, []
-                cancelled, self._cancelled = self._cancelled, []
-                stopping = self._stopping
-            for seq, sink in incoming:
-                self._sinks[seq.seq_id] = sink
-                self.llm.add_request(seq)
-            self._drop(cancelled + [s for s, _ in incoming if stopping])
-            if stopping:
-                self._fail(list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting),
-                           "the server shut down before the request finished")
-                return
-            if self.llm.scheduler.has_work:
-                self._step()
+    # ---- the engine ---------------------------------------------------------------------------
+    def run(self, keep_going: Callable[[], bool] = lambda: True) -> None:
+        """Step the engine until stop() is called or keep_going() turns False (checked at
+        least twice a second); then fail what is left and close the LLM (and with it the SSD
+        draft worker)."""
+        torch.set_num_threads(self.llm.threads)
+        self._running = True
+        try:
+            while True:
+                with self._cond:
+                    while not (self._incoming or self._cancelled or self._stopping or self.llm.scheduler.has_work):
+                        if not keep_going():
+                            self._stopping = True
+                            break
+                        self._cond.wait(0.5)
+                    incoming, self._incoming = self._incoming, []
+                    cancelled, self._cancelled = self._cancelled, []
+                    stopping = self._stopping
+                for seq, sink in incoming:
+                    self._sinks[seq.seq_id] = sink
+                    self.llm.add_request(seq)
+                self._drop(cancelled)
+                if stopping:
+                    self._fail(list(self.llm.scheduler.running) + list(self.llm.scheduler.waiting),
+                               "the server shut down before the request finished")
+                    return
+                if self.llm.scheduler.has_work:
+                    self._step()
+        finally:
+            self._stopping = True
+            self.llm.close()
+            self._done.set()
 
     def _step(self) -> None:
         try:

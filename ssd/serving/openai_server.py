@@ -11,7 +11,9 @@ import hmac
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -224,7 +226,11 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
 
 def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           max_queue: int = 64, shutdown_timeout: float = 30.0, log_level: str = "warning") -> None:
-    """Serve `llm` until SIGTERM / SIGINT; the LLM is closed on the way out (`ssd serve`)."""
+    """Serve `llm` until SIGTERM / SIGINT; the LLM is closed on the way out (`ssd serve`).
+
+    The engine steps in this (the main) thread, see engine_loop.py for why; uvicorn and its
+    event loop run in a second thread. The first SIGTERM / SIGINT asks uvicorn to shut down
+    gracefully (its lifespan end then stops the engine), a second one cuts it short."""
     import uvicorn
 
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
@@ -236,12 +242,24 @@ def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
-    engine.start()
-    print(f"ssd serve: {name} ({llm.mode}) on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
-          file=sys.stderr, flush=True)
+    http = threading.Thread(target=server.run, name="ssd-http", daemon=True)
+
+    def on_signal(signum, frame):
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    http.start()
+    while not server.started and http.is_alive():
+        time.sleep(0.05)
+    if server.started:
+        print(f"ssd serve: {name} ({llm.mode}) on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
+              file=sys.stderr, flush=True)
     try:
-        server.run()
+        engine.run(keep_going=http.is_alive)  # returns when the lifespan ends or uvicorn could not start
+        http.join(shutdown_timeout + 10)
     finally:
-        engine.stop()  # also when uvicorn could not bind the port
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     if not server.started:
         raise SSDError(f"could not listen on {host}:{port} (is the port in use?)")

@@ -33,11 +33,12 @@ class Server:
         return {m[1]: float(m[2]) for m in re.finditer(r"^([a-z_]+(?:\{[^}]*\})?) (\S+)$", text, re.M)}
 
     def wait_idle(self, timeout: float = 30.0) -> dict[str, float]:
-        """The metrics once no request runs or waits and no KV block is held."""
+        """The metrics once no request runs or waits and no KV block is held (target or SD draft)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
-            if m["ssd_requests_running"] == 0 and m["ssd_requests_waiting"] == 0 and m["ssd_kv_cache_blocks_used"] == 0:
+            if (m["ssd_requests_running"] == 0 and m["ssd_requests_waiting"] == 0 and m["ssd_kv_cache_blocks_used"] == 0
+                    and m["ssd_draft_kv_cache_blocks_used"] == 0):
                 return m
             assert time.monotonic() < deadline, f"the server did not go idle: {m}"
             time.sleep(0.1)

@@ -38,6 +38,8 @@ class ServerMetrics:
         self.waiting = Gauge("ssd_requests_waiting", "Requests waiting for the batch", registry=r)
         self.kv_used = Gauge("ssd_kv_cache_blocks_used", "The target's KV cache blocks held by requests", registry=r)
         self.kv_total = Gauge("ssd_kv_cache_blocks_total", "The target's KV cache blocks", registry=r)
+        self.draft_kv_used = Gauge("ssd_draft_kv_cache_blocks_used", "The SD draft's KV cache blocks held by "
+                                   "requests (an SSD worker's are in its own process)", registry=r)
         self._totals = [0, 0, 0, 0, 0]  # rounds, drafted, accepted, hits, misses
 
     def engine_state(self, llm: LLM, queued: int) -> None:
@@ -46,6 +48,8 @@ class ServerMetrics:
         self.waiting.set(queued)
         self.kv_used.set(llm.kv_blocks_in_use())
         self.kv_total.set(llm.cache.num_blocks)
+        draft = llm.speculator.kv_blocks_in_use() if llm.speculator else None
+        self.draft_kv_used.set(draft or 0)
 
     def request_done(self, m: RequestMetrics, reason: str) -> None:
         self.finished.labels(reason).inc()

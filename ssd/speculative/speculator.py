@@ -52,6 +52,10 @@ class Speculator:
         """Seconds per draft token in the last round, catch-up left out; None: no such step."""
         return None
 
+    def kv_blocks_in_use(self) -> int | None:
+        """The draft's KV cache blocks held, where this process holds them (None: elsewhere or none)."""
+        return None
+
     def placement(self) -> AbstractContextManager:
         """The target's share of the hardware while it runs (SSD: its cores, pinned)."""
         return nullcontext()
@@ -100,6 +104,13 @@ class LocalSpeculator(Speculator):
 
     def last_step_s(self) -> float | None:
         return self.engine.step_s
+
+    def release(self, seq: Sequence) -> None:
+        super().release(seq)
+        self.engine.release(self.take_released())  # in process: the draft's blocks are freed at once
+
+    def kv_blocks_in_use(self) -> int | None:
+        return self.engine.kv.num_blocks - len(self.engine.kv.free_blocks)
 
 
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]

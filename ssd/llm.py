@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -140,7 +141,7 @@ class LLM:
         seqs = [self.new_request(p, sp) for p, sp in zip(prompts, sampling_params)]
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
         for seq in seqs:
-            self.scheduler.add(seq)
+            self.add_request(seq)
         try:
             while self.scheduler.has_work:
                 for seq, _, _ in self.step():
@@ -155,7 +156,7 @@ class LLM:
                ) -> Iterator[StreamChunk]:
         """Yield StreamChunks as tokens are made; the last one has finish_reason and metrics."""
         seq = self.new_request(prompt, sampling_params or SamplingParams())
-        self.scheduler.add(seq)
+        self.add_request(seq)
         try:
             while not seq.finished:
                 for s, new, from_draft in self.step():
@@ -167,15 +168,18 @@ class LLM:
             self.abort([seq])
 
     # ---- driving the engine step by step (ssd/serving/engine_loop.py) -----------------
-    def new_request(self, prompt: Prompt, params: SamplingParams) -> Sequence:
+    def new_request(self, prompt: Prompt, params: SamplingParams, fill_context: bool = False) -> Sequence:
         """A checked request, not yet scheduled: PromptError, ContextLengthError or
         SamplingParamsError here. Only tokenizes, so another thread may call it while
-        the engine steps."""
+        the engine steps. fill_context: max_tokens is what the context leaves after the
+        prompt (OpenAI's chat default)."""
         if not isinstance(params, SamplingParams):
             raise SSDError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         ids = self.encode(prompt)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
+        if fill_context:
+            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
         if len(ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthError(
                 f"context length exceeded: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "

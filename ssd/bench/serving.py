@@ -24,14 +24,13 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from ssd.bench.cli import DEFAULT_DRAFT, DEFAULT_TARGET
 from ssd.bench.prompts import PROMPT_SETS, load_prompt_set
 from ssd.bench.report import check_out, machine_info
 from ssd.engine.placement import engine_threads
 from ssd.errors import SSDError
 from ssd.store import gguf_path
 
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 PEERS = ("llamacpp", "llama-server")
 
 

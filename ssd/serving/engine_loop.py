@@ -77,10 +77,10 @@ class EngineLoop:
     def running(self) -> int:
         return len(self.llm.scheduler.running)
 
-    def submit(self, prompt, params: SamplingParams, sink: Sink) -> Sequence:
+    def submit(self, prompt, params: SamplingParams, sink: Sink, fill_context: bool = False) -> Sequence:
         """Check and queue a request; its events go to `sink` (called in the engine thread).
         Raises the engine's SSDErrors for bad input, QueueFullError, ShuttingDownError."""
-        seq = self.llm.new_request(prompt, params)
+        seq = self.llm.new_request(prompt, params, fill_context)
         with self._cond:
             if not self.alive:
                 raise ShuttingDownError("the server is shutting down and takes no new requests")

@@ -53,7 +53,7 @@ class ParsedRequest:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    max_tokens_given: bool  # False: max_tokens is "what the context leaves" (chat's default)
+    fill_context: bool  # max_tokens is what the context leaves (a chat request without max_tokens)
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None):
@@ -151,7 +151,7 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
             max_tokens=max_tokens if max_tokens is not None else default_max_tokens)
     except SSDError as e:
         raise APIError(400, str(e), param=str(e).split()[0]) from None
-    return ParsedRequest(prompt, params, stream, include_usage, max_tokens is not None)
+    return ParsedRequest(prompt, params, stream, include_usage, chat and max_tokens is None)
 
 
 # ---- responses ------------------------------------------------------------------------------

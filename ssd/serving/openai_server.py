@@ -145,14 +145,8 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
     def submit(req, sink) -> Sequence:
         """The engine's checks, in a worker thread (tokenizing a long prompt must not hold up
         the event loop)."""
-        if not req.max_tokens_given and req.prompt and isinstance(req.prompt, list):
-            # chat without max_tokens: as much as the context leaves
-            try:
-                req.params.max_tokens = max(1, llm.max_model_len - len(llm.encode(req.prompt)))
-            except SSDError as e:
-                raise api_error(e) from None
         try:
-            return engine.submit(req.prompt, req.params, sink)
+            return engine.submit(req.prompt, req.params, sink, req.fill_context)
         except QueueFullError as e:
             raise APIError(429, str(e), type="requests", code="rate_limit_exceeded") from None
         except ShuttingDownError as e:

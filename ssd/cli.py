@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.add_argument("--system", help="a system message to start the conversation with")
     c.add_argument("--show-draft", action="store_true", help="mark the tokens that were accepted draft proposals")
-    c.set_defaults(func=lambda args: _chat(args))
+    c.set_defaults(func=_chat)
 
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
                        description="Serve one model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
@@ -208,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM/SIGINT, seconds requests in flight may take to finish before they are "
                         "cancelled (default: 30)")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
-    s.set_defaults(func=lambda args: _serve(args))
+    s.set_defaults(func=_serve)
 
     from ssd.speculative import worker
     w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",

@@ -217,7 +217,7 @@ class LLM:
 
     def kv_blocks_in_use(self) -> int:
         """The target's KV cache blocks held by requests (0 when none is in flight)."""
-        return self.cache.num_blocks - len(self.cache.free_blocks)
+        return self.cache.blocks_in_use
 
     def set_speculate_k(self, k: int | str) -> None:
         """Change K for the next rounds: 0 (plain decoding, the draft idle) up to the K the

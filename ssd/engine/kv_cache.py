@@ -25,6 +25,10 @@ class PagedKVCache:
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
 
+    @property
+    def blocks_in_use(self) -> int:
+        return self.num_blocks - len(self.free_blocks)
+
     def blocks_needed(self, owner: int, num_tokens: int) -> int:
         have = len(self.tables.get(owner, ()))
         return max(0, -(-num_tokens // self.block_size) - have)

@@ -110,7 +110,7 @@ class LocalSpeculator(Speculator):
         self.engine.release(self.take_released())  # in process: the draft's blocks are freed at once
 
     def kv_blocks_in_use(self) -> int | None:
-        return self.engine.kv.num_blocks - len(self.engine.kv.free_blocks)
+        return self.engine.kv.blocks_in_use
 
 
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]

@@ -313,7 +313,8 @@ class LLM:
             return events
         results = speculative_round(self.speculator, self.runner, seqs, ks)
         self.k_policy.observe(seqs, [len(r.proposal.tokens) for r in results], [r.accepted for r in results],
-                              results[0].draft_s, results[0].verify_s, self.speculator.last_step_s())
+                              results[0].draft_s, results[0].verify_s, self.speculator.last_step_s(),
+                              self.speculator.last_catchup())
         now = time.perf_counter()
         events = []
         for seq, k, r in zip(seqs, ks, results):

@@ -5,14 +5,17 @@ import torch
 import transformers
 
 from ssd import LLM, SamplingParams
-from ssd.speculative.adaptive_k import PROBE_EVERY, PROBE_K, AutoK, Timings, expected_tokens
+from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, Timings, expected_tokens
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, V, exact_joint, pooled_p_value
 
 
 class _Seq:
-    def __init__(self, seq_id):
-        self.seq_id = seq_id
+    """What AutoK reads of a sequence: its id, length, output so far and max_tokens."""
+
+    def __init__(self, seq_id, num_tokens=100, max_tokens=10_000):
+        self.seq_id, self.num_tokens, self.output_ids = seq_id, num_tokens, []
+        self.params = SamplingParams(max_tokens=max_tokens)
 
 
 def _policy(k_max=8, draft_step=0.01):
@@ -38,18 +41,99 @@ def test_expected_tokens_and_timings():
 
 
 def test_a_draft_that_is_never_accepted_turns_speculation_off_then_probes():
-    policy, seqs = _policy(), [_Seq(0)]
-    assert policy.choose(seqs)[0] > 0  # optimistic before any data
-    _rounds(policy, seqs, lambda k: 0, 20)
+    policy, seq = _policy(), _Seq(0)
+    assert policy.choose([seq])[0] > 0  # optimistic before any data
+    _rounds(policy, [seq], lambda k: 0, 20)
     chosen = []
-    for _ in range(8 * PROBE_EVERY):  # rounds at K = 0 teach nothing: a probe now and then
-        (k,) = policy.choose(seqs)
+    for _ in range(3000):  # rounds at K = 0 teach nothing: a probe now and then
+        (k,) = policy.choose([seq])
         chosen.append(k)
-        policy.observe(seqs, [k], [0], 0.0, 0.05)
+        policy.observe([seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
+        seq.num_tokens += 1
     probes = [i for i, k in enumerate(chosen) if k]
-    assert {chosen[i] for i in probes} == {PROBE_K} and len(probes) >= 2
-    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]  # each fruitless probe doubles the wait
-    assert all(g2 == 2 * g1 for g1, g2 in zip(gaps, gaps[1:])) and gaps[-1] >= 2 * PROBE_EVERY, gaps
+    assert {chosen[i] for i in probes} == {PROBE_K} and len(probes) >= 3, probes
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]  # each fruitless probe waits longer, up to a cap
+    assert all(g2 >= g1 for g1, g2 in zip(gaps, gaps[1:])) and gaps[2] > gaps[1] > gaps[0] and gaps[-1] >= 3 * gaps[0], gaps
+    probe_s = len(probes) * (0.01 * PROBE_K + 0.05 + 0.004 * PROBE_K)
+    assert probe_s <= PROBE_BUDGET * 0.05 * (len(chosen) - len(probes))  # probes cost little time
+
+
+def test_a_long_prompt_with_a_short_answer_is_not_prefilled_for_the_draft():
+    """Drafting starts only if what it saves over the tokens left pays the draft's catch-up."""
+    policy = _policy()
+    _rounds(policy, [_Seq(0)], lambda k: k, 30)  # a draft that is always right
+    policy.observe([_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # a step + 1 ms per token
+    short_prompt, long_prompt = _Seq(1, num_tokens=300, max_tokens=64), _Seq(2, num_tokens=3000, max_tokens=64)
+    assert policy.choose([short_prompt])[0] > 0  # 0.3 s of catch-up, ~2 s saved
+    assert policy.choose([long_prompt]) == [0]  # 3 s of catch-up
+    assert policy.choose([_Seq(3, num_tokens=3000, max_tokens=1000)])[0] > 0  # a long answer pays for it
+
+
+def test_too_little_evidence_does_not_refuse_a_catch_up():
+    """Before the engine-wide rates rest on a few rounds, a long prompt drafts anyway, to learn."""
+    policy = _policy()
+    assert policy.choose([_Seq(0, num_tokens=3000, max_tokens=64)])[0] > 0
+    policy.observe([_Seq(1)], [1], [0], 0.01, 0.054, 0.01)  # a warm-up's one round, rejected
+    assert policy.choose([_Seq(2, num_tokens=300, max_tokens=128)])[0] > 0
+
+
+def test_stale_engine_wide_rates_do_not_lock_drafting_out():
+    """The draft was useless for a while, then becomes right every time (other requests): the
+    engine's own probe budget and the sequences' probes bring drafting back, within a few short
+    requests, though each request's catch-up of its prompt is refused on the stale rates."""
+    policy = _policy()
+    for _ in range(100):  # 100 rounds of a fixed K = 4 that was never accepted
+        policy.observe([_Seq(0)], [4], [0], 0.04, 0.066, 0.01)
+    assert policy.engine_knows()
+    rounds = []  # per request: the rounds its 128 tokens took (128 when decoded plainly)
+    for seq_id in range(1, 13):
+        seq, n = _Seq(seq_id, num_tokens=300, max_tokens=128), 0
+        while len(seq.output_ids) < 128:
+            (k,) = policy.choose([seq])
+            policy.observe([seq], [k], [k], 0.01 * k, 0.05 + 0.004 * k, 0.01 if k else None)
+            seq.num_tokens += k + 1
+            seq.output_ids += [0] * (k + 1)
+            n += 1
+        policy.release(seq)
+        rounds.append(n)
+    assert rounds[-1] < 40 and policy.choose([_Seq(99)])[0] > 0, rounds
+
+
+def test_a_sequence_climbs_past_stale_engine_wide_rates_at_deeper_positions():
+    """Earlier requests never had a second draft token accepted, so the engine-wide rate says a
+    second token does not pay; this sequence's draft is always right: trying one token deeper
+    now and then shows it, and its K climbs."""
+    policy = _policy()
+    _rounds(policy, [_Seq(0)], lambda k: min(k, 1), 100)
+    policy.release(_Seq(0))
+    seq = _Seq(1)
+    assert policy.choose([seq]) == [1]
+    ks = []
+    for _ in range(60):
+        ks += policy.choose([seq])
+        policy.observe([seq], ks[-1:], ks[-1:], 0.01 * ks[-1], 0.05 + 0.004 * ks[-1])
+    assert min(ks[-10:]) >= 4, ks
+
+
+def test_probes_on_the_engine_budget_cost_little_with_a_useless_draft():
+    """Many short requests, none long enough to probe on its own budget: the engine probes now and
+    then on its own, within its budget, each fruitless probe doubling the wait."""
+    policy = _policy()
+    _rounds(policy, [_Seq(0)], lambda k: 0, 100)
+    plain_s = probe_s = 0.0
+    for seq_id in range(1, 201):
+        seq = _Seq(seq_id, num_tokens=300, max_tokens=64)
+        for _ in range(64):
+            (k,) = policy.choose([seq])
+            policy.observe([seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
+            seq.num_tokens += 1
+            seq.output_ids.append(0)
+            if k:
+                probe_s += 0.01 * k + 0.004 * k + 0.01 + 300 * 0.0005  # + a catch-up of the prompt
+            else:
+                plain_s += 0.05
+        policy.release(seq)
+    assert 0 < probe_s <= PROBE_BUDGET * plain_s, (probe_s, plain_s)
 
 
 def test_a_draft_that_is_always_accepted_drafts_deep():
@@ -119,7 +203,7 @@ class _FixedCosts(AutoK):
     def __init__(self):
         super().__init__(4, lambda rows: 1.0 + (rows - 1) / 3000, 0.0)
 
-    def observe(self, seqs, drafted, accepted, draft_s, verify_s, step_s=None):
+    def observe(self, seqs, drafted, accepted, draft_s, verify_s, step_s=None, catchup=None):
         super().observe(seqs, drafted, accepted, 0.0, 1.0 + (sum(drafted) + len(seqs) - 1) / 3000)
 
 

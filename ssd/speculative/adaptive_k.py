@@ -7,17 +7,38 @@ by position), drafting K tokens gains on average
     E(K) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_K     tokens (the target always adds one),
 
 and a round costs D(K) = K x d (the wait for proposals: K draft steps in SD, mostly nothing on
-an SSD cache hit) plus V(R), the target's pass over R rows (R = K + 1 per sequence). All three are
-measured as the engine runs: V at start-up by timing the target on 1..K_max+1 rows and d by
-timing one draft step, then both from every round (moving averages), and the a_i from each sequence's own rounds (decayed
-counts) shrunk towards the engine-wide rates, which stand in for positions a sequence has not
-reached. The round's K per sequence maximises the batch's tokens per second,
+an SSD cache hit) plus V(R), the target's pass over R rows (R = K + 1 per sequence). All three
+are measured as the engine runs: V at start-up by timing the target on 1..K_max+1 rows and d
+by timing one draft step, then both from every round (moving averages), and the a_i from each
+sequence's own rounds (decayed counts) shrunk towards the engine-wide rates, which stand in
+for positions a sequence has not reached. The round's K per sequence maximises the batch's tokens per second,
 sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))); K = 0 is plain decoding, chosen when drafting
-does not pay. A sequence at K = 0 learns nothing about its acceptance, so after PROBE_EVERY
-rounds at K = 0 it drafts PROBE_K tokens again; a probe that gains nothing doubles the wait
-before the next (up to PROBE_BACKOFF times), as each one costs a draft step and the draft's
-catch-up on the tokens it missed; a sequence that never drafted does not probe once the
-engine-wide rates rest on enough rounds (its probe would pay the draft's prefill too).
+does not pay.
+
+A position beyond a sequence's K is never reached, so its rate would rest on the other
+sequences' rounds for good (and a K chosen on a low one would stay low): every EXPLORE_GAP
+drafting rounds a sequence drafts one token deeper than chosen while its own evidence at that
+position is thin.
+
+Drafting for a sequence also costs a catch-up: the draft must first read the tokens it has
+not seen (the whole prompt the first time, the tokens decoded plainly while K was 0): a
+draft step plus a measured cost per token read. Once the engine-wide rates rest on
+ENGINE_EVIDENCE (decayed) rounds, a sequence starts (or resumes) drafting only if the time
+the chosen K saves over its remaining tokens (max_tokens left) pays for that catch-up, so a
+long prompt with a short answer is decoded plainly rather than prefilled twice. Before
+that, a sequence whose K came out 0 probes (below) every round, to learn: a K of 0 may rest
+on a round or two, such as a warm-up's.
+
+A sequence at K = 0 learns nothing about its acceptance, so it probes now and then: it
+drafts PROBE_K tokens once the time it has decoded plainly since its last drafting round
+is 1 / PROBE_BUDGET times what a probe costs (catch-up, PROBE_K draft steps, the larger
+verify pass), so probes take at most about PROBE_BUDGET of the time; a probe that gains
+nothing doubles its cost in that rule but for the catch-up (up to PROBE_BACKOFF times). Once
+learning is over, no sequence probes where drafting at the prior's rates could not repay the
+catch-up over its remaining tokens. Requests too short to earn a probe on their own time share the engine's
+budget: when nothing has drafted for 1 / PROBE_BUDGET times the cheapest probe, that
+sequence probes, with a backoff of its own; without it, rates measured on a draft that was
+useless for a while would keep every later short request from drafting.
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,10 +51,13 @@ SEQ_WEIGHT = 4.0  # a sequence's own rates are shrunk towards the engine-wide on
 SEQ_DECAY = 0.9  # per round: a sequence's recent text counts most (copying spans come and go)
 ENGINE_DECAY = 0.995
 TIME_EMA = 0.2
-PROBE_EVERY = 16
 PROBE_K = 2
+PROBE_BUDGET = 0.05  # share of plain decoding time a sequence spends on probes, at most
 ENGINE_EVIDENCE = 8  # decayed rounds at the first position
 PROBE_BACKOFF = 16  # a probe that gains nothing doubles the wait before the next, up to this factor
+CATCHUP_GUESS = 0.05  # a catch-up token's cost in draft steps, until one is measured
+EXPLORE_GAP = 4  # a drafting sequence tries one token deeper than chosen every this many rounds ...
+EXPLORE_EVIDENCE = 1.0  # ... while its own (decayed) rounds that reached that position are fewer
 
 
 @dataclass
@@ -119,7 +143,7 @@ class FixedK:
         return [self.k_max] * len(seqs)
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int], draft_s: float,
-                verify_s: float, step_s: float | None = None) -> None:
+                verify_s: float, step_s: float | None = None, catchup: tuple[float, int] | None = None) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:
@@ -139,26 +163,78 @@ class AutoK(FixedK):
         self.steps_measured = steps_measured
         self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2)})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
+        self.catchup_token, self.catchup_measured = CATCHUP_GUESS * draft_step_s, False
         self.engine = Acceptance(ENGINE_DECAY)
         self.seqs: dict[int, Acceptance] = {}
-        self.idle: dict[int, int] = {}  # seq_id -> rounds in a row at K = 0
-        self.wait: dict[int, int] = {}  # seq_id -> rounds at K = 0 before its next probe
+        self.seen: dict[int, int] = {}  # seq_id -> its tokens when it last drafted (what the draft read)
+        self.idle_s: dict[int, float] = {}  # seq_id -> seconds of plain decoding since it last drafted
+        self.backoff: dict[int, int] = {}  # seq_id -> the wait's factor before its next probe
+        self.probing: set[int] = set()
+        self.engine_idle_s = 0.0  # seconds since any sequence drafted
+        self.engine_backoff = 1  # the engine's probes double their wait as the sequences' do
+        self.engine_probe: int | None = None  # the sequence probing on the engine's budget this round
+        self.explore_wait: dict[int, int] = {}  # seq_id -> drafting rounds since it last drafted deeper
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         prior = self.engine.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
         gains = [expected_tokens(self.seqs.setdefault(s.seq_id, Acceptance(SEQ_DECAY))
                                  .rates(self.k_max, prior, SEQ_WEIGHT)) for s in seqs]
         ks = self._best(gains)
+        self.probing, self.engine_probe = set(), None
+        learning = not self.engine_knows()  # too little measured to refuse a catch-up
+        # Once learning is over, a probe is worth its catch-up only if drafting, were it to work
+        # as the prior assumes, would save more than that over the tokens left (no probe near a
+        # request's end).
+        hopeful = expected_tokens([PRIOR_RATE] * self.k_max)
+        hopeful_k = max(range(1, self.k_max + 1), key=lambda k: hopeful[k] / (k * self.draft_step + self.verify(k + 1)))
+        costs: dict[int, float] = {}  # b -> what a probe would cost now, for the sequences at K = 0
         for b, s in enumerate(seqs):
-            if ks[b] == 0 and self.idle.get(s.seq_id, 0) >= self.wait.get(s.seq_id, PROBE_EVERY) \
-                    and (self.seqs[s.seq_id].reached or not self.engine_knows()):
-                ks[b] = min(PROBE_K, self.k_max)
+            missed = s.num_tokens - self.seen.get(s.seq_id, 0)
+            catchup = self.draft_step + self.catchup_token * missed if missed > 2 else 0.0
+            if ks[b] and not learning and catchup > max(self.verify(1), self._saving(gains[b], ks[b], s)):
+                ks[b] = 0  # what drafting saves over the tokens left does not pay a long catch-up
+            if ks[b] == 0 and (learning or catchup <= self._saving(hopeful, hopeful_k, s)):
+                k = min(PROBE_K, self.k_max)
+                # The catch-up grows with the wait whatever it is: the backoff stretches the rest.
+                costs[b] = catchup + (k * self.draft_step + self.verify(k + 1) - self.verify(1)) \
+                    * self.backoff.get(s.seq_id, 1)
+        # While learning, a K of 0 may rest on a round or two (a warm-up's): probe at once.
+        probes = [b for b, c in costs.items() if learning or self.idle_s.get(seqs[b].seq_id, 0.0) * PROBE_BUDGET >= c]
+        if costs and not probes:  # the engine's own budget: one probe when nothing drafted for long
+            b = min(costs, key=costs.get)
+            if self.engine_idle_s * PROBE_BUDGET >= costs[b] * self.engine_backoff:
+                probes = [b]
+                self.engine_probe = seqs[b].seq_id
+        for b in probes:
+            ks[b] = min(PROBE_K, self.k_max)
+            if not learning:  # probes on a budget back off; learning ends by itself
+                self.probing.add(seqs[b].seq_id)
+        for b, s in enumerate(seqs):
+            # A position beyond the chosen K is never reached, so its rate (the engine-wide one)
+            # would never be corrected by this sequence: now and then it drafts one token deeper.
+            k = ks[b]
+            if 0 < k < self.k_max and s.seq_id not in self.probing \
+                    and self.explore_wait.get(s.seq_id, 0) >= EXPLORE_GAP and self._evidence(s, k) < EXPLORE_EVIDENCE:
+                ks[b] = k + 1
+                self.explore_wait[s.seq_id] = 0
         return ks
 
+    def _evidence(self, seq: Sequence, position: int) -> float:
+        """The sequence's own decayed rounds that reached draft position `position` (0-based)."""
+        own = self.seqs[seq.seq_id].reached
+        return own[position] if position < len(own) else 0.0
+
     def engine_knows(self) -> bool:
-        """Enough recent rounds engine-wide that a sequence with none of its own follows them
-        without a probe (its first probe would also pay the draft's prefill of its prompt)."""
+        """Enough recent rounds engine-wide that a sequence may be refused drafting by them."""
         return bool(self.engine.reached) and self.engine.reached[0] >= ENGINE_EVIDENCE
+
+    def _saving(self, gain: list[float], k: int, seq: Sequence) -> float:
+        """Seconds that drafting k tokens a round saves over the sequence's remaining tokens,
+        against plain decoding (one sequence's view)."""
+        left = seq.params.max_tokens - len(seq.output_ids)
+        plain = self.verify(1)
+        per_token = (k * self.draft_step + self.verify(k + 1)) / gain[k]
+        return left * (plain - per_token)
 
     def _best(self, gains: list[list[float]]) -> list[int]:
         """The K per sequence that maximise sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))): the best
@@ -184,26 +260,40 @@ class AutoK(FixedK):
         return ks
 
     def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int], draft_s: float,
-                verify_s: float, step_s: float | None = None) -> None:
+                verify_s: float, step_s: float | None = None, catchup: tuple[float, int] | None = None) -> None:
         """One round's outcome: tokens each sequence drafted and had accepted, the round's wait
-        for proposals and verify pass (the whole batch's), and where the draft measured it, its
-        time per draft token without catch-up (a prompt's prefill, tokens missed at K = 0:
-        counting those would make drafting look dearer the longer it was off)."""
+        for proposals and verify pass (the whole batch's), and where the draft measured them,
+        its time per draft token without catch-up (a prompt's prefill, tokens missed at K = 0:
+        counting those would make drafting look dearer the longer it was off) and its catch-up
+        (seconds, tokens read)."""
         for s, d, a in zip(seqs, drafted, accepted):
-            if d and self.idle.get(s.seq_id, 0) >= self.wait.get(s.seq_id, PROBE_EVERY):  # a probe
-                wait = self.wait.get(s.seq_id, PROBE_EVERY)
-                self.wait[s.seq_id] = PROBE_EVERY if a else min(2 * wait, PROBE_BACKOFF * PROBE_EVERY)
-            self.idle[s.seq_id] = 0 if d else self.idle.get(s.seq_id, 0) + 1
             if d:
+                if s.seq_id in self.probing:
+                    self.backoff[s.seq_id] = 1 if a else min(2 * self.backoff.get(s.seq_id, 1), PROBE_BACKOFF)
+                if s.seq_id == self.engine_probe:
+                    self.engine_backoff = 1 if a else min(2 * self.engine_backoff, PROBE_BACKOFF)
+                self.seen[s.seq_id] = s.num_tokens
+                self.idle_s[s.seq_id] = 0.0
+                self.explore_wait[s.seq_id] = self.explore_wait.get(s.seq_id, 0) + 1
                 self.seqs.setdefault(s.seq_id, Acceptance(SEQ_DECAY)).observe(d, a)
                 self.engine.observe(d, a)
+            else:
+                self.idle_s[s.seq_id] = self.idle_s.get(s.seq_id, 0.0) + draft_s + verify_s
+        self.engine_idle_s = 0.0 if any(drafted) else self.engine_idle_s + draft_s + verify_s
         deepest = max(drafted, default=0)  # a round drafts as deep as its longest proposal
         step = step_s if self.steps_measured else draft_s / deepest if deepest else None
         if step is not None:  # None: no step without catch-up this round
             self.draft_step = self.draft_step + TIME_EMA * (step - self.draft_step) if self.draft_measured else step
             self.draft_measured = True
+        if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus this per token read
+            per = max(0.0, catchup[0] - self.draft_step) / catchup[1]
+            self.catchup_token = self.catchup_token + TIME_EMA * (per - self.catchup_token) \
+                if self.catchup_measured else per
+            self.catchup_measured = True
+        elif not self.catchup_measured:
+            self.catchup_token = CATCHUP_GUESS * self.draft_step
         self.verify.observe(sum(drafted) + len(seqs), verify_s)
 
     def release(self, seq: Sequence) -> None:
-        for table in (self.seqs, self.idle, self.wait):
+        for table in (self.seqs, self.seen, self.idle_s, self.backoff, self.explore_wait):
             table.pop(seq.seq_id, None)

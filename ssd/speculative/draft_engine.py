@@ -55,6 +55,7 @@ class DraftEngine:
         self.runner.warm_up()
         self.seqs: dict[int, DraftSeq] = {}
         self.step_s: float | None = None  # the last draft() call's mean step, catch-up steps left out
+        self.catchup: tuple[float, int] | None = None  # the last draft() call's catch-up: (seconds, tokens read)
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
             self._seeds.seed()
@@ -115,6 +116,7 @@ class DraftEngine:
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         steps: list[float] = []  # times of the steps that fed one or two tokens per sequence
+        catchup_s, catchup_tokens = 0.0, 0
         for step in range(max(ks, default=0)):
             start = time.perf_counter()
             live = [b for b, k in enumerate(ks) if k > step]
@@ -135,7 +137,11 @@ class DraftEngine:
             # not what one more draft token costs (adaptive_k.py reads step_s).
             if max(len(c.tokens) for c in chunks) <= 2:
                 steps.append(time.perf_counter() - start)
+            else:
+                catchup_s += time.perf_counter() - start
+                catchup_tokens += sum(len(c.tokens) for c in chunks)
         self.step_s = sum(steps) / len(steps) if steps else None
+        self.catchup = (catchup_s, catchup_tokens) if catchup_tokens else None
         return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
 
     @torch.inference_mode()

@@ -52,6 +52,11 @@ class Speculator:
         """Seconds per draft token in the last round, catch-up left out; None: no such step."""
         return None
 
+    def last_catchup(self) -> tuple[float, int] | None:
+        """The last round's catch-up where the draft timed it: (seconds, tokens it read that it
+        had not seen: a prompt, tokens decoded while K was 0); None: none, or not timed here."""
+        return None
+
     def kv_blocks_in_use(self) -> int | None:
         """The draft's KV cache blocks held, where this process holds them (None: elsewhere or none)."""
         return None
@@ -104,6 +109,9 @@ class LocalSpeculator(Speculator):
 
     def last_step_s(self) -> float | None:
         return self.engine.step_s
+
+    def last_catchup(self) -> tuple[float, int] | None:
+        return self.engine.catchup
 
     def release(self, seq: Sequence) -> None:
         super().release(seq)

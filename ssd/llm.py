@@ -72,7 +72,7 @@ class LLM:
         transformers loads, and what a GPU uses), "int8", or "auto".
         speculation: the options of SpecOptions (ssd/speculative/options.py): speculate_k,
         draft_quantization, and for SSD fan_out, backup, target_device, draft_device, ..."""
-        spec = SpecOptions.from_kwargs(speculation)
+        spec = SpecOptions.from_kwargs(speculation).for_mode(mode)
         spec.check(mode)
         if (draft is None) != (mode == "ar"):
             raise SSDError(f"mode {mode!r} needs a draft model" if draft is None

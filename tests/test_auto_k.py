@@ -6,6 +6,7 @@ import transformers
 
 from ssd import LLM, SamplingParams
 from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, Timings, expected_tokens
+from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, V, exact_joint, pooled_p_value
 
@@ -225,3 +226,9 @@ def test_auto_k_sampling_follows_the_target(tiny_pair):
     for i in range(NEW):
         marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
         assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+
+
+def test_auto_k_is_sds_default_and_a_fixed_k_ssds():
+    assert SpecOptions().for_mode("sd").speculate_k == AUTO_K
+    assert SpecOptions().for_mode("ssd").speculate_k == SSD_K
+    assert SpecOptions(speculate_k=3).for_mode("sd").speculate_k == 3

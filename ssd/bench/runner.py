@@ -19,7 +19,7 @@ from ssd import LLM, SamplingParams
 from ssd.bench.peers import PeerResult, PeerSkip, isolated, run_hf, run_llamacpp
 from ssd.bench.prompts import BenchPrompt
 from ssd.errors import SSDError
-from ssd.speculative.options import NGRAM, SpecOptions
+from ssd.speculative.options import NGRAM, SSD_K
 from ssd.store import REGISTRY, gguf_path, resolve_model
 
 ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt lookup (draft="ngram"), no draft model
@@ -219,9 +219,8 @@ def _run_peer(result: BenchResult, c: RunConfig, prompt_ids: dict[str, list[list
     ids, pids = [x[2] for x in flat], [x[1] for x in flat]
     # The engine's own thread count, exactly: a peer left to its default (llama-cpp-python: half
     # the cores) would be handicapped.
-    # k: spec peers only; they have no auto-K, so "auto" gives them the engine's default K.
-    common = dict(ignore_eos=spec.ignore_eos, threads=result.threads,
-                  num_draft=c.k if isinstance(c.k, int) else SpecOptions.speculate_k)
+    # k: spec peers only; they have no auto-K, so "auto" gives them SSD's fixed default K.
+    common = dict(ignore_eos=spec.ignore_eos, threads=result.threads, num_draft=c.k if isinstance(c.k, int) else SSD_K)
     speculative = c.mode in ("hf-assisted", "llamacpp-spec")
     if c.mode.startswith("hf"):
         draft = resolve_model(spec.draft) if speculative else None

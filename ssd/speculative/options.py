@@ -7,7 +7,7 @@ the SSD worker, where it travels as a dict in the hello message (ssd/speculative
 """
 import os
 from pathlib import Path
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -22,6 +22,9 @@ BACKUPS = ("jit", "fast")
 SECRET_ENV = "SSD_DRAFT_SECRET"  # shared secret of a target and a draft worker started by hand
 MAX_K = 32
 AUTO_K = "auto"  # speculate_k=AUTO_K: K chosen each round (ssd/speculative/adaptive_k.py)
+# SD's default K is AUTO_K (it measured at least as fast as the best fixed K on every prompt set,
+# bench/README.md); SSD's speculation cache is built for one depth, so it keeps a fixed default.
+SSD_K = 4
 
 
 def check_ngram_sizes(ngram_min: int, ngram_max: int) -> None:
@@ -64,9 +67,10 @@ class SpecOptions:
     """How SD and SSD speculate (README.md, "Speculative decoding"). Checked by `check(mode)`
     before any model loads or worker starts."""
 
-    speculate_k: int | str = _option(
-        4, "draft tokens per round (1..32), or auto: chosen per sequence and round from the measured acceptance "
-        "and costs, 0 (plain decoding) when drafting does not pay", flag="--k", parse=parse_k, metavar="K|auto")
+    speculate_k: int | str | None = _option(
+        None, "draft tokens per round (1..32), or auto: chosen per sequence and round from the measured acceptance "
+        f"and costs, 0 (plain decoding) when drafting does not pay. Default: auto in sd, {SSD_K} in ssd",
+        flag="--k", parse=parse_k, metavar="K|auto")
     k_max: int = _option(8, "with --k auto: the most draft tokens a round may ask for", flag="--k-max", parse=int,
                          metavar="K")
     draft_quantization: str | None = _option(
@@ -105,6 +109,10 @@ class SpecOptions:
                                    flag="--draft-timeout", ssd_only=True, parse=float, metavar="S")
     # A remote worker's shared secret (default: $SSD_DRAFT_SECRET); never shown in a repr.
     draft_secret: str | None = _option(None, "", ssd_only=True, repr=False)
+
+    def for_mode(self, mode: str) -> "SpecOptions":
+        """These options with the default K filled in for `mode`."""
+        return self if self.speculate_k is not None else replace(self, speculate_k=SSD_K if mode == "ssd" else AUTO_K)
 
     def check(self, mode: str) -> None:
         if mode not in MODES:

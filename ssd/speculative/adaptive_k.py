@@ -11,9 +11,9 @@ an SSD cache hit) plus V(R), the target's pass over R rows (R = K + 1 per sequen
 are measured as the engine runs: V at start-up by timing the target on 1..K_max+1 rows and d
 by timing one draft step, then both from every round (moving averages), and the a_i from each
 sequence's own rounds (decayed counts) shrunk towards the engine-wide rates, which stand in
-for positions a sequence has not reached. The round's K per sequence maximises the batch's tokens per second,
-sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))); K = 0 is plain decoding, chosen when drafting
-does not pay.
+for positions a sequence has not reached. The round's K per sequence maximises the batch's
+tokens per second, sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))); K = 0 is plain decoding,
+chosen when drafting does not pay.
 
 A position beyond a sequence's K is never reached, so its rate would rest on the other
 sequences' rounds for good (and a K chosen on a low one would stay low): every EXPLORE_GAP
@@ -35,10 +35,10 @@ is 1 / PROBE_BUDGET times what a probe costs (catch-up, PROBE_K draft steps, the
 verify pass), so probes take at most about PROBE_BUDGET of the time; a probe that gains
 nothing doubles its cost in that rule but for the catch-up (up to PROBE_BACKOFF times). Once
 learning is over, no sequence probes where drafting at the prior's rates could not repay the
-catch-up over its remaining tokens. Requests too short to earn a probe on their own time share the engine's
-budget: when nothing has drafted for 1 / PROBE_BUDGET times the cheapest probe, that
-sequence probes, with a backoff of its own; without it, rates measured on a draft that was
-useless for a while would keep every later short request from drafting.
+catch-up over its remaining tokens. Requests too short to earn a probe on their own time
+share the engine's budget: when nothing has drafted for 1 / PROBE_BUDGET times the cheapest
+probe, that sequence probes, with a backoff of its own; without it, rates measured on a draft
+that was useless for a while would keep every later short request from drafting.
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,7 +163,7 @@ class AutoK(FixedK):
         self.steps_measured = steps_measured
         self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2)})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
-        self.catchup_token, self.catchup_measured = CATCHUP_GUESS * draft_step_s, False
+        self.catchup_token: float | None = None  # the draft's cost per token it catches up on, once measured
         self.engine = Acceptance(ENGINE_DECAY)
         self.seqs: dict[int, Acceptance] = {}
         self.seen: dict[int, int] = {}  # seq_id -> its tokens when it last drafted (what the draft read)
@@ -186,17 +186,17 @@ class AutoK(FixedK):
         # as the prior assumes, would save more than that over the tokens left (no probe near a
         # request's end).
         hopeful = expected_tokens([PRIOR_RATE] * self.k_max)
-        hopeful_k = max(range(1, self.k_max + 1), key=lambda k: hopeful[k] / (k * self.draft_step + self.verify(k + 1)))
+        hopeful_k = max(range(1, self.k_max + 1), key=lambda k: hopeful[k] / self._round_s(k))
         costs: dict[int, float] = {}  # b -> what a probe would cost now, for the sequences at K = 0
         for b, s in enumerate(seqs):
             missed = s.num_tokens - self.seen.get(s.seq_id, 0)
-            catchup = self.draft_step + self.catchup_token * missed if missed > 2 else 0.0
+            catchup = self._catchup_s(missed) if missed > 2 else 0.0
             if ks[b] and not learning and catchup > max(self.verify(1), self._saving(gains[b], ks[b], s)):
                 ks[b] = 0  # what drafting saves over the tokens left does not pay a long catch-up
             if ks[b] == 0 and (learning or catchup <= self._saving(hopeful, hopeful_k, s)):
                 k = min(PROBE_K, self.k_max)
                 # The catch-up grows with the wait whatever it is: the backoff stretches the rest.
-                costs[b] = catchup + (k * self.draft_step + self.verify(k + 1) - self.verify(1)) \
+                costs[b] = catchup + (self._round_s(k) - self.verify(1)) \
                     * self.backoff.get(s.seq_id, 1)
         # While learning, a K of 0 may rest on a round or two (a warm-up's): probe at once.
         probes = [b for b, c in costs.items() if learning or self.idle_s.get(seqs[b].seq_id, 0.0) * PROBE_BUDGET >= c]
@@ -228,12 +228,21 @@ class AutoK(FixedK):
         """Enough recent rounds engine-wide that a sequence may be refused drafting by them."""
         return bool(self.engine.reached) and self.engine.reached[0] >= ENGINE_EVIDENCE
 
+    def _round_s(self, k: int) -> float:
+        """D(k) + V(k + 1): one sequence's round drafting k tokens."""
+        return k * self.draft_step + self.verify(k + 1)
+
+    def _catchup_s(self, tokens: int) -> float:
+        """The draft's pass over `tokens` it has not seen: a step plus a cost per token."""
+        per = self.catchup_token if self.catchup_token is not None else CATCHUP_GUESS * self.draft_step
+        return self.draft_step + per * tokens
+
     def _saving(self, gain: list[float], k: int, seq: Sequence) -> float:
         """Seconds that drafting k tokens a round saves over the sequence's remaining tokens,
         against plain decoding (one sequence's view)."""
         left = seq.params.max_tokens - len(seq.output_ids)
         plain = self.verify(1)
-        per_token = (k * self.draft_step + self.verify(k + 1)) / gain[k]
+        per_token = self._round_s(k) / gain[k]
         return left * (plain - per_token)
 
     def _best(self, gains: list[list[float]]) -> list[int]:
@@ -287,11 +296,8 @@ class AutoK(FixedK):
             self.draft_measured = True
         if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus this per token read
             per = max(0.0, catchup[0] - self.draft_step) / catchup[1]
-            self.catchup_token = self.catchup_token + TIME_EMA * (per - self.catchup_token) \
-                if self.catchup_measured else per
-            self.catchup_measured = True
-        elif not self.catchup_measured:
-            self.catchup_token = CATCHUP_GUESS * self.draft_step
+            self.catchup_token = per if self.catchup_token is None else \
+                self.catchup_token + TIME_EMA * (per - self.catchup_token)
         self.verify.observe(sum(drafted) + len(seqs), verify_s)
 
     def release(self, seq: Sequence) -> None:

@@ -280,7 +280,11 @@ def test_ctrl_c_ends_generation_and_the_worker(smollm_dir, truncated_draft):
     proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "generate", "--model", str(smollm_dir),
                              "--draft", str(truncated_draft), "--mode", "ssd", "--prompt", "Count to a thousand:",
                              "--max-tokens", "2000", "--ignore-eos", "--temperature", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            # As a terminal's shell starts it: a shell without job control starts
+                            # background jobs (a CI run under `cmd &`) with SIGINT ignored, and a
+                            # Python started so keeps ignoring it, as it should.
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert proc.stdout.read(20), "no text streamed"
         assert _workers_of(proc.pid), "the SSD worker should be running"

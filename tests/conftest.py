@@ -88,3 +88,10 @@ def tiny_pair(tmp_path_factory):
     from tiny_pair import make_tiny_pair
     return make_tiny_pair(tmp_path_factory)
 
+
+@pytest.fixture(scope="session")
+def tiny_tied_pair(tmp_path_factory):
+    """The same with the output layer tied to the input embedding."""
+    from tiny_pair import make_tiny_pair
+    return make_tiny_pair(tmp_path_factory, tied=True)
+

@@ -32,6 +32,21 @@ def test_kept_ids_are_the_most_frequent_then_by_id(counts_for, smollm_dir):
         reduced_vocabulary(smollm_dir, 49153, 49152, set())
 
 
+def test_ssd_vocab_counts_answers_and_prompts(counts_for, smollm_dir):
+    from ssd.bench.prompts import load_prompt_set
+    from ssd.bench.vocab import count_outputs
+    r = count_outputs(str(smollm_dir), ["gsm8k"], per_set=2, skip=32, max_tokens=6, batch=2)
+    data = json.loads(counts_path(smollm_dir).read_text())
+    with LLM(smollm_dir) as llm:
+        prompt_ids = [t for p in load_prompt_set("gsm8k")[32:34] for t in llm.encode(p.text)]
+    assert r["prompts"] == 2 and data["prompt_tokens"] == len(prompt_ids)
+    assert len(prompt_ids) + 2 <= data["tokens"] <= len(prompt_ids) + 12  # and 1..6 answer tokens each
+    counts = {int(t): n for t, n in data["counts"].items()}
+    assert all(counts[t] >= prompt_ids.count(t) for t in set(prompt_ids))
+    top = max(counts, key=lambda t: (counts[t], -t))
+    assert top in reduced_vocabulary(smollm_dir, 1, 49152, set())
+
+
 def test_missing_counts_say_how_to_make_them(tmp_path, monkeypatch, smollm_dir, truncated_draft):
     monkeypatch.setenv("SSD_HOME", str(tmp_path))
     with pytest.raises(SSDError, match="ssd vocab --model"):
@@ -53,17 +68,22 @@ def test_reduced_head_greedy_equals_ar(counts_for, smollm_dir, truncated_draft, 
     assert [o.token_ids for o in outs] == ar_outputs(PROMPTS, params)
     assert sum(o.metrics.accepted for o in outs) > 0
     if engine is not None:
-        assert engine.vocab_ids.numel() == 4096
+        assert engine.head.ids.numel() == 4096
         assert engine.runner.model.lm_head.out_features == 4096
 
 
-def test_reduced_head_sampling_follows_the_target(counts_for, tiny_pair):
-    target, draft = tiny_pair
-    counts_for(target, {2: 9, 3: 8, 5: 7, 6: 6})  # the draft may propose 2, 3, 5, 6 and eos (1)
+@pytest.mark.parametrize("tied", [False, True])
+def test_reduced_head_sampling_follows_the_target(counts_for, tiny_pair, tiny_tied_pair, tied):
+    """Untied: the draft proposes the kept 2, 3, 5, 6 and eos (1). Tied: the head keeps 1, 2
+    and 6, and each sequence adds its own tokens (the prompt's 5 and 3, then the target's)."""
+    target, draft = tiny_tied_pair if tied else tiny_pair
+    counts_for(target, {2: 9, 6: 8} if tied else {2: 9, 3: 8, 5: 7, 6: 6})
     n, temperature = 4000, 1.0
     params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
-    with LLM(target, draft=draft, mode="sd", speculate_k=2, max_num_seqs=500, seed=4, draft_vocab=5) as llm:
-        assert llm.speculator.engine.vocab_ids.tolist() == [1, 2, 3, 5, 6]
+    with LLM(target, draft=draft, mode="sd", speculate_k=2, max_num_seqs=500, seed=4,
+             draft_vocab=3 if tied else 5) as llm:
+        head = llm.speculator.engine.head
+        assert head.ids.tolist() == ([1, 2, 6] if tied else [1, 2, 3, 5, 6]) and head.extends == tied
         outs = llm.generate([PROMPT] * n, params)
         prompt_ids = llm.encode(PROMPT)
     tokens = torch.tensor([o.token_ids for o in outs])
@@ -73,3 +93,45 @@ def test_reduced_head_sampling_follows_the_target(counts_for, tiny_pair):
     for i in range(NEW):
         marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
         assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+
+
+def test_a_sequences_own_tokens_join_a_tied_head(tiny_tied_pair):
+    """Columns past V' are the sequence's tokens outside the head, scored with the input
+    embedding's rows (the tied output layer's); other sequences' rows get -inf there."""
+    from ssd.models.loader import load_model
+    from ssd.speculative.vocab import DraftHead
+    model = load_model(tiny_tied_pair[1], torch.device("cpu"), torch.float32)
+    head = DraftHead(load_model(tiny_tied_pair[1], torch.device("cpu"), torch.float32, head_rows=(1, 2, 6)),
+                     (1, 2, 6), torch.device("cpu"))
+    head.extend(7, [2, 5, 3, 5])  # 2 is in the head; 5 and 3 join, once each
+    head.extend(7, [4, 3])
+    hidden = torch.randn(3, model.config.hidden_size)
+    logits, extra_ids = head(hidden, [7, 8], [2, 1])
+    full = model.lm_head(hidden)
+    assert torch.allclose(logits[:2], full[:2, [1, 2, 6, 5, 3, 4]], atol=1e-4)
+    assert torch.allclose(logits[2, :3], full[2, [1, 2, 6]], atol=1e-4) and logits[2, 3:].isneginf().all()
+    assert extra_ids[:2].tolist() == [[5, 3, 4]] * 2
+    index = torch.tensor([0, 4, 2])
+    assert head.token_ids(index, extra_ids).tolist() == [1, 3, 6]
+    q = logits.softmax(-1)
+    full_q = head.over_vocabulary(q, extra_ids)
+    assert torch.allclose(full_q.sum(-1), torch.ones(3)) and full_q[:, [0, 7]].eq(0).all()
+    assert torch.equal(full_q[0, [1, 2, 6, 5, 3, 4]], q[0])
+    head.release(7)
+    assert head(hidden, [7], [3])[1] is None
+
+
+def test_an_untied_gguf_head_reads_any_row_from_the_file(tiny_pair, tmp_path):
+    """A GGUF draft with its own output layer (as Qwen2.5-0.5B's Q8_0 one): a reduced head
+    keeps V' rows in the kernel's layout, and a request's other tokens are read from the
+    file's blocks, the values the dequantised model has."""
+    from gguf import GGMLQuantizationType as GGML
+    from gguf_models import quantized_copy
+    from ssd.models.loader import load_model
+    folder = quantized_copy(tiny_pair[1], tmp_path, GGML.Q8_0)
+    cpu = torch.device("cpu")
+    reduced = load_model(folder, cpu, torch.float32, head_rows=(1, 2, 6))
+    plain = load_model(folder, cpu, torch.float32, weights="dequantized")
+    assert not plain.config.tie_word_embeddings and reduced.lm_head.out_features == 3
+    ids = torch.tensor([5, 3, 0])
+    assert torch.equal(reduced.full_head(ids), plain.lm_head.weight[ids])

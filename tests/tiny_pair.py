@@ -13,24 +13,27 @@ V, NEW = 8, 6  # a vocabulary small enough to enumerate the target's distributio
 PROMPT = "w2 w5 w3"
 
 
-def make_tiny_pair(tmp_path_factory):
-    """A random target over an 8-token vocabulary and a noisy copy of it as the draft."""
+def make_tiny_pair(tmp_path_factory, tied: bool = False):
+    """A random target over an 8-token vocabulary and a noisy copy of it as the draft
+    (tied: the output layer is the input embedding, as in Qwen2.5's small models)."""
     vocab = {f"w{i}": i for i in range(V)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1")
     cfg = transformers.LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=False, eos_token_id=1, bos_token_id=None)
+                                   tie_word_embeddings=tied, eos_token_id=1, bos_token_id=None)
     torch.manual_seed(0)
     target = transformers.LlamaForCausalLM(cfg).float()
     with torch.no_grad():
-        target.lm_head.weight.mul_(40)  # peaked, varied next-token distributions
+        # Peaked, varied next-token distributions (tied, the input embedding scales too, and
+        # a larger factor makes every sequence repeat its last token).
+        target.lm_head.weight.mul_(2 if tied else 40)
     folders = []
     for name, noise in (("target", 0.0), ("draft", 0.6)):
         folder = tmp_path_factory.mktemp(name)
         state = {n: w + noise * w.std() * torch.randn_like(w) if w.dim() > 1 else w.clone()
-                 for n, w in target.state_dict().items()}
+                 for n, w in target.state_dict().items() if not (tied and n == "lm_head.weight")}
         target.config.save_pretrained(folder)
         save_file(state, folder / "model.safetensors")
         fast.save_pretrained(folder)

@@ -50,8 +50,8 @@ class ModelRunner:
             self.cache.release(owner)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [sum of num_logits, vocab] in chunk order."""
+    def forward(self, chunks: list[Chunk], head: bool = True) -> torch.Tensor:
+        """Logits [sum of num_logits, vocab] in chunk order (head=False: final hidden states)."""
         lengths = [len(c.tokens) for c in chunks]
         input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
         positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)])
@@ -69,13 +69,13 @@ class ModelRunner:
         logits_index = torch.cat([torch.arange(end - c.num_logits, end)
                                   for c, end in zip(chunks, row_ends.tolist())])
         batch = AttentionBatch(slot_mapping, rows, q_row, q_len)
-        return self.run(input_ids, positions, batch, logits_index)
+        return self.run(input_ids, positions, batch, logits_index, head)
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-            logits_index: torch.Tensor | None = None) -> torch.Tensor:
+            logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
         """One forward pass over tokens placed by an explicit attention batch (a draft tree)."""
         dev = self.device
         batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
         return self.model(input_ids.to(dev), positions.to(dev), batch, self.cache.kv,
-                          None if logits_index is None else logits_index.to(dev))
+                          None if logits_index is None else logits_index.to(dev), head)

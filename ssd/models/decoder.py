@@ -53,15 +53,18 @@ class DecoderLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        self.full_head: nn.Module | None = None  # a reduced head's rows of any token (loader.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv: torch.Tensor, logits_index: torch.Tensor | None = None) -> torch.Tensor:
+                kv: torch.Tensor, logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
         """input_ids/positions: [T] flat new tokens; kv: [layers, 2, slots, kv_heads, head_dim].
 
-        Returns logits for the rows in logits_index (all rows if None)."""
+        Returns logits for the rows in logits_index (all rows if None); with head=False their
+        final hidden states instead (a draft applies its own head, ssd/speculative/vocab.py)."""
         x = self.embed_tokens(input_ids)
         for layer, layer_kv in zip(self.layers, kv):
             x = layer(x, positions, batch, layer_kv)
         if logits_index is not None:
             x = x[logits_index]
-        return self.lm_head(self.norm(x))
+        x = self.norm(x)
+        return self.lm_head(x) if head else x

@@ -119,7 +119,10 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     """weights: see WEIGHTS ("int8": every Linear (q/k/v/o, gate_up, down, lm_head) gets
     weight-only int8, for a draft model, whose numerics change only the acceptance rate).
     head_rows: token ids the output layer keeps (its logits come in that order), for a
-    reduced-vocabulary draft head; None keeps them all."""
+    reduced-vocabulary draft head; None keeps them all. A reduced head's model gets
+    `full_head`: a module that looks up any of the whole output layer's rows in fp32 (the tied
+    input embedding, or a GGUF file's output layer read from its pages), None where there is
+    none to read (an untied safetensors head)."""
     weights = resolve_weights(folder, device, weights)
     cfg = ModelConfig.from_folder(folder)
     rows = None if head_rows is None else torch.tensor(head_rows, dtype=torch.long)
@@ -140,6 +143,8 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     if rows is not None:
         model.lm_head = Linear(cfg.hidden_size, len(rows), bias=False, device="meta")
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    if rows is not None and cfg.tie_word_embeddings:
+        model.full_head = model.embed_tokens
     del state  # the model holds the only references: quantizing frees each fp32 matrix
     if cfg.tie_word_embeddings and rows is None:
         model.lm_head.weight = model.embed_tokens.weight
@@ -212,12 +217,24 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         index.unmap(embed.raw)
     else:
         model.embed_tokens = nn.Embedding.from_pretrained(dequantize(embed))
-    model.lm_head = linear(["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"],
-                           rows=head_rows)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    model.lm_head = linear([head], rows=head_rows)
+    if head_rows is not None:
+        model.full_head = full_rows(get(head), index) if head != "model.embed_tokens.weight" else model.embed_tokens
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
     return model
+
+
+def full_rows(t: GGUFTensor, index) -> nn.Module:
+    """Any row of a GGUF matrix in fp32, read from the file's pages when asked: a reduced
+    draft head's source for a request's own tokens (ssd/speculative/vocab.py), which touches
+    only those rows' pages."""
+    if t.qtype not in quant_cpu.SUPPORTED:
+        return nn.Embedding.from_pretrained(dequantize(t))
+    index.unmap(t.raw)  # the kept rows were gathered from these pages; the rest were never read
+    return QuantEmbedding(torch.from_numpy(t.raw.reshape(-1)), t.qtype, *t.shape)
 
 
 def quantize_int8(model: DecoderLM) -> None:

@@ -19,6 +19,7 @@ from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.options import DraftConfig
+from ssd.speculative.vocab import DraftHead
 
 
 @dataclass
@@ -45,11 +46,12 @@ class DraftEngine:
                  vocab_ids: tuple[int, ...] | None = None):
         """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
         vocab_ids: the token ids of a reduced-vocabulary head (the model's logits are for those,
-        in that order): the draft proposes only them, and its q is 0 on every other token."""
+        in that order): the draft proposes only them and each sequence's own tokens (DraftHead),
+        and its q is 0 on every other token."""
         cfg = model.config
         self.k, self.device, self.saguaro = k, device, saguaro
-        self.max_len, self.vocab = cfg.max_position_embeddings, cfg.vocab_size
-        self.vocab_ids = None if vocab_ids is None else torch.tensor(vocab_ids, dtype=torch.long, device=device)
+        self.max_len = cfg.max_position_embeddings
+        self.head = DraftHead(model, vocab_ids, device)
         self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype)
         self.runner = ModelRunner(model, self.kv, device)
         self.runner.warm_up()
@@ -82,6 +84,7 @@ class DraftEngine:
                            f"tokens and adds {len(new_tokens)}")
         del s.tokens[num_valid:]
         s.tokens += new_tokens
+        self.head.extend(seq_id, new_tokens)
         s.confirmed = len(s.tokens)
         s.cached = min(s.cached, num_valid)
         s.candidates = []
@@ -96,6 +99,7 @@ class DraftEngine:
         for seq_id in seq_ids:
             self.seqs.pop(seq_id, None)
             self.kv.release(seq_id)
+            self.head.release(seq_id)
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy_decoding:
@@ -127,7 +131,7 @@ class DraftEngine:
                 self.kv.reserve(s.seq_id, len(s.tokens))
                 chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, 1))
                 s.cached = len(s.tokens)
-            picked, q = self.pick(self.runner.forward(chunks), [seqs[b] for b in live], [1] * len(live))
+            picked, q = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live], [1] * len(live))
             for row, b in enumerate(live):
                 seqs[b].tokens.append(picked[row])
                 tokens[b].append(picked[row])
@@ -145,9 +149,10 @@ class DraftEngine:
         return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
 
     @torch.inference_mode()
-    def score_speculations(self, seqs: list[DraftSeq]) -> list[torch.Tensor]:
+    def score_speculations(self, seqs: list[DraftSeq]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """One forward pass over each sequence's newest confirmed token and its speculation
-        ("glue decode"): the draft's logits at every depth j = 0..K of the speculation."""
+        ("glue decode"): the draft's logits at every depth j = 0..K of the speculation, with
+        their extra columns' token ids (DraftHead)."""
         chunks = []
         for s in seqs:
             s.cached = min(s.cached, s.confirmed - 1)  # re-feed from the target's newest token
@@ -155,35 +160,28 @@ class DraftEngine:
             self.kv.reserve(s.seq_id, len(s.tokens))
             chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, len(s.spec) + 1))
             s.cached = len(s.tokens)
-        logits = self.runner.forward(chunks)
-        return list(logits.split([len(s.spec) + 1 for s in seqs]))
+        rows = [len(s.spec) + 1 for s in seqs]
+        logits, extra_ids = self.head(self.runner.forward(chunks, head=False), [s.seq_id for s in seqs], rows)
+        return list(zip(logits.split(rows), extra_ids.split(rows) if extra_ids is not None else [None] * len(seqs)))
 
-    def pick(self, logits: torch.Tensor, seqs: list[DraftSeq], rows: list[int]
+    def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int]
              ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Draw one token per logits row; seqs[i] owns the next rows[i] rows. Returns the
-        tokens and, per sequence, the distributions drawn from over the whole vocabulary
-        (None for greedy rows)."""
+        """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows.
+        Returns the tokens and, per sequence, the distributions drawn from over the whole
+        vocabulary (None for greedy rows)."""
+        logits, extra_ids = self.head(hidden, [s.seq_id for s in seqs], rows)
         out, qs, start = [], [], 0
-        greedy = self.token_ids(logits.argmax(-1)).tolist()
+        greedy = self.head.token_ids(logits.argmax(-1), extra_ids).tolist()
         for s, n in zip(seqs, rows):
             if s.params.greedy_decoding:
                 out += greedy[start:start + n]
                 qs.append(None)
             else:
+                ids = None if extra_ids is None else extra_ids[start:start + n]
                 q = probs_from_logits(logits[start:start + n], s.params)
                 if self.saguaro is not None:
                     q = saguaro(q, *self.saguaro)
-                out += self.token_ids(sample(q, s.generator)).tolist()
-                qs.append(self.over_vocabulary(q))
+                out += self.head.token_ids(sample(q, s.generator), ids).tolist()
+                qs.append(self.head.over_vocabulary(q, ids))
             start += n
         return out, qs
-
-    def token_ids(self, index: torch.Tensor) -> torch.Tensor:
-        """Token ids of positions in the draft's logits (the same, but for a reduced head)."""
-        return index if self.vocab_ids is None else self.vocab_ids[index]
-
-    def over_vocabulary(self, q: torch.Tensor) -> torch.Tensor:
-        """A distribution over the head's tokens as one over the whole vocabulary (0 elsewhere)."""
-        if self.vocab_ids is None:
-            return q
-        return q.new_zeros(q.shape[0], self.vocab).index_copy_(1, self.vocab_ids, q)

@@ -79,8 +79,8 @@ class SpecOptions:
         "acceptance may change. auto: gguf for a GGUF draft on a CPU, int8 for another CPU draft, none on a GPU",
         flag="--draft-quantization", choices=("auto", "none", *QUANTIZATIONS))
     draft_vocab: int | None = _option(
-        None, "reduced-vocabulary draft head: the V tokens the target writes most (counted by `ssd vocab`); "
-        "the draft proposes only those, the output stays exact", flag="--draft-vocab", parse=int, metavar="V")
+        None, "reduced-vocabulary draft head: the V tokens the target writes most (counted by `ssd vocab`), "
+        "plus each request's own tokens; the draft proposes only those, the output stays exact", flag="--draft-vocab", parse=int, metavar="V")
     ngram_min: int = _option(1, "draft='ngram': the shortest n-gram looked up", flag="--ngram-min", parse=int,
                              metavar="N")
     ngram_max: int = _option(4, "draft='ngram': the longest n-gram looked up (tried first)", flag="--ngram-max",

@@ -114,9 +114,9 @@ class SSDDraft:
                 break
             live_t = torch.tensor(live, device=engine.device)
             positions, batch = tree.step(i, live_t)
-            logits = engine.runner.run(inputs[live_t], positions, batch)
+            hidden = engine.runner.run(inputs[live_t], positions, batch, head=False)
             groups = _runs([forks[b].seq for b in live])
-            picked, q = engine.pick(logits, [s for s, _ in groups], [n for _, n in groups])
+            picked, q = engine.pick(hidden, [s for s, _ in groups], [n for _, n in groups])
             inputs[live_t] = torch.tensor(picked, device=engine.device)
             row = 0
             for (_, n), q_group in zip(groups, q):
@@ -135,12 +135,13 @@ class SSDDraft:
     def _forks(self, seqs: list[DraftSeq]) -> list[Fork]:
         """Glue decode over each speculation, then the fork tokens per depth."""
         forks = []
-        for s, rows in zip(seqs, self.engine.score_speculations(seqs)):
+        for s, (rows, extra_ids) in zip(seqs, self.engine.score_speculations(seqs)):
             spec, n = s.spec, len(s.spec) + 1
             if not s.params.greedy_decoding:  # rank by the processed distribution (top-k/top-p cut)
                 rows = probs_from_logits(rows, s.params)
             sizes = self.fan_out.sizes(n, s.after_hit)
-            top = self.engine.token_ids(rows.topk(min(MAX_RANK + 1, rows.shape[-1]), dim=-1).indices).tolist()
+            top = self.engine.head.token_ids(rows.topk(min(MAX_RANK + 1, rows.shape[-1]), dim=-1).indices,
+                                             extra_ids).tolist()
             s.candidates = [[t for t in top[j] if j == n - 1 or t != spec[j]][:MAX_RANK] for j in range(n)]
             forks += [Fork(s, j, t) for j in range(n) for t in s.candidates[j][:sizes[j]]]
         return forks

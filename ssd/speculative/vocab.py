@@ -6,12 +6,22 @@ only those tokens and its q is 0 elsewhere; verification needs nothing else to s
 Which tokens: counts of the target's own greedy outputs on held-out prompts (`ssd vocab`,
 ssd/bench/vocab.py), kept in the store as vocab/<target>.json; the most frequent V' tokens
 and the end-of-turn tokens are kept, ranked ties and unseen tokens by id (BPE merge order).
+
+No count covers the words of one request: a name in a code prompt, a city in a question,
+which answers copy. So each sequence's own tokens (its prompt, then what the target wrote)
+join its head (DraftHead), their rows read from the whole output layer (`full_head`, set by
+the loader: the tied input embedding, or a GGUF file's output layer, read from its pages
+row by row): a sequence's few dozen rows in memory and a small matmul per step.
 """
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from ssd.errors import SSDError, VocabularyMismatchError
 from ssd.models.config import ModelConfig
+from ssd.models.decoder import DecoderLM
 from ssd.store import store_root
 
 MIN_DRAFT_VOCAB = 1
@@ -59,3 +69,83 @@ def check_same_vocabulary(target_tok, draft_tok, target_cfg: ModelConfig, draft_
                         f"target's ({target_cfg.vocab_size})")
     if problems:
         raise VocabularyMismatchError("the draft model cannot draft for this target: " + "; ".join(problems))
+
+
+@dataclass
+class _Extra:
+    """A sequence's own tokens outside the reduced head, and their output-layer rows."""
+
+    ids: list[int] = field(default_factory=list)
+    known: set[int] = field(default_factory=set)
+    weight: torch.Tensor | None = None  # [len(ids), hidden]
+
+
+class DraftHead:
+    """The draft's output layer: the model's head over the whole vocabulary, or a reduced
+    head's V' rows plus each sequence's own tokens outside them (where the model has a
+    `full_head` to read their rows from). Logits come as [rows, V' + E]: the
+    head's V' columns, then E columns for the extra tokens of the row's sequence (-inf
+    where a sequence has fewer than the batch's widest)."""
+
+    def __init__(self, model: DecoderLM, vocab_ids: tuple[int, ...] | None, device: torch.device):
+        self.model, self.vocab = model, model.config.vocab_size
+        self.ids = None if vocab_ids is None else torch.tensor(vocab_ids, dtype=torch.long, device=device)
+        self.extends = self.ids is not None and model.full_head is not None
+        self.in_head = set(vocab_ids or ())
+        self.extra: dict[int, _Extra] = {}
+
+    def extend(self, seq_id: int, tokens: list[int]) -> None:
+        """The sequence's new tokens (a prompt, the target's tokens) join its head."""
+        if not self.extends:
+            return
+        e = self.extra.setdefault(seq_id, _Extra())
+        new = [t for t in dict.fromkeys(tokens) if t not in self.in_head and t not in e.known and 0 <= t < self.vocab]
+        if new:
+            rows = self.model.full_head(torch.tensor(new, device=self.ids.device)).float()
+            e.weight = rows if e.weight is None else torch.cat([e.weight, rows])
+            e.ids += new
+            e.known.update(new)
+
+    def release(self, seq_id: int) -> None:
+        self.extra.pop(seq_id, None)
+
+    def __call__(self, hidden: torch.Tensor, seq_ids: list[int], rows: list[int]
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits for final hidden states; seq_ids[i] owns the next rows[i] rows. Returns the
+        logits [R, V' + E] and the extra columns' token ids [R, E] (None: no extra columns)."""
+        logits = self.model.lm_head(hidden)
+        extras = [self.extra.get(i) for i in seq_ids]
+        width = max((len(e.ids) for e in extras if e is not None), default=0)
+        if not width:
+            return logits, None
+        extra = logits.new_full((hidden.shape[0], width), float("-inf"))
+        # Pads point at token 0 with probability 0: adding nothing there keeps q exact.
+        extra_ids = torch.zeros(hidden.shape[0], width, dtype=torch.long, device=hidden.device)
+        start = 0
+        for e, n in zip(extras, rows):
+            if e is not None and e.ids:
+                m = len(e.ids)
+                extra[start:start + n, :m] = (hidden[start:start + n].float() @ e.weight.T).to(logits.dtype)
+                extra_ids[start:start + n, :m] = torch.tensor(e.ids, device=hidden.device)
+            start += n
+        return torch.cat([logits, extra], dim=-1), extra_ids
+
+    def token_ids(self, index: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:
+        """Token ids of columns `index` [R] or [R, k] of the logits (extra_ids: their rows')."""
+        if self.ids is None:
+            return index
+        v = self.ids.numel()
+        out = self.ids[index.clamp(max=v - 1)]
+        if extra_ids is None:
+            return out
+        flat = index.unsqueeze(-1) if index.dim() == 1 else index
+        ext = extra_ids.gather(1, (flat - v).clamp(min=0))
+        return torch.where(index < v, out, ext.view_as(index))
+
+    def over_vocabulary(self, q: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:
+        """A distribution over the logits' columns as one over the whole vocabulary (0 elsewhere)."""
+        if self.ids is None:
+            return q
+        v = self.ids.numel()
+        out = q.new_zeros(q.shape[0], self.vocab).index_copy_(1, self.ids, q[:, :v])
+        return out if extra_ids is None else out.scatter_add_(1, extra_ids, q[:, v:])

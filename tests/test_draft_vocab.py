@@ -135,3 +135,27 @@ def test_an_untied_gguf_head_reads_any_row_from_the_file(tiny_pair, tmp_path):
     assert not plain.config.tie_word_embeddings and reduced.lm_head.out_features == 3
     ids = torch.tensor([5, 3, 0])
     assert torch.equal(reduced.full_head(ids), plain.lm_head.weight[ids])
+
+
+def test_auto_takes_a_reduced_head_where_counts_are_known(counts_for, smollm_dir, truncated_draft):
+    from ssd.speculative.options import AUTO_DRAFT_VOCAB
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd") as llm:  # no counts for SmolLM2: the full head
+        assert llm.speculator.engine.head.ids is None
+    counts_for(smollm_dir, {5: 3, 9: 1})
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd") as llm:
+        assert llm.speculator.engine.head.ids.numel() == AUTO_DRAFT_VOCAB < 49152
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_vocab="full") as llm:
+        assert llm.speculator.engine.head.ids is None
+    with pytest.raises(SSDError, match="draft_vocab must be an integer, 'auto', 'full' or None"):
+        LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_vocab="half")
+
+
+def test_the_default_targets_counts_ship_with_the_engine(tmp_path, monkeypatch):
+    from ssd.store import REGISTRY
+    from ssd.speculative.vocab import known_counts
+    monkeypatch.setenv("SSD_HOME", str(tmp_path))  # an empty store
+    path = known_counts(tmp_path / "qwen2.5-coder-1.5b-instruct")
+    assert path is not None and "qwen2.5-coder-1.5b-instruct" in REGISTRY
+    data = json.loads(path.read_text())
+    assert data["model"] == "qwen2.5-coder-1.5b-instruct" and len(data["counts"]) == data["distinct"] > 5000
+    assert known_counts(tmp_path / "smollm2-135m-instruct") is None

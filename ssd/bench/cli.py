@@ -53,8 +53,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--f", metavar="F", help="SSD fan-out: N, one N per depth (4,2,1) or auto (default: the engine's)")
     b.add_argument("--backup", choices=("jit", "fast"), help="SSD backup on a cache miss (default: the engine's)")
     b.add_argument("--sweep", metavar="KEY=V,V,..",
-                   help="one configuration per value: k=2,4,auto (sd, ssd, ngram), f=1,2,3 (ssd) or v=full,32768 "
-                   "(the draft head's vocabulary, sd and ssd; see `ssd vocab`); needs ar in --modes")
+                   help="one configuration per value: k=2,4,auto (sd, ssd, ngram), f=1,2,3 (ssd) or v=full,auto,32768 "
+                   "(the draft head's vocabulary, sd and ssd, whose default is auto; see `ssd vocab`); needs ar in "
+                   "--modes")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 is greedy, where every mode must match AR token for token (default: 0)")
     b.add_argument("--batch-size", type=int, default=1, metavar="B",
@@ -109,7 +110,7 @@ def parse_sweep(text: str) -> tuple[str, list]:
         raise SSDError(f"bad --sweep {text!r}: expected k=V,V,..., f=V,V,... or v=V,V,... (e.g. k=2,4,6)")
     parse = {"k": lambda v, what: AUTO_K if v.strip() == AUTO_K else _positive(v, what),
              "f": _fan_out,
-             "v": lambda v, what: None if v.strip() == "full" else _positive(v, what)}[m[1]]
+             "v": lambda v, what: v.strip() if v.strip() in ("full", "auto") else _positive(v, what)}[m[1]]
     values = [parse(v, f"--sweep {m[1]}") for v in m[2].split(",")]
     if len(set(values)) != len(values):
         raise SSDError(f"--sweep {text!r} repeats a value")

@@ -39,7 +39,7 @@ class RunConfig:
     k: int | str | None = None  # draft tokens per round, or "auto"
     fan_out: FanOut | None = None  # SSD only; None = the engine's default
     backup: str | None = None  # SSD only: "jit" | "fast"; None = the engine's default
-    draft_vocab: int | None = None  # sd and ssd: a reduced-vocabulary draft head of this many tokens
+    draft_vocab: int | str | None = None  # sd and ssd: the draft head (V, "auto", "full"); None = the engine's default
 
     @property
     def label(self) -> str:

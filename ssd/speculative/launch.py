@@ -13,7 +13,7 @@ from ssd.speculative.ngram import NgramSpeculator
 from ssd.speculative.options import NGRAM, DraftConfig, SpecOptions
 from ssd.speculative.remote import RemoteSpeculator
 from ssd.speculative.speculator import LocalSpeculator, Speculator
-from ssd.speculative.vocab import check_same_vocabulary, reduced_vocabulary
+from ssd.speculative.vocab import check_same_vocabulary, head_tokens
 from ssd.store import resolve_model
 
 
@@ -31,8 +31,8 @@ def start_speculator(opts: SpecOptions, mode: str, draft: str | Path, *, target_
     folder = resolve_model(draft)
     draft_config = ModelConfig.from_folder(folder)
     check_same_vocabulary(tokenizer, load_tokenizer(folder), config, draft_config)
-    vocab_ids = None if opts.draft_vocab is None else list(
-        reduced_vocabulary(target_folder, opts.draft_vocab, draft_config.vocab_size, eos_ids))
+    head = head_tokens(target_folder, opts.draft_vocab, draft_config.vocab_size, eos_ids)
+    vocab_ids = None if head is None else list(head)
     k = opts.max_k
     fan = FanOut(k, opts.fan_out, opts.fan_out_miss, opts.tree_budget)
     # The target's tokens, K proposals and a partial block per sequence, and in SSD each

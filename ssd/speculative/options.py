@@ -25,6 +25,10 @@ AUTO_K = "auto"  # speculate_k=AUTO_K: K chosen each round (ssd/speculative/adap
 # SD's default K is AUTO_K (it measured at least as fast as the best fixed K on every prompt set,
 # bench/README.md); SSD's speculation cache is built for one depth, so it keeps a fixed default.
 SSD_K = 4
+# draft_vocab="auto": the reduced head's size where the target's token counts are known. With
+# the default pair it kept acceptance within a point of the full head on all four prompt sets
+# and made SD 1.10-1.15x faster; 16384 lost 5 points on MT-Bench (bench/README.md).
+AUTO_DRAFT_VOCAB = 32768
 
 
 def check_ngram_sizes(ngram_min: int, ngram_max: int) -> None:
@@ -41,6 +45,17 @@ def parse_k(text: str) -> int | str:
         return int(text)
     except ValueError:
         raise SSDError(f"bad K {text!r}: expected an integer or '{AUTO_K}'") from None
+
+
+def parse_draft_vocab(text: str) -> int | str:
+    """A reduced draft head's size as written on the command line: an integer, "auto" or "full"."""
+    text = text.strip()
+    if text in ("auto", "full"):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SSDError(f"bad draft vocabulary {text!r}: expected an integer, 'auto' or 'full'") from None
 
 
 def parse_fan_out(text: str) -> int | str | list[int]:
@@ -78,9 +93,12 @@ class SpecOptions:
         "values), none (dequantised to the target's dtype); the output stays exact whatever they are, only "
         "acceptance may change. auto: gguf for a GGUF draft on a CPU, int8 for another CPU draft, none on a GPU",
         flag="--draft-quantization", choices=("auto", "none", *QUANTIZATIONS))
-    draft_vocab: int | None = _option(
-        None, "reduced-vocabulary draft head: the V tokens the target writes most (counted by `ssd vocab`), "
-        "plus each request's own tokens; the draft proposes only those, the output stays exact", flag="--draft-vocab", parse=int, metavar="V")
+    draft_vocab: int | str | None = _option(
+        "auto", "reduced-vocabulary draft head: the V tokens the target writes most (counted by `ssd vocab`), "
+        "plus each request's own tokens; the draft proposes only those, the output stays exact. auto: "
+        f"{AUTO_DRAFT_VOCAB} where the target's counts are known (the default target's ship with ssd-engine), "
+        "else the full head; full (or None): the draft's whole output layer", flag="--draft-vocab",
+        parse=parse_draft_vocab, metavar="V|auto|full")
     ngram_min: int = _option(1, "draft='ngram': the shortest n-gram looked up", flag="--ngram-min", parse=int,
                              metavar="N")
     ngram_max: int = _option(4, "draft='ngram': the longest n-gram looked up (tried first)", flag="--ngram-max",
@@ -126,6 +144,9 @@ class SpecOptions:
             raise SSDError(f"k_max must be an integer in 1..{MAX_K}, got {self.k_max!r}")
         if self.k_max != SpecOptions.k_max and self.speculate_k != AUTO_K:
             raise SSDError(f"k_max applies to speculate_k='{AUTO_K}' only")
+        if self.draft_vocab not in (None, "auto", "full") and (isinstance(self.draft_vocab, bool)
+                                                              or not isinstance(self.draft_vocab, int)):
+            raise SSDError(f"draft_vocab must be an integer, 'auto', 'full' or None, got {self.draft_vocab!r}")
         changed = [f.name for f in fields(self) if f.metadata["ssd_only"] and getattr(self, f.name) != f.default]
         if mode != "ssd" and changed:
             raise SSDError(f"{', '.join(changed)} only apply to mode 'ssd'")

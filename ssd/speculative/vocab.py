@@ -3,9 +3,10 @@ reduced-vocabulary head (as in FR-Spec): the draft's output layer keeps only the
 target writes most, so each draft step reads a fraction of that layer. The draft then proposes
 only those tokens and its q is 0 elsewhere; verification needs nothing else to stay exact.
 
-Which tokens: counts of the target's own greedy outputs on held-out prompts (`ssd vocab`,
-ssd/bench/vocab.py), kept in the store as vocab/<target>.json; the most frequent V' tokens
-and the end-of-turn tokens are kept, ranked ties and unseen tokens by id (BPE merge order).
+Which tokens: counts of the target's own greedy outputs on held-out prompts and of those
+prompts (`ssd vocab`, ssd/bench/vocab.py), kept in the store as vocab/<target>.json (the
+default target's ship in ssd/speculative/counts/, made so); the most frequent V' tokens and
+the end-of-turn tokens are kept, ranked ties and unseen tokens by id (BPE merge order).
 
 No count covers the words of one request: a name in a code prompt, a city in a question,
 which answers copy. So each sequence's own tokens (its prompt, then what the target wrote)
@@ -22,20 +23,45 @@ import torch
 from ssd.errors import SSDError, VocabularyMismatchError
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
+from ssd.speculative.options import AUTO_DRAFT_VOCAB
 from ssd.store import store_root
 
 MIN_DRAFT_VOCAB = 1
 
 
+SHIPPED = Path(__file__).parent / "counts"
+
+
 def counts_path(target_folder: Path) -> Path:
+    """Where `ssd vocab` writes a target's counts."""
     return store_root() / "vocab" / f"{Path(target_folder).name}.json"
+
+
+def known_counts(target_folder: Path) -> Path | None:
+    """A target's counts: the store's, else those shipped for it, else None."""
+    for path in (counts_path(target_folder), SHIPPED / f"{Path(target_folder).name}.json"):
+        if path.is_file():
+            return path
+    return None
+
+
+def head_tokens(target_folder: Path, draft_vocab: int | str | None, vocab_size: int, always: set[int]
+                ) -> tuple[int, ...] | None:
+    """The token ids of the draft head SpecOptions.draft_vocab asks for; None: the full head."""
+    if draft_vocab in (None, "full"):
+        return None
+    if draft_vocab == "auto":
+        if known_counts(target_folder) is None or AUTO_DRAFT_VOCAB >= vocab_size:
+            return None
+        draft_vocab = AUTO_DRAFT_VOCAB
+    return reduced_vocabulary(target_folder, draft_vocab, vocab_size, always)
 
 
 def reduced_vocabulary(target_folder: Path, size: int, vocab_size: int, always: set[int]) -> tuple[int, ...]:
     """The `size` token ids a reduced draft head keeps, ascending."""
     if not MIN_DRAFT_VOCAB <= size <= vocab_size:
         raise SSDError(f"draft_vocab must be in {MIN_DRAFT_VOCAB}..{vocab_size} for this model, got {size}")
-    path = counts_path(target_folder)
+    path = known_counts(target_folder) or counts_path(target_folder)
     try:
         counts = {int(k): int(v) for k, v in json.loads(path.read_text())["counts"].items()}
     except FileNotFoundError:

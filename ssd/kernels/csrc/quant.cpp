@@ -563,7 +563,10 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
 // The block code below is written once over `V`, 16 int32 or fp32 lanes = the 16 rows of a
 // group: one zmm with AVX-512, two ymm halves (rows 0-7, 8-15) with AVX2. A tile of NM <= MT
 // rows of x passes over each group.
-constexpr int PF_BYTES = 2048;  // software prefetch distance along the packed stream
+#ifndef SSD_PF_BYTES
+#define SSD_PF_BYTES 2048
+#endif
+constexpr int PF_BYTES = SSD_PF_BYTES;  // software prefetch distance along the packed stream (build.py)
 
 static inline __m512i bcast_512(const void* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
 // Software prefetch along the packed stream, one line per line read, PF_BYTES ahead (a hint:

@@ -31,32 +31,35 @@ _MISSING = object()
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return frozenset()
+def _cpuinfo(key: str) -> str | None:
+    """The first value of `key` ("flags", "vendor_id") in /proc/cpuinfo; None without one."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.split(":", 1)[0].strip() == key:
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
+    return None
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return frozenset()
+    flags = _cpuinfo("flags")
+    if flags is not None:
+        return frozenset(flags.split())
     cap = torch.backends.cpu.get_cpu_capability()  # no /proc (macOS, Windows)
     return frozenset(_CPU_FLAGS.get(cap.lower(), set()))
 
 
-@functools.cache
 def prefetch_bytes() -> int:
     """How far ahead the quantised matmul prefetches its weight stream. 2048 bytes suits the
     Intel Xeon it was written on; on a 2-core AMD EPYC (AVX-512) 4096 made the 1.5B's
     single-token pass 29 ms instead of 32-36 (bench/README.md, "Pass cost"). Timing only:
     the results' bits do not depend on it."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            amd = any(line.startswith("vendor_id") and "AuthenticAMD" in line for line in f)
-    except OSError:
-        amd = False
-    return 4096 if amd else 2048
+    return 4096 if _cpuinfo("vendor_id") == "AuthenticAMD" else 2048
 
 
 def runnable_variants() -> list[str]:

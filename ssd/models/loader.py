@@ -220,7 +220,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     model.lm_head = linear([head], rows=head_rows)
     if head_rows is not None:
-        model.full_head = full_rows(get(head), index) if head != "model.embed_tokens.weight" else model.embed_tokens
+        model.full_head = model.embed_tokens if cfg.tie_word_embeddings else full_rows(get(head), index)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ModelFileError(f"{path}: no weights for {leftover[:5]}")

@@ -36,26 +36,26 @@ def check_ngram_sizes(ngram_min: int, ngram_max: int) -> None:
         raise SSDError(f"n-gram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, got {ngram_min}, {ngram_max}")
 
 
-def parse_k(text: str) -> int | str:
-    """A K as written on the command line: an integer or "auto"."""
+def _int_or(text: str, words: tuple[str, ...], what: str) -> int | str:
+    """A command-line value that is an integer or one of `words`."""
     text = text.strip()
-    if text == AUTO_K:
+    if text in words:
         return text
     try:
         return int(text)
     except ValueError:
-        raise SSDError(f"bad K {text!r}: expected an integer or '{AUTO_K}'") from None
+        options = ["an integer", *(f"'{w}'" for w in words)]
+        raise SSDError(f"bad {what} {text!r}: expected {', '.join(options[:-1])} or {options[-1]}") from None
+
+
+def parse_k(text: str) -> int | str:
+    """A K as written on the command line: an integer or "auto"."""
+    return _int_or(text, (AUTO_K,), "K")
 
 
 def parse_draft_vocab(text: str) -> int | str:
     """A reduced draft head's size as written on the command line: an integer, "auto" or "full"."""
-    text = text.strip()
-    if text in ("auto", "full"):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise SSDError(f"bad draft vocabulary {text!r}: expected an integer, 'auto' or 'full'") from None
+    return _int_or(text, ("auto", "full"), "draft vocabulary")
 
 
 def parse_fan_out(text: str) -> int | str | list[int]:

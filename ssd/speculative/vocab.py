@@ -101,9 +101,9 @@ def check_same_vocabulary(target_tok, draft_tok, target_cfg: ModelConfig, draft_
 class _Extra:
     """A sequence's own tokens outside the reduced head, and their output-layer rows."""
 
-    ids: list[int] = field(default_factory=list)
     known: set[int] = field(default_factory=set)
-    weight: torch.Tensor | None = None  # [len(ids), hidden]
+    ids: torch.Tensor | None = None  # [E] token ids
+    weight: torch.Tensor | None = None  # [E, hidden] their output-layer rows
 
 
 class DraftHead:
@@ -127,9 +127,10 @@ class DraftHead:
         e = self.extra.setdefault(seq_id, _Extra())
         new = [t for t in dict.fromkeys(tokens) if t not in self.in_head and t not in e.known and 0 <= t < self.vocab]
         if new:
-            rows = self.model.full_head(torch.tensor(new, device=self.ids.device)).float()
+            ids = torch.tensor(new, device=self.ids.device)
+            rows = self.model.full_head(ids).float()
+            e.ids = ids if e.ids is None else torch.cat([e.ids, ids])
             e.weight = rows if e.weight is None else torch.cat([e.weight, rows])
-            e.ids += new
             e.known.update(new)
 
     def release(self, seq_id: int) -> None:
@@ -141,7 +142,7 @@ class DraftHead:
         logits [R, V' + E] and the extra columns' token ids [R, E] (None: no extra columns)."""
         logits = self.model.lm_head(hidden)
         extras = [self.extra.get(i) for i in seq_ids]
-        width = max((len(e.ids) for e in extras if e is not None), default=0)
+        width = max((len(e.known) for e in extras if e is not None), default=0)
         if not width:
             return logits, None
         extra = logits.new_full((hidden.shape[0], width), float("-inf"))
@@ -149,10 +150,10 @@ class DraftHead:
         extra_ids = torch.zeros(hidden.shape[0], width, dtype=torch.long, device=hidden.device)
         start = 0
         for e, n in zip(extras, rows):
-            if e is not None and e.ids:
-                m = len(e.ids)
+            if e is not None and e.known:
+                m = len(e.known)
                 extra[start:start + n, :m] = (hidden[start:start + n].float() @ e.weight.T).to(logits.dtype)
-                extra_ids[start:start + n, :m] = torch.tensor(e.ids, device=hidden.device)
+                extra_ids[start:start + n, :m] = e.ids
             start += n
         return torch.cat([logits, extra], dim=-1), extra_ids
 

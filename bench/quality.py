@@ -1,14 +1,15 @@
 """Model quality of the GGUF-block weights (8-bit activations) against the fp32 copy of the same
 file, on held-out real text: perplexity, agreement of the most likely next token, and the mean
-KL divergence of the next-token distributions; with llama.cpp's perplexity on the same text.
+KL divergence of the next-token distributions; with llama.cpp's perplexity on the same text, and
+(--llamacpp) the same three figures for llama.cpp's own logits on the same file and tokens.
 
 The text: the conclusion sections of the ACLSum test split (scientific English; the benchmark's
 ACLSum prompts use the introductions), tokenised once and cut into chunks of --ctx tokens.
 Scoring follows llama-perplexity: each chunk is evaluated from its start and only the tokens of
 its second half are scored, so every scored token has at least ctx/2 tokens of context.
 
-    python bench/quality.py --model qwen2.5-coder-1.5b-instruct --tokens 4096 \
-        --llama-perplexity "$(bash ../shared/tools/build-llamacpp.sh)/llama-perplexity"
+    python bench/quality.py --model qwen2.5-coder-1.5b-instruct --tokens 4096 --llamacpp \
+        --llama-perplexity "$(bash bench/llamacpp.sh)/llama-perplexity"
 """
 import argparse
 import json
@@ -62,6 +63,35 @@ def score(model: str, weights: str, chunks: list[list[int]], threads: int | None
     return out, seconds
 
 
+def score_llamacpp(gguf: Path, chunks: list[list[int]], threads: int) -> tuple[list[torch.Tensor], float]:
+    """As score(), from llama-cpp-python's logits on the same GGUF file and tokens (its own
+    kernels: 4-bit weights, 8-bit activations, fp16 KV cache)."""
+    from llama_cpp import Llama
+    ctx = max(map(len, chunks))
+    llm = Llama(model_path=str(gguf), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True, n_gpu_layers=0,
+                n_threads=threads, n_threads_batch=threads, verbose=False)
+    start = time.perf_counter()
+    out = []
+    for ids in chunks:
+        llm.reset()
+        llm.eval(ids)
+        logits = torch.from_numpy(llm.scores[:len(ids)].copy()).float()
+        out.append(torch.log_softmax(logits[len(ids) // 2:len(ids) - 1], dim=-1))
+    seconds = time.perf_counter() - start
+    llm.close()
+    return out, seconds
+
+
+def agreement(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """Share of scored positions where a and b have the same most likely next token."""
+    return sum((x.argmax(-1) == y.argmax(-1)).sum().item() for x, y in zip(a, b)) / sum(len(x) for x in a)
+
+
+def mean_kl(ref: list[torch.Tensor], other: list[torch.Tensor]) -> float:
+    """Mean KL(ref || other) over the scored positions."""
+    return sum((r.exp() * (r - o)).sum().item() for r, o in zip(ref, other)) / sum(len(r) for r in ref)
+
+
 def perplexity(logp: list[torch.Tensor], chunks: list[list[int]]) -> float:
     nll, n = 0.0, 0
     for lp, ids in zip(logp, chunks):
@@ -91,6 +121,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--llama-perplexity", metavar="BIN", help="llama.cpp's llama-perplexity, to run beside")
+    ap.add_argument("--llamacpp", action="store_true", help="score llama-cpp-python's logits too (bench/llamacpp.sh)")
     ap.add_argument("--out", metavar="FILE.json")
     args = ap.parse_args()
 
@@ -108,15 +139,18 @@ def main() -> None:
     q, q_s = score(args.model, "gguf", chunks, args.threads)
     f, f_s = score(args.model, "dequantized", chunks, args.threads)
     scored = sum(len(c) // 2 - 1 for c in chunks)
-    agree = sum((a.argmax(-1) == b.argmax(-1)).sum().item() for a, b in zip(q, f)) / scored
-    kl = sum((b.exp() * (b - a)).sum().item() for a, b in zip(q, f)) / scored  # KL(fp32 || gguf)
     result = {"model": args.model, "text_tokens": n * args.ctx, "scored_tokens": scored, "ctx": args.ctx,
               "threads": torch.get_num_threads(), "ppl_gguf": perplexity(q, chunks),
-              "ppl_fp32": perplexity(f, chunks), "argmax_agreement": agree, "mean_kl": kl,
+              "ppl_fp32": perplexity(f, chunks), "argmax_agreement": agreement(q, f), "mean_kl": mean_kl(f, q),
               "seconds_gguf": q_s, "seconds_fp32": f_s}
     result["ppl_ratio"] = result["ppl_gguf"] / result["ppl_fp32"]
+    file = gguf_path(args.model) if args.model in REGISTRY else Path(args.model)
+    if args.llamacpp:  # llama.cpp's logits against the same fp32 reference
+        c, c_s = score_llamacpp(file, chunks, result["threads"])
+        result.update(ppl_llamacpp_logits=perplexity(c, chunks), argmax_agreement_llamacpp=agreement(c, f),
+                      mean_kl_llamacpp=mean_kl(f, c), argmax_agreement_gguf_llamacpp=agreement(q, c),
+                      seconds_llamacpp=c_s)
     if args.llama_perplexity:
-        file = gguf_path(args.model) if args.model in REGISTRY else Path(args.model)
         result["ppl_llamacpp"] = llama_perplexity(args.llama_perplexity, file, text, args.ctx, n,
                                                   result["threads"])
     print(json.dumps(result, indent=2))

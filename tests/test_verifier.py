@@ -13,7 +13,7 @@ import torch
 
 from ssd.engine.sampler import probs_from_logits, sample
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.verifier import Verdict, verify, verify_many
+from ssd.speculative.verifier import Verdict, verify, verify_greedy, verify_many
 from stats import chi_square, p_value
 
 V = 6
@@ -228,6 +228,15 @@ def test_greedy_accepts_exactly_the_matching_prefix(K: int, draft_rows: str) -> 
         expected = Verdict(accepted=match, token=int(best[match]))
         for generator in (None, torch.Generator().manual_seed(trial)):
             assert verify(p, drafts, q, generator) == expected
+        assert verify_greedy(target_logits, drafts.tolist()) == expected  # the round's greedy path
+
+
+def test_greedy_path_breaks_ties_as_the_one_hot_rule() -> None:
+    """Tied maxima: the one-hot p of probs_from_logits and verify_greedy pick the same token."""
+    logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    p = probs_from_logits(logits, GREEDY)
+    for drafts in ([1, 0], [2, 0], [1, 1], [3, 3]):
+        assert verify_greedy(logits, drafts) == verify(p, torch.tensor(drafts), None, None)
 
 
 def test_greedy_bonus_with_k0() -> None:

@@ -84,18 +84,33 @@ def repack(raw: torch.Tensor, qtype: GGML, rows: int, cols: int, *, variant: str
     return QuantMatrix(GGML(qtype), rows, cols, packed)
 
 
+class QuantStack:
+    """Parts of one layer's output (q, k and v, say), each of its own GGUF type, as the op takes
+    them: built once, so a layer's call passes them on without rebuilding lists every pass."""
+
+    def __init__(self, parts: list[QuantMatrix]):
+        k = parts[0].cols
+        if any(p.cols != k for p in parts):
+            raise ValueError(f"parts of different widths: {sorted({p.cols for p in parts})}")
+        self.cols, self.rows = k, sum(p.rows for p in parts)
+        self.args = ([p.packed for p in parts], [int(p.qtype) for p in parts], [p.rows for p in parts], k)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, variant: str | None = None,
+                 reference: bool = False) -> torch.Tensor:
+        """x [..., K] fp32 -> [..., rows]: x @ W.T (+ bias), W the parts stacked."""
+        if x.shape[-1] != self.cols:
+            raise ValueError(f"x has {x.shape[-1]} features, the weights {self.cols}")
+        x2 = x.reshape(-1, self.cols)
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        y = _op("qlinear", variant)(x2, *self.args, bias, reference)
+        return y.view(*x.shape[:-1], self.rows)
+
+
 def qlinear(x: torch.Tensor, parts: list[QuantMatrix], bias: torch.Tensor | None = None, *,
             variant: str | None = None, reference: bool = False) -> torch.Tensor:
     """x [..., K] fp32 -> [..., sum of the parts' rows]: x @ W.T (+ bias), W the parts stacked."""
-    k = parts[0].cols
-    if x.shape[-1] != k or any(p.cols != k for p in parts):
-        raise ValueError(f"x has {x.shape[-1]} features, the weights {sorted({p.cols for p in parts})}")
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    y = _op("qlinear", variant)(x2, [p.packed for p in parts], [int(p.qtype) for p in parts],
-                                [p.rows for p in parts], k, bias, reference)
-    return y.view(*x.shape[:-1], y.shape[-1])
+    return QuantStack(parts)(x, bias, variant=variant, reference=reference)
 
 
 def dequant_rows(raw: torch.Tensor, qtype: GGML, ids: torch.Tensor, cols: int, *,

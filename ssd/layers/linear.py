@@ -3,7 +3,7 @@ from torch import nn
 
 from ssd.kernels.linear_cpu import linear
 from ssd.kernels.linear_int8_cpu import linear_int8, quantize
-from ssd.kernels.quant_cpu import QuantMatrix, dequant_rows, qlinear
+from ssd.kernels.quant_cpu import QuantMatrix, QuantStack, dequant_rows
 
 
 class Linear(nn.Linear):
@@ -44,13 +44,16 @@ class QuantLinear(nn.Module):
     def __init__(self, parts: list[QuantMatrix], bias: torch.Tensor | None = None):
         super().__init__()
         self.parts = parts
-        self.in_features, self.out_features = parts[0].cols, sum(p.rows for p in parts)
+        self.stack = QuantStack(parts)
+        self.in_features, self.out_features = self.stack.cols, self.stack.rows
         for i, p in enumerate(parts):  # buffers, so that the module's memory is visible to torch
             self.register_buffer(f"packed{i}", p.packed, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return qlinear(x.float(), self.parts, self.bias).to(x.dtype)
+        if x.dtype is torch.float32:
+            return self.stack(x, self.bias)
+        return self.stack(x.float(), self.bias).to(x.dtype)
 
     def extra_repr(self) -> str:
         types = "+".join(p.qtype.name for p in self.parts)

@@ -18,7 +18,7 @@ from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits
 from ssd.engine.sequence import Sequence
 from ssd.speculative.speculator import Proposal, Speculator
-from ssd.speculative.verifier import verify
+from ssd.speculative.verifier import verify, verify_greedy
 
 
 @dataclass
@@ -41,11 +41,14 @@ def speculative_round(speculator: Speculator, target: ModelRunner, seqs: list[Se
     results, row = [], 0
     for seq, prop in zip(seqs, proposals):
         k = len(prop.tokens)
-        p = probs_from_logits(logits[row:row + k + 1], seq.params)
-        row += k + 1
-        # The target's head may be padded past the draft's vocabulary: q is 0 there.
-        q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
-        verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
+        rows, row = logits[row:row + k + 1], row + k + 1
+        if seq.params.greedy_decoding:
+            verdict = verify_greedy(rows, prop.tokens)
+        else:
+            p = probs_from_logits(rows, seq.params)
+            # The target's head may be padded past the draft's vocabulary: q is 0 there.
+            q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
+            verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         seq.num_cached = valid
         target.cache.truncate(seq.seq_id, valid)

@@ -38,6 +38,16 @@ def verify(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
     return Verdict(accepted=int(k[0]), token=int(t[0]))
 
 
+def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
+    """verify() for a greedy request, from the target's logits [K+1, V] alone: p is one-hot on
+    each row's argmax, so the rule accepts the prefix where d_i == argmax p_i and t is the
+    argmax of the first other row. The same Verdict as verify(), without building K+1 one-hot
+    rows and drawing V exponentials (whose draw has no effect here)."""
+    best = logits.argmax(-1).tolist()
+    k = next((i for i, d in enumerate(draft) if d != best[i]), len(draft))
+    return Verdict(accepted=k, token=best[k])
+
+
 def verify_many(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """N rounds at once that share one generator: p [N, K+1, V], draft [N, K], q [N, K, V] or

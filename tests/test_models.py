@@ -57,6 +57,41 @@ def test_smollm2_gguf_blocks_close_to_fp32(smollm_dir):
     assert top1 >= 0.9 and cos.min() > 0.98 and cos.mean() > 0.995, (top1, cos.min().item())
 
 
+def run_steps(model, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of a prefill, a decode step, a 5-token verify pass and a batch of two sequences,
+    and the KV cache they leave, with the layers as one op (fused) or the Python loop."""
+    model.fused_layers = fused
+    cache = PagedKVCache(model.config, 512, 16, CPU, torch.float32)
+    cache.kv.zero_()  # slots never written compare equal
+    runner = ModelRunner(model, cache, CPU)
+    ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache.reserve(0, 40)
+    cache.reserve(1, 40)
+    out = [runner.forward([Chunk(0, ids[:20], 0, 20)]), runner.forward([Chunk(0, ids[20:21], 20, 1)]),
+           runner.forward([Chunk(0, ids[21:26], 21, 5)]),
+           runner.forward([Chunk(1, ids[5:30], 0, 3), Chunk(0, ids[26:28], 26, 2)])]
+    return torch.cat(out), cache.kv.clone()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "smollm2"])
+def test_layer_stack_op_has_the_bits_of_the_python_loop(tiny_models, smollm_dir, tmp_path, monkeypatch, arch):
+    """The decoder layers as one CPU op (GGUF blocks) give the Python loop's logits and KV cache
+    bit for bit; Qwen3 (q/k norms) stays on the loop."""
+    from gguf import GGMLQuantizationType as GGML
+    from gguf_models import quantized_copy
+    from ssd.kernels import decoder_cpu, quant_cpu
+    folder = smollm_dir if arch == "smollm2" else quantized_copy(tiny_models[arch], tmp_path, GGML.Q8_0)
+    model = load_model(folder, CPU, torch.float32, "gguf")
+    assert (model.layer_stack() is None) == (arch == "qwen3")
+    ran = []
+    run = decoder_cpu.LayerStack.run
+    monkeypatch.setattr(decoder_cpu.LayerStack, "run", lambda self, *a: ran.append(run(self, *a)) or ran[-1])
+    fused, loop = run_steps(model, True), run_steps(model, False)
+    assert torch.equal(fused[0], loop[0]) and torch.equal(fused[1], loop[1])
+    if arch != "qwen3" and quant_cpu.available():  # the op ran, not the loop behind it
+        assert len(ran) == 4 and all(r is not None for r in ran)
+
+
 def test_smollm2_greedy_generation_matches_transformers(smollm_dir):
     prompt = "The three primary colors are"
     with LLM(smollm_dir, weights="dequantized") as llm:

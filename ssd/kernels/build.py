@@ -161,9 +161,18 @@ class CppKernel:
         op = self._ops.get((variant, op_name))
         if op is not None:
             return op
+        ns = self.op_namespace(variant)
+        if ns is None:
+            return None
+        op = self._ops[variant, op_name] = getattr(getattr(torch.ops, ns), op_name)
+        return op
+
+    def op_namespace(self, variant: str) -> str | None:
+        """The torch.ops namespace of a variant's build, building it on first use; None if
+        it cannot be built or this CPU cannot run it."""
         if variant not in VARIANTS:
             raise ValueError(f"unknown CPU kernel variant {variant!r}; known: {VARIANTS}")
-        if variant not in self.runnable():  # would die on an illegal instruction
+        if variant not in self._runnable:  # would die on an illegal instruction
             return None
         ns = self._built.get(variant, _MISSING)
         if ns is _MISSING:
@@ -175,10 +184,7 @@ class CppKernel:
                         self._built[variant] = None
                         self._warn(variant, e)
             ns = self._built[variant]
-        if ns is None:
-            return None
-        op = self._ops[variant, op_name] = getattr(getattr(torch.ops, ns), op_name)
-        return op
+        return ns
 
     def _warn(self, variant: str, e: Exception) -> None:
         if not self._warned:

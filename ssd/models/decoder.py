@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ssd.kernels.decoder_cpu import LayerStack
 from ssd.layers.attention import Attention, AttentionBatch
-from ssd.layers.linear import Linear
+from ssd.layers.linear import Linear, QuantLinear
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
 from ssd.models.config import ModelConfig
@@ -54,6 +55,8 @@ class DecoderLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.full_head: nn.Module | None = None  # a reduced head's rows of any token (loader.py)
+        self.fused_layers = True  # run the layers as one CPU op where it applies (LayerStack)
+        self._stack: LayerStack | None | bool = False  # built on first use; None: not applicable
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: torch.Tensor, logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
@@ -62,9 +65,39 @@ class DecoderLM(nn.Module):
         Returns logits for the rows in logits_index (all rows if None); with head=False their
         final hidden states instead (a draft applies its own head, ssd/speculative/vocab.py)."""
         x = self.embed_tokens(input_ids)
-        for layer, layer_kv in zip(self.layers, kv):
-            x = layer(x, positions, batch, layer_kv)
+        stack = self.layer_stack() if self.fused_layers else None
+        y = None if stack is None else stack.run(x, positions, batch.slot_mapping, batch.rows, batch.q_row,
+                                                 batch.q_len, kv)
+        if y is not None:
+            x = y
+        else:
+            for layer, layer_kv in zip(self.layers, kv):
+                x = layer(x, positions, batch, layer_kv)
         if logits_index is not None:
             x = x[logits_index]
         x = self.norm(x)
         return self.lm_head(x) if head else x
+
+    def layer_stack(self) -> LayerStack | None:
+        """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a Llama or
+        Qwen2 model whose every matrix is on GGUF blocks; None for any other."""
+        if self._stack is False:
+            self._stack = None
+            cfg = self.config
+            linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+                       for layer in self.layers]
+            if not cfg.qk_norm and all(isinstance(m, QuantLinear) for ms in linears for m in ms):
+                stacks = [m.stack for ms in linears for m in ms]
+                biases = [ms[0].bias for ms in linears]
+                if all(b is None for b in biases) or all(b is not None for b in biases):
+                    self._stack = LayerStack(
+                        norms=[n.weight for layer in self.layers
+                               for n in (layer.input_layernorm, layer.post_attention_layernorm)],
+                        parts=[t for st in stacks for t in st.args[0]],
+                        types=[t for st in stacks for t in st.args[1]],
+                        part_rows=[r for st in stacks for r in st.args[2]],
+                        nparts=[len(st.args[0]) for st in stacks],
+                        qkv_bias=[b for b in biases if b is not None],
+                        dims=[cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size],
+                        eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, cos=self.rotary.cos, sin=self.rotary.sin)
+        return self._stack

@@ -1,0 +1,87 @@
+// Built by ssd/kernels/build.py; the Python side and the why: ssd/kernels/decoder_cpu.py.
+//
+// layers(x, ...): the decoder layers of a Llama / Qwen2 model on GGUF-block weights, one op for
+// the whole stack. Each layer makes the calls DecoderLayer.forward makes, in the same order and
+// on the same ops (the quant, fused and attention kernels through the dispatcher; silu, mul and
+// add from ATen), so the result has the bits of the Python loop:
+//   h = rms_norm(x, w_attn);  q, k, v = split(qlinear(h, Wqkv) + b);  q = rope_cache(q, k, v -> cache)
+//   x = x + qlinear(attention(q, cache), Wo)
+//   h = rms_norm(x, w_mlp);   g, u = chunk(qlinear(h, Wgate_up));  x = x + qlinear(silu(g) * u, Wdown)
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+namespace {
+
+using QLinear = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef, int64_t,
+                           const std::optional<at::Tensor>&, bool);
+using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using RopeCache = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
+using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             const at::Tensor&, const at::Tensor&, double);
+
+template <typename Sig>
+static c10::TypedOperatorHandle<Sig> find(const std::string& ns, const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "").typed<Sig>();
+}
+
+// parts: every linear's packed parts, layer by layer, linears in the order qkv, o, gate_up, down;
+// nparts[4 * l + j]: how many parts linear j of layer l has (types, part_rows: one per part).
+// dims: num_heads, num_kv_heads, head_dim, intermediate_size. qkv_bias: one per layer, or none.
+at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& rows,
+                  const at::Tensor& q_row, const at::Tensor& q_len, const at::Tensor& kv, const at::Tensor& cos,
+                  const at::Tensor& sin, at::TensorList norms, at::TensorList parts, at::IntArrayRef types,
+                  at::IntArrayRef part_rows, at::IntArrayRef nparts, at::TensorList qkv_bias, at::IntArrayRef dims,
+                  double eps, double scale, std::string quant_ns, std::string fused_ns, std::string attention_ns) {
+  const int64_t L = kv.size(0), hq = dims[0], hk = dims[1], d = dims[2], inter = dims[3];
+  const int64_t hidden = x.size(1), qs = hq * d, ks = hk * d;
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && kv.dim() == 5 && kv.size(1) == 2,
+              "ssd layers: x [T, hidden] fp32, kv [layers, 2, slots, kv_heads, head_dim]");
+  TORCH_CHECK(int64_t(norms.size()) == 2 * L && int64_t(nparts.size()) == 4 * L &&
+                  (qkv_bias.empty() || int64_t(qkv_bias.size()) == L) && types.size() == parts.size() &&
+                  part_rows.size() == parts.size(),
+              "ssd layers: the weights do not match ", L, " layers");
+  const auto qlinear = find<QLinear>(quant_ns, "qlinear");
+  const auto rms_norm = find<RmsNorm>(fused_ns, "rms_norm");
+  const auto rope_cache = find<RopeCache>(fused_ns, "rope_cache");
+  const auto attention = find<Attention>(attention_ns, "attention");
+  const std::optional<at::Tensor> none;
+  size_t p = 0;  // the next linear's first part
+  auto linear = [&](int64_t l, int j, const at::Tensor& in, int64_t K, const std::optional<at::Tensor>& bias) {
+    const size_t n = size_t(nparts[4 * l + j]);
+    TORCH_CHECK(p + n <= parts.size(), "ssd layers: too few weight parts");
+    at::Tensor y = qlinear.call(in, parts.slice(p, n), types.slice(p, n), part_rows.slice(p, n), K, bias, false);
+    p += n;
+    return y;
+  };
+  const int64_t T = x.size(0);
+  for (int64_t l = 0; l < L; ++l) {
+    at::Tensor k_cache = kv[l][0], v_cache = kv[l][1];
+    const std::optional<at::Tensor> bias = qkv_bias.empty() ? none : std::optional<at::Tensor>(qkv_bias[l]);
+    at::Tensor qkv = linear(l, 0, rms_norm.call(x, norms[2 * l], eps), hidden, bias);
+    at::Tensor q = qkv.narrow(1, 0, qs).view({T, hq, d});
+    at::Tensor k = qkv.narrow(1, qs, ks).view({T, hk, d});
+    at::Tensor v = qkv.narrow(1, qs + ks, ks).view({T, hk, d});
+    q = rope_cache.call(q, k, v, positions, cos, sin, k_cache, v_cache, slots);
+    at::Tensor o = attention.call(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale);
+    x = x + linear(l, 1, o.reshape({T, qs}), qs, none);
+    at::Tensor gu = linear(l, 2, rms_norm.call(x, norms[2 * l + 1], eps), hidden, none);
+    at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
+    x = x + linear(l, 3, act, inter, none);
+  }
+  TORCH_CHECK(p == parts.size(), "ssd layers: weight parts left over");
+  return x;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(SSD_NS, m) {
+  m.def("layers(Tensor x, Tensor positions, Tensor slots, Tensor rows, Tensor q_row, Tensor q_len, Tensor(a!) kv, "
+        "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] parts, int[] types, int[] part_rows, int[] nparts, "
+        "Tensor[] qkv_bias, int[] dims, float eps, float scale, str quant_ns, str fused_ns, str attention_ns) -> Tensor");
+  m.impl("layers", c10::DispatchKey::CPU, &layers);
+}

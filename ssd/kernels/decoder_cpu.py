@@ -1,0 +1,57 @@
+"""A decoder's layers in one CPU op (csrc/decoder.cpp), for a model on GGUF-block weights.
+
+Why: a decode step of one token makes about a dozen kernel calls per layer, and from Python
+each costs several microseconds of dispatch, argument checks and module calls besides its
+work: about 4 ms of a 0.5B draft's 22 ms step, 24 layers of it (bench/README.md, "Per-layer
+overhead"). The op makes the same calls from C++, in the same order, on the same kernels
+(quantised matmul, fused RMSNorm and RoPE, attention; ATen's silu, mul and add), so its
+result has the bits of the Python loop, which stays the path for everything else (other
+weights, CUDA, Qwen3's q/k norms, a kernel that could not be built).
+
+`LayerStack.run` returns None where the op does not apply, and the caller loops in Python.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ssd.kernels import attention_cpu, fused_cpu, quant_cpu
+from ssd.kernels.build import CppKernel
+
+_KERNEL = CppKernel("decoder")
+
+
+def _ns(kernel: CppKernel) -> str | None:
+    variant = kernel.variant()
+    return None if variant is None else kernel.op_namespace(variant)
+
+
+@dataclass
+class LayerStack:
+    """Every layer's weights as the op takes them, built once per model (see decoder.cpp)."""
+
+    norms: list[torch.Tensor]  # per layer: input norm, post-attention norm
+    parts: list[torch.Tensor]  # per layer: the packed parts of qkv, o, gate_up, down
+    types: list[int]
+    part_rows: list[int]
+    nparts: list[int]
+    qkv_bias: list[torch.Tensor]  # one per layer, or none
+    dims: list[int]  # num_heads, num_kv_heads, head_dim, intermediate_size
+    eps: float
+    scale: float
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
+            q_row: torch.Tensor, q_len: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
+        """x after every layer, the KV cache written; None where the op cannot run here."""
+        if not (x.is_cpu and x.dtype is torch.float32 and kv.dtype is torch.float32):
+            return None
+        op = _KERNEL.op("layers")
+        names = (_ns(quant_cpu._KERNEL), _ns(fused_cpu._KERNEL), _ns(attention_cpu._KERNEL))
+        if op is None or None in names:
+            return None
+        return op(x.contiguous(), positions, slots, rows, q_row, q_len, kv, self.cos, self.sin, self.norms,
+                  self.parts, self.types, self.part_rows, self.nparts, self.qkv_bias, self.dims, self.eps,
+                  self.scale, *names)

@@ -6,7 +6,7 @@ work: about 4 ms of a 0.5B draft's 22 ms step, 24 layers of it (bench/README.md,
 overhead"). The op makes the same calls from C++, in the same order, on the same kernels
 (quantised matmul, fused RMSNorm and RoPE, attention; ATen's silu, mul and add), so its
 result has the bits of the Python loop, which stays the path for everything else (other
-weights, CUDA, Qwen3's q/k norms, a kernel that could not be built).
+weights, CUDA, a kernel that could not be built).
 
 `LayerStack.run` returns None where the op does not apply, and the caller loops in Python.
 """
@@ -37,6 +37,7 @@ class LayerStack:
     part_rows: list[int]
     nparts: list[int]
     qkv_bias: list[torch.Tensor]  # one per layer, or none
+    qk_norms: list[torch.Tensor]  # per layer the q and k norms' weights (Qwen3), or none
     dims: list[int]  # num_heads, num_kv_heads, head_dim, intermediate_size
     eps: float
     scale: float
@@ -53,5 +54,5 @@ class LayerStack:
         if op is None or None in names:
             return None
         return op(x.contiguous(), positions, slots, rows, q_row, q_len, kv, self.cos, self.sin, self.norms,
-                  self.parts, self.types, self.part_rows, self.nparts, self.qkv_bias, self.dims, self.eps,
+                  self.parts, self.types, self.part_rows, self.nparts, self.qkv_bias, self.qk_norms, self.dims, self.eps,
                   self.scale, *names)

@@ -64,7 +64,10 @@ class Attention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            # Contiguous first: the fused (batch-invariant) norm takes contiguous rows only, and a
+            # view of the qkv output is contiguous only for one token, so a decode step and a
+            # prefill or verify pass would round differently (SD != AR on near-ties).
+            q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         k_cache, v_cache = kv[0], kv[1]
         rotated = fused_cpu.rope_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
                                        batch.slot_mapping)

@@ -79,14 +79,14 @@ class DecoderLM(nn.Module):
         return self.lm_head(x) if head else x
 
     def layer_stack(self) -> LayerStack | None:
-        """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a Llama or
-        Qwen2 model whose every matrix is on GGUF blocks; None for any other."""
+        """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a model
+        whose every matrix is on GGUF blocks; None for any other."""
         if self._stack is False:
             self._stack = None
             cfg = self.config
             linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
                        for layer in self.layers]
-            if not cfg.qk_norm and all(isinstance(m, QuantLinear) for ms in linears for m in ms):
+            if all(isinstance(m, QuantLinear) for ms in linears for m in ms):
                 stacks = [m.stack for ms in linears for m in ms]
                 biases = [ms[0].bias for ms in linears]
                 if all(b is None for b in biases) or all(b is not None for b in biases):
@@ -98,6 +98,8 @@ class DecoderLM(nn.Module):
                         part_rows=[r for st in stacks for r in st.args[2]],
                         nparts=[len(st.args[0]) for st in stacks],
                         qkv_bias=[b for b in biases if b is not None],
+                        qk_norms=[n.weight for layer in self.layers if cfg.qk_norm
+                                  for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)],
                         dims=[cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size],
                         eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, cos=self.rotary.cos, sin=self.rotary.sin)
         return self._stack

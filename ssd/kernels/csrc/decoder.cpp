@@ -1,10 +1,11 @@
 // Built by ssd/kernels/build.py; the Python side and the why: ssd/kernels/decoder_cpu.py.
 //
-// layers(x, ...): the decoder layers of a Llama / Qwen2 model on GGUF-block weights, one op for
+// layers(x, ...): the decoder layers of a Llama / Qwen2 / Qwen3 model on GGUF-block weights, one op for
 // the whole stack. Each layer makes the calls DecoderLayer.forward makes, in the same order and
 // on the same ops (the quant, fused and attention kernels through the dispatcher; silu, mul and
 // add from ATen), so the result has the bits of the Python loop:
-//   h = rms_norm(x, w_attn);  q, k, v = split(qlinear(h, Wqkv) + b);  q = rope_cache(q, k, v -> cache)
+//   h = rms_norm(x, w_attn);  q, k, v = split(qlinear(h, Wqkv) + b)
+//   [Qwen3: q, k = rms_norm(q, w_q), rms_norm(k, w_k) per head];  q = rope_cache(q, k, v -> cache)
 //   x = x + qlinear(attention(q, cache), Wo)
 //   h = rms_norm(x, w_mlp);   g, u = chunk(qlinear(h, Wgate_up));  x = x + qlinear(silu(g) * u, Wdown)
 #include <ATen/ATen.h>
@@ -31,18 +32,21 @@ static c10::TypedOperatorHandle<Sig> find(const std::string& ns, const char* nam
 
 // parts: every linear's packed parts, layer by layer, linears in the order qkv, o, gate_up, down;
 // nparts[4 * l + j]: how many parts linear j of layer l has (types, part_rows: one per part).
-// dims: num_heads, num_kv_heads, head_dim, intermediate_size. qkv_bias: one per layer, or none.
+// dims: num_heads, num_kv_heads, head_dim, intermediate_size. qkv_bias: one per layer, or none;
+// qk_norms: per layer the q and the k norm's weights (Qwen3), or none.
 at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& rows,
                   const at::Tensor& q_row, const at::Tensor& q_len, const at::Tensor& kv, const at::Tensor& cos,
                   const at::Tensor& sin, at::TensorList norms, at::TensorList parts, at::IntArrayRef types,
-                  at::IntArrayRef part_rows, at::IntArrayRef nparts, at::TensorList qkv_bias, at::IntArrayRef dims,
+                  at::IntArrayRef part_rows, at::IntArrayRef nparts, at::TensorList qkv_bias,
+                  at::TensorList qk_norms, at::IntArrayRef dims,
                   double eps, double scale, std::string quant_ns, std::string fused_ns, std::string attention_ns) {
   const int64_t L = kv.size(0), hq = dims[0], hk = dims[1], d = dims[2], inter = dims[3];
   const int64_t hidden = x.size(1), qs = hq * d, ks = hk * d;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && kv.dim() == 5 && kv.size(1) == 2,
               "ssd layers: x [T, hidden] fp32, kv [layers, 2, slots, kv_heads, head_dim]");
   TORCH_CHECK(int64_t(norms.size()) == 2 * L && int64_t(nparts.size()) == 4 * L &&
-                  (qkv_bias.empty() || int64_t(qkv_bias.size()) == L) && types.size() == parts.size() &&
+                  (qkv_bias.empty() || int64_t(qkv_bias.size()) == L) &&
+                  (qk_norms.empty() || int64_t(qk_norms.size()) == 2 * L) && types.size() == parts.size() &&
                   part_rows.size() == parts.size(),
               "ssd layers: the weights do not match ", L, " layers");
   const auto qlinear = find<QLinear>(quant_ns, "qlinear");
@@ -66,6 +70,10 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
     at::Tensor q = qkv.narrow(1, 0, qs).view({T, hq, d});
     at::Tensor k = qkv.narrow(1, qs, ks).view({T, hk, d});
     at::Tensor v = qkv.narrow(1, qs + ks, ks).view({T, hk, d});
+    if (!qk_norms.empty()) {
+      q = rms_norm.call(q.contiguous(), qk_norms[2 * l], eps);
+      k = rms_norm.call(k.contiguous(), qk_norms[2 * l + 1], eps);
+    }
     q = rope_cache.call(q, k, v, positions, cos, sin, k_cache, v_cache, slots);
     at::Tensor o = attention.call(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale);
     x = x + linear(l, 1, o.reshape({T, qs}), qs, none);
@@ -82,6 +90,6 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
 TORCH_LIBRARY(SSD_NS, m) {
   m.def("layers(Tensor x, Tensor positions, Tensor slots, Tensor rows, Tensor q_row, Tensor q_len, Tensor(a!) kv, "
         "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] parts, int[] types, int[] part_rows, int[] nparts, "
-        "Tensor[] qkv_bias, int[] dims, float eps, float scale, str quant_ns, str fused_ns, str attention_ns) -> Tensor");
+        "Tensor[] qkv_bias, Tensor[] qk_norms, int[] dims, float eps, float scale, str quant_ns, str fused_ns, str attention_ns) -> Tensor");
   m.impl("layers", c10::DispatchKey::CPU, &layers);
 }

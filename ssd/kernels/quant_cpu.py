@@ -93,7 +93,9 @@ class QuantStack:
         if any(p.cols != k for p in parts):
             raise ValueError(f"parts of different widths: {sorted({p.cols for p in parts})}")
         self.cols, self.rows = k, sum(p.rows for p in parts)
-        self.args = ([p.packed for p in parts], [int(p.qtype) for p in parts], [p.rows for p in parts], k)
+        self.packed = [p.packed for p in parts]
+        self.types = [int(p.qtype) for p in parts]
+        self.part_rows = [p.rows for p in parts]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, variant: str | None = None,
                  reference: bool = False) -> torch.Tensor:
@@ -103,7 +105,7 @@ class QuantStack:
         x2 = x.reshape(-1, self.cols)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        y = _op("qlinear", variant)(x2, *self.args, bias, reference)
+        y = _op("qlinear", variant)(x2, self.packed, self.types, self.part_rows, self.cols, bias, reference)
         return y.view(*x.shape[:-1], self.rows)
 
 

@@ -93,10 +93,10 @@ class DecoderLM(nn.Module):
                     self._stack = LayerStack(
                         norms=[n.weight for layer in self.layers
                                for n in (layer.input_layernorm, layer.post_attention_layernorm)],
-                        parts=[t for st in stacks for t in st.args[0]],
-                        types=[t for st in stacks for t in st.args[1]],
-                        part_rows=[r for st in stacks for r in st.args[2]],
-                        nparts=[len(st.args[0]) for st in stacks],
+                        parts=[t for st in stacks for t in st.packed],
+                        types=[t for st in stacks for t in st.types],
+                        part_rows=[r for st in stacks for r in st.part_rows],
+                        nparts=[len(st.packed) for st in stacks],
                         qkv_bias=[b for b in biases if b is not None],
                         qk_norms=[n.weight for layer in self.layers if cfg.qk_norm
                                   for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)],

@@ -13,7 +13,6 @@
 #include <torch/library.h>
 
 #include <string>
-#include <vector>
 
 namespace {
 

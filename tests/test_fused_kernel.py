@@ -1,5 +1,9 @@
 """The fused CPU steps of a decoder layer (ssd/kernels/fused_cpu.py): RoPE with the cache write
 gives the bits of the torch code it replaces; RMSNorm is close to torch's and batch-invariant."""
+import os
+import subprocess
+import sys
+
 import torch
 
 from ssd.kernels import fused_cpu
@@ -29,3 +33,17 @@ def test_rms_norm_close_to_torch_and_batch_invariant(threads):
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
     assert torch.equal(torch.cat([fused_cpu.rms_norm(x[i:i + 1], w, 1e-6) for i in range(9)]), y)
     assert_same_bits_on_any_thread_count(lambda: [fused_cpu.rms_norm(x, w, 1e-6)])
+
+
+def test_a_build_killed_midway_does_not_stop_the_next_one(tmp_path):
+    """torch's build lock file outlives a build that was killed (Ctrl-C during the first
+    compile), and torch waits on it forever: the next process must build all the same."""
+    code = ("import sys\n"
+            "from ssd.kernels import fused_cpu\n"
+            "d = fused_cpu._KERNEL.build_dir(fused_cpu._KERNEL.variant())\n"
+            "d.mkdir(parents=True)\n"
+            "(d / 'lock').touch()  # as a killed build leaves it\n"
+            "sys.exit(0 if fused_cpu._KERNEL.op('rms_norm') is not None else 1)\n")
+    env = {**os.environ, "SSD_HOME": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr

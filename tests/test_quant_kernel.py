@@ -143,3 +143,18 @@ def test_bad_inputs_are_errors_not_crashes(op):
         Q.qlinear(torch.randn(2, 255), [m])
     with pytest.raises(RuntimeError, match="fp32"):
         Q.qlinear(torch.randn(2, 256, dtype=torch.float64), [m])
+
+
+def test_q4_0_requantisation_has_the_gguf_package_bits():
+    """A draft requantised to Q4_0 (weights="q4_0") gets the blocks gguf's (ggml's reference)
+    quantiser makes: ties of magnitude, an all-zero block, a constant block, tiny values."""
+    w = torch.randn(40, 512, generator=torch.Generator().manual_seed(5)) * 0.05
+    w[0, :32] = 0
+    w[1, :32], w[1, 5] = 1.0, -1.0  # +1 and -1: the first of equal magnitudes sets the sign
+    w[2, :32] = torch.linspace(-1, 1, 32)
+    w[3, :32] = -3.0
+    w[4] *= 1e-6
+    ref = gguf.quants.quantize(w.numpy(), GGML.Q4_0)
+    assert np.array_equal(Q.quantize_q4_0(w).numpy(), ref)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        Q.quantize_q4_0(torch.randn(2, 48))

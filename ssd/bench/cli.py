@@ -10,6 +10,7 @@ from ssd.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompt_set, load_pr
 from ssd.bench.report import check_out, earlier_results, format_table, summarise, write_report
 from ssd.bench.runner import ENGINE_MODES, PEERS, BenchSpec, FanOut, expand_configs, run_bench
 from ssd.errors import SSDError
+from ssd.models.loader import QUANTIZATIONS
 from ssd.speculative.options import AUTO_K, parse_k
 from ssd.store import resolve_model
 
@@ -69,8 +70,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     b.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: float32 on cpu, bfloat16 on cuda)")
     b.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    b.add_argument("--draft-quantization", choices=("auto", "int8", "none"), default="auto",
-                   help="the draft's weights: int8, none (the target's dtype) or auto: int8 for a draft on a CPU "
+    b.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS, "none"), default="auto",
+                   help="the draft's weights, as the engine's --draft-quantization (`ssd generate --help`) "
                         "(default: auto)")
     b.add_argument("--out", metavar="DIR", help="write results.json, table.md and .png plots there")
     b.add_argument("--overwrite", action="store_true",

@@ -11,13 +11,13 @@ torch ops (not batch-invariant) after one line on stderr.
 """
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import os
 import platform
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -141,15 +141,18 @@ class CppKernel:
         src = d / f"{self.name}.cpp"
         if not src.exists() or src.read_text() != self.source:
             src.write_text(self.source)
-        lock = d / "lock"  # left behind by a build that was killed: torch would wait forever
-        if lock.exists() and time.time() - lock.stat().st_mtime > 600:
-            lock.unlink(missing_ok=True)
-        if not (d / f"{ns}.so").exists():
-            print(f"ssd-engine: compiling the CPU {self.name} kernel ({variant}) into {d} "
-                  "(once per machine, 10-20 s)", file=sys.stderr, flush=True)
-        cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
-                           extra_ldflags=["-fopenmp"], build_directory=str(d),
-                           is_python_module=False, verbose=False)
+        # torch's own build lock (a file `lock` that it waits on while it exists) outlives a
+        # build that was killed, and the next process would wait forever. So builds take an
+        # OS lock first, which dies with its process: whoever holds it may delete `lock`.
+        with open(d / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (d / "lock").unlink(missing_ok=True)
+            if not (d / f"{ns}.so").exists():
+                print(f"ssd-engine: compiling the CPU {self.name} kernel ({variant}) into {d} "
+                      "(once per machine, 10-20 s)", file=sys.stderr, flush=True)
+            cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
+                               extra_ldflags=["-fopenmp"], build_directory=str(d),
+                               is_python_module=False, verbose=False)
         return ns
 
     def op(self, op_name: str, variant: str | None = None):

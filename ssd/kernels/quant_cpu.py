@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GGML
 
 from ssd.kernels.build import CppKernel
@@ -41,7 +42,7 @@ _KERNEL = CppKernel("quant", requires={
 
 def get_op(name: str, variant: str | None = None):
     """A compiled op of this kernel (repack, qlinear, dequant_rows, quantize_rows,
-    packed_bytes), building it on first use; None if it cannot be built. Never raises."""
+    quantize_q4_0, packed_bytes), building it on first use; None if it cannot be built. Never raises."""
     return _KERNEL.op(name, variant)
 
 
@@ -69,6 +70,20 @@ class QuantMatrix:
     @property
     def nbytes(self) -> int:
         return self.packed.numel()
+
+
+def bits_per_weight(qtype: GGML) -> float:
+    block, nbytes = GGML_QUANT_SIZES[GGML(qtype)]
+    return 8 * nbytes / block
+
+
+def quantize_q4_0(w: torch.Tensor, *, variant: str | None = None) -> torch.Tensor:
+    """GGUF Q4_0 blocks (uint8 [rows, cols / 32 * 18]) of an fp32 matrix [rows, cols], bit for
+    bit as the gguf package's (and ggml's reference) quantiser makes them, for a draft
+    requantised to fewer bits (ssd/models/loader.py, weights="q4_0")."""
+    if w.shape[-1] % 32:
+        raise ValueError(f"Q4_0 needs rows of a multiple of 32 weights, got {w.shape[-1]}")
+    return _op("quantize_q4_0", variant)(w.float().contiguous())
 
 
 def _op(name: str, variant: str | None):

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as GGML
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoTokenizer
@@ -20,9 +21,19 @@ from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, t
 # How a model's weights are held:
 #   "gguf": its GGUF file's own blocks (CPU; ssd/kernels/quant_cpu.py), the default for a GGUF on a CPU;
 #   "dequantized": a copy in the compute dtype (fp32 on CPU: the values transformers loads);
+#   "q4_0": a GGUF model's blocks, each matrix stored with more than 5 bits a weight
+#           requantised to Q4_0 (4.5) at load (CPU; for a draft, whose numerics change only the
+#           acceptance: fewer bytes a token to read, so a cheaper draft step);
 #   "int8": weight-only int8 requantised from those values (for a draft: only acceptance changes).
-WEIGHTS = ("auto", "gguf", "dequantized", "int8")
-QUANTIZATIONS = ("gguf", "int8")  # what a draft may be requantised to (SpecOptions.draft_quantization)
+WEIGHTS = ("auto", "gguf", "q4_0", "dequantized", "int8")
+QUANTIZATIONS = ("gguf", "q4_0", "int8")  # what a draft may be requantised to (SpecOptions.draft_quantization)
+
+# The types "q4_0" requantises: those of more than 5 bits a weight (Q5_0, Q5_1, Q5_K, Q6_K,
+# Q8_0, F16, F32). Q4_1 (5.0) is kept: 10 % fewer bytes are not worth a second rounding
+# (SmolLM2's Q4_1 layers requantised: 9 % relative error a matrix, its top-1 next token
+# changed at 31 % of positions).
+Q4_0_SOURCES = {t for t in (*quant_cpu.SUPPORTED, GGML.F32, GGML.F16, GGML.BF16)
+                if quant_cpu.bits_per_weight(t) > 5}
 
 # Our fused matrices and the Hugging Face tensors they are stacked from, in order.
 FUSED = {
@@ -56,13 +67,13 @@ def resolve_weights(folder: Path, device: torch.device, weights: str) -> str:
     if weights not in WEIGHTS:
         raise SSDError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
     is_gguf = weight_files(folder)[0].name == GGUF_LINK
-    if weights == "gguf":
+    if weights in ("gguf", "q4_0"):
         if not is_gguf:
-            raise SSDError(f"weights='gguf' needs a GGUF model; {folder} holds safetensors")
+            raise SSDError(f"weights={weights!r} needs a GGUF model; {folder} holds safetensors")
         if device.type != "cpu":
-            raise SSDError("weights='gguf' runs on the CPU only (a GPU gets the dequantised weights)")
+            raise SSDError(f"weights={weights!r} runs on the CPU only (a GPU gets the dequantised weights)")
         if not quant_cpu.available():
-            raise SSDError("weights='gguf' needs the CPU quant kernel, which could not be built here "
+            raise SSDError(f"weights={weights!r} needs the CPU quant kernel, which could not be built here "
                            "(see the message above); use weights='dequantized'")
     if weights == "auto":
         return "gguf" if is_gguf and device.type == "cpu" and quant_cpu.available() else "dequantized"
@@ -128,8 +139,8 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     rows = None if head_rows is None else torch.tensor(head_rows, dtype=torch.long)
     if rows is not None and not (rows.numel() and 0 <= int(rows.min()) and int(rows.max()) < cfg.vocab_size):
         raise SSDError(f"head rows must be token ids in 0..{cfg.vocab_size - 1}")
-    if weights == "gguf":
-        return load_gguf_blocks(weight_files(folder)[0], cfg, rows).eval()
+    if weights in ("gguf", "q4_0"):
+        return load_gguf_blocks(weight_files(folder)[0], cfg, rows, requantize=weights == "q4_0").eval()
     state = to_engine_names(read_weights(folder), cfg)
     if rows is not None:
         state["lm_head.weight"] = state["lm_head.weight"][rows]
@@ -153,11 +164,13 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     return model.to(device).eval()
 
 
-def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | None = None) -> DecoderLM:
+def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | None = None,
+                     requantize: bool = False) -> DecoderLM:
     """The model on its GGUF file's own blocks (CPU), read in one pass: each matrix is
     repacked for the kernel from the file's pages (no fp32 copy is ever made), the embedding
     keeps its blocks, norms and biases are fp32. A matrix stored as F32/F16/BF16 stays a plain
-    fp32 Linear."""
+    fp32 Linear. requantize: each matrix of more than 5 bits a weight (Q4_0_SOURCES) is
+    requantised to Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept)."""
     index = open_gguf(path)
     found = {t.name: t for t in tensors(index, path)}
 
@@ -174,6 +187,8 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         if rows is not None:  # whole quantised rows: the kept rows' blocks are exact
             parts = [replace(t, raw=np.ascontiguousarray(t.raw[rows.numpy()]), shape=(len(rows), *t.shape[1:]))
                      for t in parts]
+        if requantize:
+            parts = [to_q4_0(t, index) for t in parts]
         plain = [t for t in parts if t.qtype not in quant_cpu.SUPPORTED]
         if not plain:
             packed = []
@@ -225,6 +240,15 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     if leftover:
         raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
     return model
+
+
+def to_q4_0(t: GGUFTensor, index) -> GGUFTensor:
+    """The matrix requantised to Q4_0 where its own type is one of Q4_0_SOURCES."""
+    if t.shape[1] % 32 or t.qtype not in Q4_0_SOURCES:
+        return t
+    raw = quant_cpu.quantize_q4_0(dequantize(t)).numpy()
+    index.unmap(t.raw)
+    return replace(t, raw=raw, qtype=GGML.Q4_0)
 
 
 def full_rows(t: GGUFTensor, index) -> nn.Module:

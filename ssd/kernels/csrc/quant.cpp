@@ -7,6 +7,7 @@
 //   qlinear(x, parts, types, rows, K, bias)   y[M, sum rows] = x @ W.T (+ b), W the parts stacked
 //   dequant_rows(raw, type, ids, K)  rows of the GGUF tensor in fp32, exactly as the gguf package
 //   quantize_rows(x, kind)           the 8-bit activations qlinear uses (for tests)
+//   quantize_q4_0(w)                 fp32 [N, K] -> GGUF Q4_0 blocks, as ggml's reference quantiser
 //
 // Numerics (every build does exactly this, so all give the same bits). Each activation row is
 // quantised alone: per block of 32 (legacy weight types) or 256 (K types),
@@ -31,6 +32,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -991,6 +993,34 @@ std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t bl
   return {q, d};
 }
 
+// GGUF Q4_0 blocks of fp32 rows (a draft requantised to 4.5 bits a weight), bit for bit as ggml's
+// reference quantiser and the gguf package make them: per 32 weights, v = the first value of the
+// largest magnitude, d = v / -8 (stored as fp16), q_i = min(15, trunc(x_i * (1 / d) + 8.5)).
+at::Tensor quantize_q4_0(const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(1) % 32 == 0,
+              "ssd quant: Q4_0 needs contiguous fp32 rows of a multiple of 32 weights");
+  const int64_t N = w.size(0), nb = w.size(1) / 32;
+  at::Tensor out = at::empty({N, nb * 18}, at::kByte);
+  const float* src = w.data_ptr<float>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, N * nb, 256, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const float* v = src + 32 * b;
+      uint8_t* o = dst + 18 * b;
+      float amax = 0.f;  // no data-dependent branch per weight: this runs over a whole model at load
+      for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(v[i]));
+      int first = 0;
+      while (first < 31 && std::fabs(v[first]) != amax) ++first;
+      const float d = v[first] / -8.f, inv = d != 0.f ? 1.f / d : 0.f;
+      const uint16_t h = c10::detail::fp16_ieee_from_fp32_value(d);
+      std::memcpy(o, &h, 2);
+      auto q = [&](float x) { return std::min(15, int(std::trunc(x * inv + 8.5f))); };
+      for (int i = 0; i < 16; ++i) o[2 + i] = uint8_t(q(v[i]) | (q(v[i + 16]) << 4));
+    }
+  });
+  return out;
+}
+
 int64_t packed_bytes(int64_t type, int64_t N, int64_t K) {
   TORCH_CHECK(known(type), "ssd quant: unsupported GGUF type ", type);
   const Info in = info(type);
@@ -1004,9 +1034,11 @@ TORCH_LIBRARY(SSD_NS, m) {
   m.def("qlinear(Tensor x, Tensor[] parts, int[] types, int[] rows, int K, Tensor? bias, bool reference) -> Tensor");
   m.def("dequant_rows(Tensor raw, int type, Tensor ids, int K) -> Tensor");
   m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor)");
+  m.def("quantize_q4_0(Tensor w) -> Tensor");
   m.def("packed_bytes(int type, int N, int K) -> int", &packed_bytes);
   m.impl("repack", c10::DispatchKey::CPU, &repack);
   m.impl("qlinear", c10::DispatchKey::CPU, &qlinear);
   m.impl("dequant_rows", c10::DispatchKey::CPU, &dequant_rows);
   m.impl("quantize_rows", c10::DispatchKey::CPU, &quantize_rows);
+  m.impl("quantize_q4_0", c10::DispatchKey::CPU, &quantize_q4_0);
 }

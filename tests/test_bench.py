@@ -22,7 +22,9 @@ METRICS = {"prompt_tokens", "output_tokens", "ttft_s", "decode_s", "e2e_s", "tok
 @pytest.fixture(scope="module")
 def bench(smollm_dir, tmp_path_factory):
     configs = expand_configs(["ar", "sd", "ssd"], 2, sweep=("k", [1, 2]), peers=["hf", "llamacpp"])
-    spec = BenchSpec(str(smollm_dir), str(smollm_dir), configs, max_tokens=N, ignore_eos=True, threads=2, sweep="k")
+    # The draft on the target's own blocks (not the default Q4_0 copy): every proposal is the target's.
+    spec = BenchSpec(str(smollm_dir), str(smollm_dir), configs, max_tokens=N, ignore_eos=True, threads=2, sweep="k",
+                     draft_quantization="gguf")
     result = run_bench(spec, PROMPTS, progress=False)
     rows = summarise(result)
     out = tmp_path_factory.mktemp("bench")

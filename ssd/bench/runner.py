@@ -83,7 +83,7 @@ class BenchSpec:
     device: str | None = None
     dtype: str | None = None
     threads: int | None = None
-    draft_quantization: str | None = "auto"  # the engine's option; "auto": int8 for a CPU draft
+    draft_quantization: str | None = "auto"  # the engine's option (SpecOptions.draft_quantization)
     seed: int = 0  # of every LLM's sampling generator
     sweep: str | None = None  # "k" or "f" when the configurations sweep one of them
 

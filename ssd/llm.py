@@ -69,7 +69,8 @@ class LLM:
                  block_size: int = 16, seed: int | None = None, weights: str = "auto", **speculation):
         """weights: how the model's weights are held: "gguf" (a GGUF model's own quantised
         blocks, the default for one on a CPU), "dequantized" (a copy in `dtype`: the values
-        transformers loads, and what a GPU uses), "int8", or "auto".
+        transformers loads, and what a GPU uses), "int8" or "q4_0" (requantised copies, which
+        change the model's outputs: meant for a draft, see ssd/models/loader.py), or "auto".
         speculation: the options of SpecOptions (ssd/speculative/options.py): speculate_k,
         draft_quantization, and for SSD fan_out, backup, target_device, draft_device, ..."""
         spec = SpecOptions.from_kwargs(speculation).for_mode(mode)

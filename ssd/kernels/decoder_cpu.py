@@ -12,7 +12,7 @@ weights, CUDA, a kernel that could not be built).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -43,22 +43,16 @@ class LayerStack:
     scale: float
     cos: torch.Tensor
     sin: torch.Tensor
-    # The op and the namespaces of the kernels it calls, resolved on the first run (not on
-    # every pass): a tuple, or None where some kernel is unavailable.
-    _resolved: tuple | None | bool = field(default=False, init=False, repr=False)
 
     def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
             q_row: torch.Tensor, q_len: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
         """x after every layer, the KV cache written; None where the op cannot run here."""
         if not (x.is_cpu and x.dtype is torch.float32 and kv.dtype is torch.float32):
             return None
-        if self._resolved is False:
-            op = _KERNEL.op("layers")
-            names = (_ns(quant_cpu._KERNEL), _ns(fused_cpu._KERNEL), _ns(attention_cpu._KERNEL))
-            self._resolved = None if op is None or None in names else (op, names)
-        if self._resolved is None:
+        op = _KERNEL.op("layers")
+        names = (_ns(quant_cpu._KERNEL), _ns(fused_cpu._KERNEL), _ns(attention_cpu._KERNEL))
+        if op is None or None in names:
             return None
-        op, names = self._resolved
         return op(x.contiguous(), positions, slots, rows, q_row, q_len, kv, self.cos, self.sin, self.norms,
                   self.parts, self.types, self.part_rows, self.nparts, self.qkv_bias, self.qk_norms, self.dims, self.eps,
                   self.scale, *names)

@@ -71,6 +71,7 @@ def test_results_json(bench):
     assert {"torch", "transformers", "ssd-engine"} <= set(data["machine"]["versions"])
     config = data["config"]
     assert config["max_tokens"] == N and config["temperature"] == 0 and config["sweep"] == "k"
+    assert config["draft_weights_resolved"] == "gguf"
     assert [c["label"] for c in config["configs"]] == LABELS and config["configs"][2]["k"] == 2
     assert data["prompt_sets"]["mini"]["prompt_ids"] == ["q/0", "q/1"]
     assert len(data["summary"]) == len(LABELS) and data["skipped"] == result.skipped
@@ -92,6 +93,7 @@ def test_table(bench):
     for label in LABELS:
         assert any(line.startswith("mini ") and f"  {label}  " in line for line in text.splitlines())
     assert "100%" in text and "yes" in text and "ref" in text
+    assert result.draft_weights == "gguf" and "(weights: gguf)" in text  # as resolved and run
     for label, reason in result.skipped.items():
         assert f"skipped {label}: {reason}" in text
     md = (out / "table.md").read_text()

@@ -120,13 +120,20 @@ def _cells(r: Row) -> list[str]:
             "-" if r.speedup is None else f"{r.speedup:.2f}x", r.same_as_ar]
 
 
+def _draft_weights(result: BenchResult) -> str:
+    asked = result.spec.draft_quantization
+    if result.draft_weights is None:  # no draft model ran (or an old result)
+        return asked or "as the target"
+    return result.draft_weights if asked in (None, result.draft_weights) else f"{result.draft_weights}, from {asked}"
+
+
 def _notes(result: BenchResult, rows: Sequence[Row]) -> list[str]:
     spec, machine = result.spec, machine_info()
     gpu = f", {machine['gpu']}" if machine["gpu"] else ""
     commit = (machine["git_commit"] or "unknown")[:12] + " (modified)" * bool(machine["git_dirty"])
     notes = [f"{datetime.now():%Y-%m-%d %H:%M}; {machine['cpu']}, {machine['cores']} cores, {machine['ram_gib']} GiB"
              f"{gpu}; commit {commit}",
-             f"model {spec.model}, draft {spec.draft or '-'} (weights: {spec.draft_quantization or 'as the target'}); "
+             f"model {spec.model}, draft {spec.draft or '-'} (weights: {_draft_weights(result)}); "
              f"{result.device} {result.dtype}; "
              f"temperature {spec.temperature:g}; max {spec.max_tokens} tokens{' (ignore eos)' * spec.ignore_eos}; "
              f"batch {spec.batch_size}; chat template {'on' if spec.chat_template else 'off'}",
@@ -215,6 +222,7 @@ def results_dict(result: BenchResult, rows: Sequence[Row], cli_args: dict | None
         "cli_args": cli_args,  # the `ssd bench` options, defaults included, when run from the command line
         "machine": machine_info(),
         "config": {**asdict(result.spec), "device_resolved": result.device, "dtype_resolved": result.dtype,
+                   "draft_weights_resolved": result.draft_weights,
                    "configs": [{"label": c.label, **asdict(c)} for c in result.spec.configs]},
         "prompt_sets": {name: {"selection": PROMPT_SETS[name].selection if name in PROMPT_SETS else "file order",
                                "prompt_ids": [p.id for p in ps]} for name, ps in result.prompt_sets.items()},

@@ -47,7 +47,10 @@ def start_speculator(opts: SpecOptions, mode: str, draft: str | Path, *, target_
     # SD, and SSD's fallback should its worker fail: the draft in this process.
     in_process = lambda: DraftEngine.from_config(cfg, device)  # noqa: E731
     if mode == "sd":
-        return LocalSpeculator(in_process())
-    return RemoteSpeculator(cfg, opts.target_placement(device), opts.draft_placement(device),
-                            address=opts.draft_address, secret=opts.secret(), timeout=opts.draft_timeout,
-                            fallback=in_process)
+        speculator: Speculator = LocalSpeculator(in_process())
+    else:
+        speculator = RemoteSpeculator(cfg, opts.target_placement(device), opts.draft_placement(device),
+                                      address=opts.draft_address, secret=opts.secret(), timeout=opts.draft_timeout,
+                                      fallback=in_process)
+    speculator.draft_weights = cfg.weights
+    return speculator

@@ -35,6 +35,7 @@ class Speculator:
         self.known: dict[int, int] = {}  # seq_id -> leading tokens the draft holds that are right
         self.released: list[int] = []  # sequences the draft may forget, told with the next round
         self.failures = 0  # SSD: how often the draft worker failed and SD took over
+        self.draft_weights: str | None = None  # how a draft model's weights are held, "auto" resolved
 
     def wait_ready(self) -> None:
         """Return once the draft can answer (SSD: its worker has loaded the model)."""

@@ -3,8 +3,9 @@
 Why: a 4-bit model read as its own blocks streams ~7x fewer bytes per token than its fp32
 copy, and decoding on a CPU is bound by those bytes. The weights are the GGUF file's, exactly
 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the activations are quantised to 8 bits per
-block, each row alone, as llama.cpp does, so the block products are exact integer sums
-(AVX-512 VNNI ``vpdpbusd``) and only the per-block scaling is floating point. The C++ source,
+block of 32, each row alone (llama.cpp does the same with blocks of 256 for the K types), so
+the block products are exact integer sums (AVX-512 VNNI ``vpdpbusd``) and only the
+per-block scaling is floating point. The C++ source,
 ssd/kernels/csrc/quant.cpp, states the arithmetic exactly: a row's result does not depend on
 the number of rows in the call, what they hold, or the thread count, which keeps SD and SSD
 exactly equal to AR.
@@ -32,7 +33,7 @@ from gguf import GGMLQuantizationType as GGML
 from ssd.kernels.build import CppKernel
 
 SUPPORTED = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K}
-ACTIVATION_BLOCK = {t: 256 if t in (GGML.Q4_K, GGML.Q5_K, GGML.Q6_K) else 32 for t in SUPPORTED}
+ACTIVATION_BLOCK = 32  # activation values per 8-bit block, whatever the weight type (csrc/quant.cpp)
 
 _KERNEL = CppKernel("quant", requires={
     "avx512": ({"avx512bw", "avx512vl", "avx512_vnni", "f16c"},
@@ -137,6 +138,6 @@ def dequant_rows(raw: torch.Tensor, qtype: GGML, ids: torch.Tensor, cols: int, *
     return _op("dequant_rows", variant)(raw, int(qtype), ids, cols)
 
 
-def quantize_rows(x: torch.Tensor, block: int, *, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8-bit activations qlinear computes with: (q int8 [M, K], d fp32 [M, K / block])."""
-    return _op("quantize_rows", variant)(x.contiguous(), block)
+def quantize_rows(x: torch.Tensor, *, variant: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit activations qlinear computes with: (q int8 [M, K], d fp32 [M, K / 32])."""
+    return _op("quantize_rows", variant)(x.contiguous())

@@ -6,20 +6,28 @@
 //   repack(raw, type, N, K)          GGUF blocks [N rows of K] -> groups of 16 rows, interleaved
 //   qlinear(x, parts, types, rows, K, bias)   y[M, sum rows] = x @ W.T (+ b), W the parts stacked
 //   dequant_rows(raw, type, ids, K)  rows of the GGUF tensor in fp32, exactly as the gguf package
-//   quantize_rows(x, kind)           the 8-bit activations qlinear uses (for tests)
+//   quantize_rows(x, block)          the 8-bit activations qlinear uses (for tests)
 //   quantize_q4_0(w)                 fp32 [N, K] -> GGUF Q4_0 blocks, as ggml's reference quantiser
 //
 // Numerics (every build does exactly this, so all give the same bits). Each activation row is
-// quantised alone: per block of 32 (legacy weight types) or 256 (K types),
-//   amax = max |x_i|, d = amax / 127, q_i = nearbyint(x_i * (127 / amax)) (0 if amax = 0).
-// For an output (m, n), the weight block b's integer products are summed exactly in int32:
-//   S_b = sum_i w_i q_i over the block, with w_i the block's integer weights (q - 8 for Q4_0,
-//   q - 16 for Q5_0, q for Q8_0/Q4_1/Q5_1); K types: S_b = sum_j sc_j * sum_{i in j} w_i q_i
-//   over the sub-blocks j (Q6_K: w = q - 32), and for Q4_K/Q5_K M_b = sum_j mn_j * sum_{i in j} q_i.
-// Then, over the blocks in ascending order, from acc = 0 (fp32, every step rounded once):
-//   acc = fma(float(S_b), dw_b * dx_b, acc)
-//   Q4_K, Q5_K: acc = fma(float(M_b), -(dmin_b * dx_b), acc)
-//   Q4_1, Q5_1: acc = fma(m_b, dx_b * float(sum_{i in b} q_i), acc)
+// quantised alone, per block of 32 values whatever the weight type:
+//   amax = max |x_i|, dx = amax / 127, q_i = nearbyint(x_i * (127 / amax)) (0 if amax = 0),
+//   sx = dx * float(sum_i q_i).
+// (llama.cpp quantises a K type's activations per 256 values; per 32 they stay closer to the
+// fp32 values, since one large value no longer coarsens 255 others: bench/README.md "Quality".)
+// For an output (m, n), integer products are summed exactly in int32, and each activation
+// block's sum goes into the fp32 accumulator acc (from 0, in ascending order along the row,
+// every step rounded once; the products marked [exact] are integers below 2^24):
+//   Legacy types, per block b of 32 (w = q - 8 for Q4_0, q - 16 for Q5_0, q for Q8_0/Q4_1/Q5_1):
+//     S_b = sum_i w_i q_i;   acc = fma(float(S_b), dw_b * dx_b, acc)
+//     Q4_1, Q5_1 then:       acc = fma(m_b, sx_b, acc)
+//   Q4_K, Q5_K, per super-block of 256: 8 sub-blocks j of 32 (each an activation block),
+//     t_j = sum_{i in j} w_i q_i;  s = 0, mn = 0, then per j:
+//     s = fma(float(t_j) * float(sc_j) [exact], dx_j, s);  mn = fma(float(mn_j), sx_j, mn)
+//     acc = fma(s, d, acc);  acc = fma(-mn, dmin, acc)
+//   Q6_K (w = q - 32), per pair p of its 16-wide sub-blocks a = 2p, b = 2p + 1 (an activation
+//     block): S_p = float(t_a) * float(sc_a) + float(t_b) * float(sc_b) [exact];
+//     acc = fma(S_p, d * dx_p, acc)
 // and y = acc (+ b[n]). Nothing depends on M, the other rows or the thread count.
 //
 // Packed layout: rows in groups of G = 16 (the last one padded with zeros); per group, per
@@ -84,7 +92,7 @@ static Info info(int64_t t) {
     case Q8_0: return {32, 34, 32 + 512};
     case Q4_K: return {256, 144, 64 + 256 + 2048};
     case Q5_K: return {256, 176, 64 + 256 + 2048 + 512};
-    case Q6_K: return {256, 210, 32 + 256 + 64 + 2048 + 1024};
+    case Q6_K: return {256, 210, 32 + 256 + 2048 + 1024};
   }
   TORCH_CHECK(false, "ssd quant: unsupported GGUF type ", t);
 }
@@ -307,7 +315,7 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
           uint8_t sc = 0, mn = 0;
           if (rows[r]) scale_min_k4(j, rows[r] + 4, &sc, &mn);
           p[16 * j + r] = sc;
-          p[128 + 32 * (j / 2) + 2 * r + j % 2] = mn;  // min pairs (j, j + 1) side by side per row
+          p[128 + 16 * j + r] = mn;
         }
       p += 256;
       put_nibbles(p, q, 64);
@@ -318,21 +326,9 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
     case Q6_K: {
       for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 208); std::memcpy(p + 2 * r, &d, 2); }
       p += 32;
-      int32_t corr[G];
-      for (int r = 0; r < G; ++r) {
-        int32_t c = 0;
-        for (int j = 0; j < 16; ++j) {
-          const int8_t sc = rows[r] ? int8_t(rows[r][192 + j]) : 0;
-          p[16 * j + r] = uint8_t(sc);
-          int32_t wsum = 0;
-          for (int l = 0; l < 16; ++l) wsum += q[r][16 * j + l] - 32;
-          c += sc * wsum;
-        }
-        corr[r] = 128 * c;  // the activation goes in as q + 128: take 128 * sum_j sc_j sum w back
-      }
+      for (int r = 0; r < G; ++r)
+        for (int j = 0; j < 16; ++j) p[16 * j + r] = rows[r] ? rows[r][192 + j] : 0;
       p += 256;
-      std::memcpy(p, corr, 64);
-      p += 64;
       put_nibbles(p, q, 64);
       p += 2048;
       put_bits(p, q, 64, 4);
@@ -367,87 +363,73 @@ at::Tensor repack(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
 }
 
 // ---- activations --------------------------------------------------------------------------
-// One activation row quantised per block of `block` (32 or 256) values. The plain arrays serve
-// the portable code; the fast code reads the same values laid out per tile of MT rows, each
-// k-group's 4 bytes of the tile's rows side by side, so that every broadcast is one load.
-constexpr int MT = 8;  // rows of x per register tile
+// Activation rows quantised per block of 32 values. The plain arrays serve the portable code;
+// the fast code reads the same values laid out per tile of MT rows, each k-group's 4 bytes of
+// the tile's rows side by side, so that every broadcast is one load.
+constexpr int AB = 32;  // values per activation block
+constexpr int MT = 8;   // rows of x per register tile
 constexpr int64_t MIN_GROUPS_PER_THREAD = 8;
 
 struct Act {
-  int block = 0;
   int64_t K = 0, nb = 0, M = 0;
   std::vector<int8_t> q;      // [M][K]
   std::vector<float> d;       // [M][nb]
   std::vector<int32_t> sum;   // [M][nb] sum of q over the block
-  std::vector<float> sx;      // [M][nb] d * float(sum) (Q4_1 / Q5_1)
-  std::vector<int32_t> bsum;  // [M][nb][8] sums over 32 (K types: the mins of Q4_K / Q5_K)
+  std::vector<float> sx;      // [M][nb] d * float(sum)
+  std::vector<int32_t> s16;   // [M][2 nb] -32 * the sum of q over each half block (Q6_K's w + 32)
   // Tiled, tile t = rows MT*t .. MT*t + MT - 1 (missing rows zero):
   std::vector<int8_t> qt;     // [tiles][K/4][MT][4]
-  std::vector<uint8_t> ut;    // as qt, q + 128 (Q6_K takes x as the unsigned operand)
   std::vector<float> dt;      // [tiles][nb][MT]
   std::vector<int32_t> st;    // [tiles][nb][MT] sum
   std::vector<float> sxt;     // [tiles][nb][MT] sx
-  std::vector<int32_t> bst;   // [tiles][nb][4][MT] (bsum_2p & 0xFFFF) | bsum_2p+1 << 16
+  std::vector<int32_t> s16t;  // [tiles][2 nb][MT] s16
 };
 
-static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, int block, Act& a) {
-  a.block = block;
+static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, Act& a) {
   a.K = K;
   a.M = M;
-  a.nb = K / block;
+  a.nb = K / AB;
   a.q.resize(M * K);
   a.d.resize(M * a.nb);
   a.sum.resize(M * a.nb);
   a.sx.resize(M * a.nb);
-  a.bsum.resize(M * a.nb * 8);
+  a.s16.resize(M * a.nb * 2);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < a.nb; ++b) {
-      const float* xb = x + m * ldx + b * block;
+      const float* xb = x + m * ldx + b * AB;
       float amax = 0.f;
-      for (int i = 0; i < block; ++i) amax = std::max(amax, std::fabs(xb[i]));
+      for (int i = 0; i < AB; ++i) amax = std::max(amax, std::fabs(xb[i]));
       const float d = amax / 127.f, id = amax != 0.f ? 127.f / amax : 0.f;
-      int8_t* q = a.q.data() + m * K + b * block;
-      int32_t s = 0;
-      for (int i = 0; i < block; ++i) {
+      int8_t* q = a.q.data() + m * K + b * AB;
+      int32_t half[2] = {0, 0};
+      for (int i = 0; i < AB; ++i) {
         const float v = std::nearbyint(xb[i] * id);
         q[i] = int8_t(std::min(127.f, std::max(-127.f, v)));
-        s += q[i];
+        half[i / 16] += q[i];
       }
+      const int32_t s = half[0] + half[1];
       a.d[m * a.nb + b] = d;
       a.sum[m * a.nb + b] = s;
       a.sx[m * a.nb + b] = d * float(s);
-      if (block == 256)
-        for (int j = 0; j < 8; ++j) {
-          int32_t t = 0;
-          for (int i = 0; i < 32; ++i) t += q[32 * j + i];
-          a.bsum[(m * a.nb + b) * 8 + j] = t;
-        }
+      a.s16[(m * a.nb + b) * 2] = -32 * half[0];
+      a.s16[(m * a.nb + b) * 2 + 1] = -32 * half[1];
     }
 #if SSD_FAST
   const int64_t tiles = (M + MT - 1) / MT, kgs = K / 4;
   a.qt.assign(tiles * kgs * MT * 4, 0);
-  a.ut.assign(tiles * kgs * MT * 4, 128);
   a.dt.assign(tiles * a.nb * MT, 0.f);
   a.st.assign(tiles * a.nb * MT, 0);
   a.sxt.assign(tiles * a.nb * MT, 0.f);
-  a.bst.assign(tiles * a.nb * 4 * MT, 0);
+  a.s16t.assign(tiles * a.nb * 2 * MT, 0);
   for (int64_t m = 0; m < M; ++m) {
     const int64_t t = m / MT, r = m % MT;
     for (int64_t kg = 0; kg < kgs; ++kg)
-      for (int e = 0; e < 4; ++e) {
-        const int8_t v = a.q[m * K + 4 * kg + e];
-        a.qt[((t * kgs + kg) * MT + r) * 4 + e] = v;
-        a.ut[((t * kgs + kg) * MT + r) * 4 + e] = uint8_t(v + 128);
-      }
+      for (int e = 0; e < 4; ++e) a.qt[((t * kgs + kg) * MT + r) * 4 + e] = a.q[m * K + 4 * kg + e];
     for (int64_t b = 0; b < a.nb; ++b) {
       a.dt[(t * a.nb + b) * MT + r] = a.d[m * a.nb + b];
       a.st[(t * a.nb + b) * MT + r] = a.sum[m * a.nb + b];
       a.sxt[(t * a.nb + b) * MT + r] = a.sx[m * a.nb + b];
-      if (block == 256)
-        for (int p = 0; p < 4; ++p) {
-          const int32_t* bs = &a.bsum[(m * a.nb + b) * 8 + 2 * p];
-          a.bst[((t * a.nb + b) * 4 + p) * MT + r] = (bs[0] & 0xFFFF) | int32_t(uint32_t(bs[1]) << 16);
-        }
+      for (int h = 0; h < 2; ++h) a.s16t[((t * a.nb + b) * 2 + h) * MT + r] = a.s16[(m * a.nb + b) * 2 + h];
     }
   }
 #endif
@@ -499,7 +481,7 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
         gb.dmin[r] = half_to_float(rd16(p + 32 + 2 * r));
         for (int j = 0; j < 8; ++j) {
           gb.sc[r][j] = p[64 + 16 * j + r];
-          gb.mn[r][j] = p[192 + 32 * (j / 2) + 2 * r + j % 2];
+          gb.mn[r][j] = p[192 + 16 * j + r];
         }
         for (int kg = 0; kg < 64; ++kg)
           for (int e = 0; e < 4; ++e)
@@ -512,8 +494,8 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
         for (int j = 0; j < 16; ++j) gb.sc[r][j] = int8_t(p[32 + 16 * j + r]);
         for (int kg = 0; kg < 64; ++kg)
           for (int e = 0; e < 4; ++e)
-            gb.w[r][4 * kg + e] = nib(p + 352, kg, r, e) + (bit(p + 2400, kg, r, e) << 4) +
-                                  (bit(p + 2912, kg, r, e) << 5) - 32;
+            gb.w[r][4 * kg + e] = nib(p + 288, kg, r, e) + (bit(p + 2336, kg, r, e) << 4) +
+                                  (bit(p + 2848, kg, r, e) << 5) - 32;
       }
       break;
   }
@@ -522,38 +504,39 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
 static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const Act& a, int64_t M,
                            float* acc /* [M][G] */) {
   const Info in = info(t);
+  const int64_t per = in.block / AB;  // activation blocks per weight block
   static thread_local GroupBlock gb;
   std::fill(acc, acc + M * G, 0.f);
   for (int64_t b = 0; b < nb; ++b) {
     decode_group_block(t, packed + b * in.pack_bytes, gb);
     for (int64_t m = 0; m < M; ++m) {
       const int8_t* q = a.q.data() + m * a.K + b * in.block;
-      const float dx = a.d[m * a.nb + b];
+      const float* dx = a.d.data() + m * a.nb + b * per;
+      const float* sx = a.sx.data() + m * a.nb + b * per;
       for (int r = 0; r < G; ++r) {
         float& y = acc[m * G + r];
+        auto dot = [&](int from, int n) {
+          int32_t s = 0;
+          for (int i = from; i < from + n; ++i) s += gb.w[r][i] * q[i];
+          return s;
+        };
         if (!k_type(t)) {
-          int32_t s = 0;
-          for (int i = 0; i < 32; ++i) s += gb.w[r][i] * q[i];
-          y = std::fma(float(s), gb.d[r] * dx, y);
-          if (t == Q4_1 || t == Q5_1) y = std::fma(gb.m[r], a.sx[m * a.nb + b], y);
+          y = std::fma(float(dot(0, 32)), gb.d[r] * dx[0], y);
+          if (t == Q4_1 || t == Q5_1) y = std::fma(gb.m[r], sx[0], y);
         } else if (t == Q6_K) {
-          int32_t s = 0;
-          for (int j = 0; j < 16; ++j) {
-            int32_t dj = 0;
-            for (int i = 0; i < 16; ++i) dj += gb.w[r][16 * j + i] * q[16 * j + i];
-            s += gb.sc[r][j] * dj;
+          for (int p = 0; p < 8; ++p) {
+            const float sp = float(dot(32 * p, 16)) * float(gb.sc[r][2 * p]) +
+                             float(dot(32 * p + 16, 16)) * float(gb.sc[r][2 * p + 1]);
+            y = std::fma(sp, gb.d[r] * dx[p], y);
           }
-          y = std::fma(float(s), gb.d[r] * dx, y);
         } else {
-          int32_t s = 0, mins = 0;
+          float s = 0.f, mn = 0.f;
           for (int j = 0; j < 8; ++j) {
-            int32_t dj = 0;
-            for (int i = 0; i < 32; ++i) dj += gb.w[r][32 * j + i] * q[32 * j + i];
-            s += gb.sc[r][j] * dj;
-            mins += gb.mn[r][j] * a.bsum[(m * a.nb + b) * 8 + j];
+            s = std::fma(float(dot(32 * j, 32)) * float(gb.sc[r][j]), dx[j], s);
+            mn = std::fma(float(gb.mn[r][j]), sx[j], mn);
           }
-          y = std::fma(float(s), gb.d[r] * dx, y);
-          y = std::fma(float(mins), -(gb.dmin[r] * dx), y);
+          y = std::fma(s, gb.d[r], y);
+          y = std::fma(-mn, gb.dmin[r], y);
         }
       }
     }
@@ -591,18 +574,13 @@ struct V {
     std::memcpy(&m, bits, 8);
     return _mm512_mask_add_epi8(w, _cvtu64_mask64(m), w, v);
   }
-  static I sub8(I a, I b) { return _mm512_sub_epi8(a, b); }
   static I bcast(const void* p) { return bcast_512(p); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // acc + 4 products per lane
   static I dot_q8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
-  static I dot16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }  // acc + 2 int16 products
-  static I add32(I a, I b) { return _mm512_add_epi32(a, b); }
   static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
-  static I mul32(I a, I b) { return _mm512_mullo_epi32(a, b); }
   static I u8_to_32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static I s8_to_32(const uint8_t* p) { return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static I u8_to_16(const uint8_t* p) { return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F cvt(I a) { return _mm512_cvtepi32_ps(a); }
   static F set1f(float v) { return _mm512_set1_ps(v); }
@@ -636,14 +614,13 @@ struct V {
     const __m256i lo = bit_bytes(rd32(bits)), hi = bit_bytes(rd32(bits + 4));
     return {_mm256_add_epi8(w.lo, _mm256_and_si256(lo, v.lo)), _mm256_add_epi8(w.hi, _mm256_and_si256(hi, v.hi))};
   }
-  static I sub8(I a, I b) { return {_mm256_sub_epi8(a.lo, b.lo), _mm256_sub_epi8(a.hi, b.hi)}; }
   static I bcast(const void* p) {
     const __m256i v = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
     return {v, v};
   }
   static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
-  // u8 x s8: two products to int16 (no saturation at the magnitudes used here: <= 31 * 127 or
-  // 255 * 32, times 2), then pairs of those to int32.
+  // u8 x s8: two products to int16 (no saturation at the magnitudes used here: at most
+  // 2 * 63 * 127), then pairs of those to int32.
   static __m256i dot8(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
@@ -654,17 +631,11 @@ struct V {
     return {dot8(acc.lo, _mm256_abs_epi8(wl), _mm256_sign_epi8(x.lo, wl)),
             dot8(acc.hi, _mm256_abs_epi8(wh), _mm256_sign_epi8(x.hi, wh))};
   }
-  static I dot16(I acc, I a, I b) {
-    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(a.lo, b.lo)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(a.hi, b.hi))};
-  }
-  static I add32(I a, I b) { return {_mm256_add_epi32(a.lo, b.lo), _mm256_add_epi32(a.hi, b.hi)}; }
   static I sub32(I a, I b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
-  static I mul32(I a, I b) { return {_mm256_mullo_epi32(a.lo, b.lo), _mm256_mullo_epi32(a.hi, b.hi)}; }
   static __m128i ld64(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
   static __m128i ld128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
   static I u8_to_32(const uint8_t* p) { return {_mm256_cvtepu8_epi32(ld64(p)), _mm256_cvtepu8_epi32(ld64(p + 8))}; }
   static I s8_to_32(const uint8_t* p) { return {_mm256_cvtepi8_epi32(ld64(p)), _mm256_cvtepi8_epi32(ld64(p + 8))}; }
-  static I u8_to_16(const uint8_t* p) { return {_mm256_cvtepu8_epi16(ld128(p)), _mm256_cvtepu8_epi16(ld128(p + 16))}; }
   static F half(const uint8_t* p) { return {_mm256_cvtph_ps(ld128(p)), _mm256_cvtph_ps(ld128(p + 16))}; }
   static F cvt(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
   static F set1f(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
@@ -677,21 +648,22 @@ struct V {
 using VI = V::I;
 using VF = V::F;
 
-// One tile's activations at block b: k-group kg of row m is 4 bytes at q + (kg * MT + m) * 4.
+// One tile's activations from weight block b on: k-group kg of row m is 4 bytes at
+// q + (kg * MT + m) * 4; the per-block values of activation block j (of the weight block's
+// block / 32) at d[j * MT + m], and so on; s16 per half block.
 struct Tile {
   const int8_t* q;     // block b's first k-group
-  const uint8_t* u;    // the same, + 128
-  const float* d;      // [MT]
-  const int32_t* sum;  // [MT]
-  const float* sx;     // [MT]
-  const int32_t* bs;   // [4][MT]
+  const float* d;      // [block / 32][MT]
+  const int32_t* sum;  // [block / 32][MT]
+  const float* sx;     // [block / 32][MT]
+  const int32_t* s16;  // [block / 16][MT]
 };
 
+template <int BLOCK>
 static inline Tile tile_at(const Act& a, int64_t tile, int64_t b) {
-  const int64_t kgs = a.K / 4, kg0 = b * (a.block / 4), i = tile * a.nb + b;
-  return {a.qt.data() + ((tile * kgs + kg0) * MT) * 4, a.ut.data() + ((tile * kgs + kg0) * MT) * 4,
-          a.dt.data() + i * MT, a.st.data() + i * MT, a.sxt.data() + i * MT,
-          a.bst.empty() ? nullptr : a.bst.data() + i * 4 * MT};
+  const int64_t kgs = a.K / 4, kg0 = b * (BLOCK / 4), i = tile * a.nb + b * (BLOCK / AB);
+  return {a.qt.data() + ((tile * kgs + kg0) * MT) * 4, a.dt.data() + i * MT, a.st.data() + i * MT,
+          a.sxt.data() + i * MT, a.s16t.data() + 2 * i * MT};
 }
 
 // Legacy types: one block of 32 weights (8 k-groups).
@@ -736,18 +708,19 @@ static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
   }
 }
 
-// Q4_K / Q5_K: one super-block of 256 (8 sub-blocks of 8 k-groups).
+// Q4_K / Q5_K: one super-block of 256 (8 sub-blocks of 8 k-groups, each an activation block).
 template <int64_t T, int NM>
 static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
   const uint8_t* qs = p + 320;
-  VI s[NM], mins[NM];
-  for (int m = 0; m < NM; ++m) s[m] = mins[m] = V::zero();
+  VF s[NM];
+  for (int m = 0; m < NM; ++m) s[m] = V::zerof();
 #pragma GCC unroll 1
   for (int j = 0; j < 8; ++j) {
     VI t[NM];
     for (int m = 0; m < NM; ++m) t[m] = V::zero();
 #pragma GCC unroll 4
-    for (int v = 4 * j; v < 4 * j + 4; ++v) {
+    for (int vv = 0; vv < 4; ++vv) {  // (a constant trip count: GCC unrolls it, accumulators stay put)
+      const int v = 4 * j + vv;
       ahead(qs + 64 * v);
       const VI raw = V::load(qs + 64 * v);
       VI w0 = V::and_(raw, V::bytes(0x0F)), w1 = V::hi_nibbles(raw);
@@ -760,64 +733,69 @@ static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
         t[m] = V::dot(V::dot(t[m], w0, V::bcast(x.q + ((2 * v) * MT + m) * 4)), w1,
                       V::bcast(x.q + ((2 * v + 1) * MT + m) * 4));
     }
-    const VI sc = V::u8_to_32(p + 64 + 16 * j);
+    const VF sc = V::cvt(V::u8_to_32(p + 64 + 16 * j));
 #pragma GCC unroll 8
-    for (int m = 0; m < NM; ++m) s[m] = V::add32(s[m], V::mul32(t[m], sc));
-  }
-  // M_b: the min pairs (j, j+1) of each row times the sums of x over those sub-blocks.
-#pragma GCC unroll 4
-  for (int pr = 0; pr < 4; ++pr) {
-    const VI mn = V::u8_to_16(p + 192 + 32 * pr);
-#pragma GCC unroll 8
-    for (int m = 0; m < NM; ++m) mins[m] = V::dot16(mins[m], mn, V::set1(x.bs[pr * MT + m]));
+    for (int m = 0; m < NM; ++m) s[m] = V::fma(V::mul(V::cvt(t[m]), sc), V::set1f(x.d[j * MT + m]), s[m]);
   }
   const VF d = V::half(p), dmin = V::half(p + 32);
 #pragma GCC unroll 8
-  for (int m = 0; m < NM; ++m) {
-    const VF dx = V::set1f(x.d[m]);
-    acc[m] = V::fma(V::cvt(s[m]), V::mul(d, dx), acc[m]);
-    acc[m] = V::fnma(V::cvt(mins[m]), V::mul(dmin, dx), acc[m]);
+  for (int m = 0; m < NM; ++m) acc[m] = V::fma(s[m], d, acc[m]);
+  // The mins: each sub-block's min times the sum of x over it (sx), after the sums (fewer registers live).
+  VF mn[NM];
+  for (int m = 0; m < NM; ++m) mn[m] = V::zerof();
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) {
+    const VF mnj = V::cvt(V::u8_to_32(p + 192 + 16 * j));
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) mn[m] = V::fma(mnj, V::set1f(x.sx[j * MT + m]), mn[m]);
   }
+#pragma GCC unroll 8
+  for (int m = 0; m < NM; ++m) acc[m] = V::fnma(mn[m], dmin, acc[m]);
 }
 
-// Q6_K: one super-block of 256 (16 sub-blocks of 4 k-groups); x goes in as q + 128 (u8).
+// Q6_K: one super-block of 256, 16 sub-blocks of 4 k-groups, taken in pairs (activation
+// blocks). The quants go in as stored (q = w + 32, unsigned); each sub-block's sum starts from
+// -32 * sum x (a broadcast load, where a subtraction would take a vector slot).
 template <int NM>
 static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
-  const uint8_t* ql = p + 352;
-  VI s[NM];
-  for (int m = 0; m < NM; ++m) s[m] = V::zero();
-#pragma GCC unroll 1
-  for (int j = 0; j < 16; ++j) {
-    VI t[NM];
-    for (int m = 0; m < NM; ++m) t[m] = V::zero();
-#pragma GCC unroll 2
-    for (int v = 2 * j; v < 2 * j + 2; ++v) {
-      ahead(ql + 64 * v);
-      const VI raw = V::load(ql + 64 * v);
-      VI w0 = V::and_(raw, V::bytes(0x0F)), w1 = V::hi_nibbles(raw);
-      w0 = V::add_where(V::add_where(w0, p + 2400 + 16 * v, V::bytes(16)), p + 2912 + 16 * v, V::bytes(32));
-      w1 = V::add_where(V::add_where(w1, p + 2400 + 16 * v + 8, V::bytes(16)), p + 2912 + 16 * v + 8, V::bytes(32));
-      w0 = V::sub8(w0, V::bytes(32));
-      w1 = V::sub8(w1, V::bytes(32));
-#pragma GCC unroll 8
-      for (int m = 0; m < NM; ++m)
-        t[m] = V::dot(V::dot(t[m], V::bcast(x.u + ((2 * v) * MT + m) * 4), w0),
-                      V::bcast(x.u + ((2 * v + 1) * MT + m) * 4), w1);
-    }
-    const VI sc = V::s8_to_32(p + 32 + 16 * j);
-#pragma GCC unroll 8
-    for (int m = 0; m < NM; ++m) s[m] = V::add32(s[m], V::mul32(t[m], sc));
-  }
-  const VI corr = V::load(p + 288);
+  const uint8_t* ql = p + 288;
   const VF d = V::half(p);
+#pragma GCC unroll 1
+  for (int pr = 0; pr < 8; ++pr) {
+    VF sp[NM];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * pr + h;
+      VI t[NM];
+      for (int m = 0; m < NM; ++m) t[m] = V::set1(x.s16[j * MT + m]);
+#pragma GCC unroll 2
+      for (int vv = 0; vv < 2; ++vv) {  // (as in k4_block)
+        const int v = 2 * j + vv;
+        ahead(ql + 64 * v);
+        const VI raw = V::load(ql + 64 * v);
+        VI w0 = V::and_(raw, V::bytes(0x0F)), w1 = V::hi_nibbles(raw);
+        w0 = V::add_where(V::add_where(w0, p + 2336 + 16 * v, V::bytes(16)), p + 2848 + 16 * v, V::bytes(32));
+        w1 = V::add_where(V::add_where(w1, p + 2336 + 16 * v + 8, V::bytes(16)), p + 2848 + 16 * v + 8, V::bytes(32));
 #pragma GCC unroll 8
-  for (int m = 0; m < NM; ++m)
-    acc[m] = V::fma(V::cvt(V::sub32(s[m], corr)), V::mul(d, V::set1f(x.d[m])), acc[m]);
+        for (int m = 0; m < NM; ++m)
+          t[m] = V::dot(V::dot(t[m], w0, V::bcast(x.q + ((2 * v) * MT + m) * 4)), w1,
+                        V::bcast(x.q + ((2 * v + 1) * MT + m) * 4));
+      }
+      const VF sc = V::cvt(V::s8_to_32(p + 32 + 16 * j));
+#pragma GCC unroll 8
+      for (int m = 0; m < NM; ++m) {
+        const VF tf = V::cvt(t[m]);
+        sp[m] = h == 0 ? V::mul(tf, sc) : V::fma(tf, sc, sp[m]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) acc[m] = V::fma(sp[m], V::mul(d, V::set1f(x.d[pr * MT + m])), acc[m]);
+  }
 }
 
 // Bytes of a K-type packed block before its 2048-byte quant plane (scales); bit planes follow it.
 template <int64_t T>
-constexpr int HEAD = T == Q6_K ? 352 : 320;
+constexpr int HEAD = T == Q6_K ? 288 : 320;
 
 // NG groups side by side, block by block: each group is a stream of its own in memory, and
 // several streams at once keep more of DRAM's latency covered than one (the hardware
@@ -825,12 +803,12 @@ constexpr int HEAD = T == Q6_K ? 352 : 320;
 template <int64_t T, int NM, int NG>
 static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
   constexpr int pb = T == Q4_0 ? 288 : T == Q4_1 ? 320 : T == Q5_0 ? 352 : T == Q5_1 ? 384 : T == Q8_0 ? 544
-                   : T == Q4_K ? 2368 : T == Q5_K ? 2880 : 3424;
+                   : T == Q4_K ? 2368 : T == Q5_K ? 2880 : 3360;
   VF acc[NG][NM];
   for (int g = 0; g < NG; ++g)
     for (int m = 0; m < NM; ++m) acc[g][m] = V::zerof();
   for (int64_t b = 0; b < nb; ++b) {
-    const Tile x = tile_at(a, tile, b);
+    const Tile x = tile_at<(T == Q4_K || T == Q5_K || T == Q6_K) ? 256 : 32>(a, tile, b);
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
       const uint8_t* p = packed + g * stride + b * pb;
@@ -908,7 +886,6 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
   const int64_t M = x.size(0);
   int64_t N = 0;
   std::vector<int64_t> offsets, groups_before = {0};
-  bool need32 = false, need256 = false;
   for (size_t p = 0; p < parts.size(); ++p) {
     TORCH_CHECK(known(types[p]), "ssd qlinear: unsupported GGUF type ", types[p]);
     const Info in = info(types[p]);
@@ -917,7 +894,6 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
     TORCH_CHECK(parts[p].scalar_type() == at::kByte && parts[p].is_contiguous() &&
                     parts[p].numel() == groups * (K / in.block) * in.pack_bytes,
                 "ssd qlinear: part ", p, " is not a packed tensor of ", rows[p], " x ", K);
-    (k_type(types[p]) ? need256 : need32) = true;
     offsets.push_back(N);
     N += rows[p];
     groups_before.push_back(groups_before.back() + groups);
@@ -930,9 +906,8 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
   }
   at::Tensor y = at::empty({M, N}, at::kFloat);
   if (M == 0) return y;
-  Act a32, a256;
-  if (need32) quantize_act(x.data_ptr<float>(), x.stride(0), M, K, 32, a32);
-  if (need256) quantize_act(x.data_ptr<float>(), x.stride(0), M, K, 256, a256);
+  Act a;
+  quantize_act(x.data_ptr<float>(), x.stride(0), M, K, a);
   float* yp = y.data_ptr<float>();
   const int64_t total = groups_before.back();
   // A thread per few groups at least: waking threads for a small matrix costs more than it saves.
@@ -958,7 +933,6 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
         const Info in = info(t);
         const int64_t nb = K / in.block;
         const uint8_t* packed = parts[p].data_ptr<uint8_t>() + g * nb * in.pack_bytes;
-        const Act& a = k_type(t) ? a256 : a32;
         if (reference)
           for (int64_t i = 0; i < ng; ++i) group_portable(t, packed + i * nb * in.pack_bytes, nb, a, M, out.data() + i * M * G);
         else group_fast(t, packed, ng, nb, a, M, out.data());
@@ -981,12 +955,12 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
   return y;
 }
 
-// The activation quantisation, for tests: (q int8 [M, K], d fp32 [M, K / block]).
-std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x, int64_t block) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && (block == 32 || block == 256) &&
-                  x.size(1) % block == 0, "ssd quant: bad activations");
+// The activation quantisation, for tests: (q int8 [M, K], d fp32 [M, K / 32]).
+std::tuple<at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.size(1) % AB == 0,
+              "ssd quant: bad activations");
   Act a;
-  quantize_act(x.data_ptr<float>(), x.size(1), x.size(0), x.size(1), int(block), a);
+  quantize_act(x.data_ptr<float>(), x.size(1), x.size(0), x.size(1), a);
   at::Tensor q = at::empty({x.size(0), x.size(1)}, at::kChar), d = at::empty({x.size(0), a.nb}, at::kFloat);
   std::memcpy(q.data_ptr<int8_t>(), a.q.data(), a.q.size());
   std::memcpy(d.data_ptr<float>(), a.d.data(), a.d.size() * 4);
@@ -1033,7 +1007,7 @@ TORCH_LIBRARY(SSD_NS, m) {
   m.def("repack(Tensor raw, int type, int N, int K) -> Tensor");
   m.def("qlinear(Tensor x, Tensor[] parts, int[] types, int[] rows, int K, Tensor? bias, bool reference) -> Tensor");
   m.def("dequant_rows(Tensor raw, int type, Tensor ids, int K) -> Tensor");
-  m.def("quantize_rows(Tensor x, int block) -> (Tensor, Tensor)");
+  m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("quantize_q4_0(Tensor w) -> Tensor");
   m.def("packed_bytes(int type, int N, int K) -> int", &packed_bytes);
   m.impl("repack", c10::DispatchKey::CPU, &repack);

@@ -35,7 +35,8 @@
 // consecutive weights of each of the 16 rows ("k-group"): byte i is row i / 4, weight i % 4.
 // With AVX-512 VNNI one vpdpbusd then adds 4 products into each row's int32 lane, for all 16
 // rows at once, and no horizontal sum is ever needed. 4-bit quants are stored as nibble
-// pairs (low nibble: k-group 2v, high: 2v + 1); 5th and 6th bits as one 64-bit mask per k-group.
+// pairs (low nibble: k-group 2v, high: 2v + 1); 5th bits as one 64-bit mask per k-group; Q6_K's
+// top two bits as 2-bit fields, four k-groups per byte plane (bits 2c, 2c + 1: k-group 4u + c).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -273,6 +274,17 @@ static void put_bits(uint8_t* dst, const int32_t (*q)[256], int nkg, int bit) {
   }
 }
 
+// Q6_K's top two bits: plane u (64 bytes) holds k-groups 4u .. 4u + 3, k-group 4u + c in bits 2c, 2c + 1.
+static void put_hi2(uint8_t* dst, const int32_t (*q)[256]) {
+  for (int u = 0; u < 16; ++u)
+    for (int r = 0; r < G; ++r)
+      for (int e = 0; e < 4; ++e) {
+        int byte = 0;
+        for (int c = 0; c < 4; ++c) byte |= ((q[r][4 * (4 * u + c) + e] >> 4) & 3) << (2 * c);
+        dst[64 * u + vpos(r, e)] = uint8_t(byte);
+      }
+}
+
 static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out) {
   // rows[r]: the raw GGUF block of row r of the group (nullptr: a padding row, all zero).
   static thread_local int32_t q[G][256];
@@ -331,8 +343,7 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
       p += 256;
       put_nibbles(p, q, 64);
       p += 2048;
-      put_bits(p, q, 64, 4);
-      put_bits(p + 512, q, 64, 5);
+      put_hi2(p, q);
       break;
     }
   }
@@ -494,8 +505,8 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
         for (int j = 0; j < 16; ++j) gb.sc[r][j] = int8_t(p[32 + 16 * j + r]);
         for (int kg = 0; kg < 64; ++kg)
           for (int e = 0; e < 4; ++e)
-            gb.w[r][4 * kg + e] = nib(p + 288, kg, r, e) + (bit(p + 2336, kg, r, e) << 4) +
-                                  (bit(p + 2848, kg, r, e) << 5) - 32;
+            gb.w[r][4 * kg + e] = nib(p + 288, kg, r, e) +
+                                  (((p[2336 + 64 * (kg / 4) + vpos(r, e)] >> (2 * (kg % 4))) & 3) << 4) - 32;
       }
       break;
   }
@@ -569,6 +580,9 @@ struct V {
   static I bytes(int8_t v) { return _mm512_set1_epi8(v); }
   static I and_(I a, I b) { return _mm512_and_si512(a, b); }
   static I hi_nibbles(I a) { return _mm512_and_si512(_mm512_srli_epi16(a, 4), bytes(0x0F)); }
+  template <int N> static I shl16(I a) { return _mm512_slli_epi16(a, N); }
+  template <int N> static I shr16(I a) { return _mm512_srli_epi16(a, N); }
+  static I or_bits45(I lo, I b) { return _mm512_ternarylogic_epi32(lo, b, bytes(0x30), 0xF8); }  // lo | (b & 0x30)
   static I add_where(I w, const uint8_t* bits, I v) {  // w + v in the bytes whose bit is set
     uint64_t m;
     std::memcpy(&m, bits, 8);
@@ -604,6 +618,12 @@ struct V {
   static I hi_nibbles(I a) {
     const __m256i m = _mm256_set1_epi8(0x0F);
     return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
+  }
+  template <int N> static I shl16(I a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
+  template <int N> static I shr16(I a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
+  static I or_bits45(I lo, I b) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    return {_mm256_or_si256(lo.lo, _mm256_and_si256(b.lo, m)), _mm256_or_si256(lo.hi, _mm256_and_si256(b.hi, m))};
   }
   static __m256i bit_bytes(uint32_t x) {  // 0xFF in byte i where bit i of x is set
     const __m256i sel = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
@@ -768,14 +788,17 @@ static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
       const int j = 2 * pr + h;
       VI t[NM];
       for (int m = 0; m < NM; ++m) t[m] = V::set1(x.s16[j * MT + m]);
+      // The sub-block's 4 k-groups: low nibbles from two nibble vectors, top bits from one
+      // plane (k-group 4j + c in bits 2c, 2c + 1, shifted to bits 4 and 5).
+      const VI hb = V::load(p + 2336 + 64 * j);
+      const VI top[4] = {V::shl16<4>(hb), V::shl16<2>(hb), hb, V::shr16<2>(hb)};
 #pragma GCC unroll 2
       for (int vv = 0; vv < 2; ++vv) {  // (as in k4_block)
         const int v = 2 * j + vv;
         ahead(ql + 64 * v);
         const VI raw = V::load(ql + 64 * v);
-        VI w0 = V::and_(raw, V::bytes(0x0F)), w1 = V::hi_nibbles(raw);
-        w0 = V::add_where(V::add_where(w0, p + 2336 + 16 * v, V::bytes(16)), p + 2848 + 16 * v, V::bytes(32));
-        w1 = V::add_where(V::add_where(w1, p + 2336 + 16 * v + 8, V::bytes(16)), p + 2848 + 16 * v + 8, V::bytes(32));
+        const VI w0 = V::or_bits45(V::and_(raw, V::bytes(0x0F)), top[2 * vv]);
+        const VI w1 = V::or_bits45(V::hi_nibbles(raw), top[2 * vv + 1]);
 #pragma GCC unroll 8
         for (int m = 0; m < NM; ++m)
           t[m] = V::dot(V::dot(t[m], w0, V::bcast(x.q + ((2 * v) * MT + m) * 4)), w1,

@@ -99,6 +99,34 @@ def test_batch_invariant_and_the_same_bits_as_the_portable_code(op, qtype, threa
     assert_same_bits_on_any_thread_count(lambda: [Q.qlinear(x, [m])])
 
 
+@pytest.mark.parametrize("qtype", [GGML.Q4_0, GGML.Q8_0, GGML.Q4_K, GGML.Q6_K], ids=lambda t: t.name)
+def test_a_large_matrix_on_several_threads_equals_the_portable_code(op, qtype, threads):
+    """Enough 16-row groups for every thread (small matrices run on the caller's thread alone)."""
+    n, k = 16 * 8 * 4 + 5, 2560
+    m = Q.repack(blocks(qtype, n, k, seed=5), qtype, n, k)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(6))
+    for rows in (1, 5, 9):
+        want = Q.qlinear(x[:rows], [m], reference=True)
+        assert_same_bits_on_any_thread_count(lambda: [Q.qlinear(x[:rows], [m])])
+        assert torch.equal(Q.qlinear(x[:rows], [m]), want), (qtype.name, rows)
+
+
+def test_every_build_quantises_activations_alike(op):
+    """The SIMD builds quantise x with vector code: the same q and scales as the scalar loop,
+    on ties (x * 127 / amax at .5), zero blocks, a NaN (skipped by the max) and an inf."""
+    x = torch.randn(6, 256) * 3
+    x[0, :40] = 0
+    x[1, 5] = float("nan")
+    x[2, 3] = float("inf")
+    x[3, :32] = torch.arange(32) - 15.5  # with amax = 127 below: x * 127 / amax = x, every one a tie
+    x[3, 31] = 127
+    x[4, 32:64] = 1e-39  # subnormal
+    builds = Q.runnable_variants()
+    outs = [Q.quantize_rows(x, variant=v) for v in builds]
+    for q, d in outs[1:]:
+        assert torch.equal(q, outs[0][0]) and torch.equal(d.nan_to_num(-1), outs[0][1].nan_to_num(-1)), builds
+
+
 def test_every_build_gives_the_same_bits(op):
     builds = Q.runnable_variants()
     if len(builds) < 2:

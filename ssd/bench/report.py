@@ -147,8 +147,8 @@ def _notes(result: BenchResult, rows: Sequence[Row]) -> list[str]:
     if any(c.is_peer for c in spec.configs) and spec.batch_size > 1:
         notes.append("peers run one prompt at a time")
     if any(r.mode.startswith("llamacpp") and not r.skipped for r in rows):
-        notes.append("llamacpp decodes the quantised GGUF with its own kernels (the engine and hf use the "
-                     "dequantised weights), so its tokens may differ from AR")
+        notes.append("llamacpp decodes the GGUF with its own kernels, which round differently from the engine's "
+                     "(and hf's fp32), so its tokens may differ from AR")
     notes += [f"skipped {label}: {reason}" for label, reason in result.skipped.items()]
     notes += [f"WARNING: {r.config} on {r.set} is not token-identical to AR at temperature 0"
               for r in rows if r.same_as_ar.startswith("no") and r.mode in ENGINE_MODES]

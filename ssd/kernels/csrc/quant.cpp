@@ -6,7 +6,7 @@
 //   repack(raw, type, N, K)          GGUF blocks [N rows of K] -> groups of 16 rows, interleaved
 //   qlinear(x, parts, types, rows, K, bias)   y[M, sum rows] = x @ W.T (+ b), W the parts stacked
 //   dequant_rows(raw, type, ids, K)  rows of the GGUF tensor in fp32, exactly as the gguf package
-//   quantize_rows(x, block)          the 8-bit activations qlinear uses (for tests)
+//   quantize_rows(x)                 the 8-bit activations qlinear uses (for tests)
 //   quantize_q4_0(w)                 fp32 [N, K] -> GGUF Q4_0 blocks, as ggml's reference quantiser
 //
 // Numerics (every build does exactly this, so all give the same bits). Each activation row is

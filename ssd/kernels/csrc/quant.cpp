@@ -386,15 +386,13 @@ struct Act {
   int64_t K = 0, nb = 0, M = 0;
   std::vector<int8_t> q;      // [M][K]
   std::vector<float> d;       // [M][nb]
-  std::vector<int32_t> sum;   // [M][nb] sum of q over the block
-  std::vector<float> sx;      // [M][nb] d * float(sum)
-  std::vector<int32_t> s16;   // [M][2 nb] -32 * the sum of q over each half block (Q6_K's w + 32)
-  // Tiled, tile t = rows MT*t .. MT*t + MT - 1 (missing rows zero):
+  std::vector<float> sx;      // [M][nb] d * float(sum of q over the block)
+  // Tiled, tile t = rows MT*t .. MT*t + MT - 1 (a tile lacks the rows past M; never read):
   std::vector<int8_t> qt;     // [tiles][K/4][rows of the tile][4], MT * K bytes per tile
-  std::vector<float> dt;      // [tiles][nb][MT]
-  std::vector<int32_t> st;    // [tiles][nb][MT] sum
+  std::vector<float> dt;      // [tiles][nb][MT] d
+  std::vector<int32_t> st;    // [tiles][nb][MT] sum of q over the block
   std::vector<float> sxt;     // [tiles][nb][MT] sx
-  std::vector<int32_t> s16t;  // [tiles][2 nb][MT] s16
+  std::vector<int32_t> s16t;  // [tiles][2 nb][MT] -32 * the sum of q over each half block (Q6_K's w + 32)
 };
 
 // Rows of x in tile t: a tile's k-groups hold only its rows, so a single row's activations take
@@ -464,41 +462,38 @@ static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, Act&
   a.nb = K / AB;
   a.q.resize(M * K);
   a.d.resize(M * a.nb);
-  a.sum.resize(M * a.nb);
   a.sx.resize(M * a.nb);
-  a.s16.resize(M * a.nb * 2);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t b = 0; b < a.nb; ++b) {
-      int32_t half[2];
-      const float amax = quantize_block(x + m * ldx + b * AB, a.q.data() + m * K + b * AB, half);
-      const float d = amax / 127.f;
-      const int32_t s = half[0] + half[1];
-      a.d[m * a.nb + b] = d;
-      a.sum[m * a.nb + b] = s;
-      a.sx[m * a.nb + b] = d * float(s);
-      a.s16[(m * a.nb + b) * 2] = -32 * half[0];
-      a.s16[(m * a.nb + b) * 2 + 1] = -32 * half[1];
-    }
 #if SSD_FAST
   const int64_t tiles = (M + MT - 1) / MT, kgs = K / 4;
-  a.qt.resize(tiles * kgs * MT * 4);  // (rows a tile lacks are never read: no zero fill)
+  a.qt.resize(tiles * kgs * MT * 4);  // (no zero fill: every byte read is written below)
   a.dt.resize(tiles * a.nb * MT);
   a.st.resize(tiles * a.nb * MT);
   a.sxt.resize(tiles * a.nb * MT);
   a.s16t.resize(tiles * a.nb * 2 * MT);
-  for (int64_t m = 0; m < M; ++m) {
-    const int64_t t = m / MT, r = m % MT, rows = tile_rows(M, t);
-    const int8_t* src = a.q.data() + m * K;
-    int8_t* dst = a.qt.data() + (t * kgs * MT + r) * 4;
-    for (int64_t kg = 0; kg < kgs; ++kg) std::memcpy(dst + kg * rows * 4, src + 4 * kg, 4);
-    for (int64_t b = 0; b < a.nb; ++b) {
-      a.dt[(t * a.nb + b) * MT + r] = a.d[m * a.nb + b];
-      a.st[(t * a.nb + b) * MT + r] = a.sum[m * a.nb + b];
-      a.sxt[(t * a.nb + b) * MT + r] = a.sx[m * a.nb + b];
-      for (int h = 0; h < 2; ++h) a.s16t[((t * a.nb + b) * 2 + h) * MT + r] = a.s16[(m * a.nb + b) * 2 + h];
-    }
-  }
 #endif
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < a.nb; ++b) {
+      int32_t half[2];
+      const float d = quantize_block(x + m * ldx + b * AB, a.q.data() + m * K + b * AB, half) / 127.f;
+      const int32_t s = half[0] + half[1];
+      a.d[m * a.nb + b] = d;
+      a.sx[m * a.nb + b] = d * float(s);
+#if SSD_FAST
+      const int64_t i = (m / MT * a.nb + b) * MT + m % MT;  // [tile][b][row in tile]
+      a.dt[i] = d;
+      a.st[i] = s;
+      a.sxt[i] = a.sx[m * a.nb + b];
+      a.s16t[(m / MT * a.nb + b) * 2 * MT + m % MT] = -32 * half[0];
+      a.s16t[(m / MT * a.nb + b) * 2 * MT + MT + m % MT] = -32 * half[1];
+#endif
+    }
+#if SSD_FAST
+    const int64_t t = m / MT, rows = tile_rows(M, t);
+    const int8_t* src = a.q.data() + m * K;
+    int8_t* dst = a.qt.data() + (t * kgs * MT + m % MT) * 4;
+    for (int64_t kg = 0; kg < kgs; ++kg) std::memcpy(dst + kg * rows * 4, src + 4 * kg, 4);
+#endif
+  }
 }
 
 // ---- the products: portable reference -----------------------------------------------------

@@ -54,12 +54,16 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(_CPU_FLAGS.get(cap.lower(), set()))
 
 
-def prefetch_bytes() -> int:
-    """How far ahead the quantised matmul prefetches its weight stream. 2048 bytes suits the
-    Intel Xeon it was written on; on a 2-core AMD EPYC (AVX-512) 4096 made the 1.5B's
-    single-token pass 29 ms instead of 32-36 (bench/README.md, "Pass cost"). Timing only:
-    the results' bits do not depend on it."""
-    return 4096 if _cpuinfo("vendor_id") == "AuthenticAMD" else 2048
+def stream_tuning() -> list[str]:
+    """How the quantised matmul streams its weights, per CPU vendor (compiler defines; timing
+    only: the results' bits do not depend on them). The Intel Xeon it was written on: prefetch
+    2048 bytes ahead into L1, four groups of rows side by side for a single row of x. A 2-core
+    AMD EPYC (Zen 4): 8192 bytes ahead into L2 only, one sequential stream per thread; there the
+    1.5B's matrices ran at 28-31 GB/s on two threads instead of 21-24 (bench/README.md,
+    "Weight streaming on AMD")."""
+    if _cpuinfo("vendor_id") == "AuthenticAMD":
+        return ["-DSSD_PF_BYTES=8192", "-DSSD_PF_L2=1", "-DSSD_M1_STREAMS=1"]
+    return ["-DSSD_PF_BYTES=2048", "-DSSD_PF_L2=0", "-DSSD_M1_STREAMS=4"]
 
 
 @functools.cache
@@ -105,7 +109,7 @@ class CppKernel:
         return (SOURCES / f"{self.name}.cpp").read_text()
 
     def flags(self, variant: str) -> list[str]:
-        return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", f"-DSSD_PF_BYTES={prefetch_bytes()}",
+        return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
                 *_ISA_FLAGS[variant], *self.requires.get(variant, (set(), []))[1]]
 
     @functools.cached_property

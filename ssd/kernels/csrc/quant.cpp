@@ -37,6 +37,12 @@
 // rows at once, and no horizontal sum is ever needed. 4-bit quants are stored as nibble
 // pairs (low nibble: k-group 2v, high: 2v + 1); 5th bits as one 64-bit mask per k-group; Q6_K's
 // top two bits as 2-bit fields, four k-groups per byte plane (bits 2c, 2c + 1: k-group 4u + c).
+// A K-type block is its scales, then 8 chunks, one per activation block of 32 weights, each
+// holding that block's quants in the order the kernel reads them (Q4_K: 4 nibble vectors;
+// Q5_K: those and the 8 k-groups' 5th-bit masks; Q6_K: per 16-wide sub-block, its top-bit plane
+// then its 2 nibble vectors). So each group is read front to back as one stream, which is what
+// CPUs' hardware prefetchers follow (with the bit planes after all the nibbles, Q6_K read two
+// streams 2 KB apart and ran at half the bandwidth on an AMD EPYC).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -285,6 +291,31 @@ static void put_hi2(uint8_t* dst, const int32_t (*q)[256]) {
       }
 }
 
+// Bytes of one chunk of a K-type block (the quants of one activation block of 32), and of the
+// scales before the first chunk.
+static constexpr int k_chunk(int64_t t) { return t == Q4_K ? 256 : t == Q5_K ? 320 : 384; }
+static constexpr int k_head(int64_t t) { return t == Q6_K ? 288 : 320; }
+
+// A K-type block's 8 chunks from the planes above (see the layout at the top).
+static void put_k_chunks(int64_t t, uint8_t* dst, const int32_t (*q)[256]) {
+  uint8_t nib[2048], ext[1024];
+  put_nibbles(nib, q, 64);  // 128 bytes per 16-wide sub-block
+  if (t == Q5_K) put_bits(ext, q, 64, 4);  // 64 bytes per chunk
+  if (t == Q6_K) put_hi2(ext, q);  // 64 bytes per 16-wide sub-block
+  for (int c = 0; c < 8; ++c) {
+    uint8_t* ch = dst + c * k_chunk(t);
+    if (t == Q6_K) {
+      for (int h = 0; h < 2; ++h) {
+        std::memcpy(ch + 192 * h, ext + 64 * (2 * c + h), 64);
+        std::memcpy(ch + 192 * h + 64, nib + 128 * (2 * c + h), 128);
+      }
+    } else {
+      std::memcpy(ch, nib + 256 * c, 256);
+      if (t == Q5_K) std::memcpy(ch + 256, ext + 64 * c, 64);
+    }
+  }
+}
+
 static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out) {
   // rows[r]: the raw GGUF block of row r of the group (nullptr: a padding row, all zero).
   static thread_local int32_t q[G][256];
@@ -330,9 +361,7 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
           p[128 + 16 * j + r] = mn;
         }
       p += 256;
-      put_nibbles(p, q, 64);
-      p += 2048;
-      if (t == Q5_K) put_bits(p, q, 64, 4);
+      put_k_chunks(t, p, q);
       break;
     }
     case Q6_K: {
@@ -341,9 +370,7 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
       for (int r = 0; r < G; ++r)
         for (int j = 0; j < 16; ++j) p[16 * j + r] = rows[r] ? rows[r][192 + j] : 0;
       p += 256;
-      put_nibbles(p, q, 64);
-      p += 2048;
-      put_hi2(p, q);
+      put_k_chunks(t, p, q);
       break;
     }
   }
@@ -544,19 +571,22 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
           gb.sc[r][j] = p[64 + 16 * j + r];
           gb.mn[r][j] = p[192 + 16 * j + r];
         }
-        for (int kg = 0; kg < 64; ++kg)
+        for (int kg = 0; kg < 64; ++kg) {
+          const uint8_t* ch = p + 320 + k_chunk(t) * (kg / 8);  // nibble vectors, then Q5_K's masks
           for (int e = 0; e < 4; ++e)
-            gb.w[r][4 * kg + e] = nib(p + 320, kg, r, e) + (t == Q5_K ? bit(p + 2368, kg, r, e) << 4 : 0);
+            gb.w[r][4 * kg + e] = nib(ch, kg % 8, r, e) + (t == Q5_K ? bit(ch + 256, kg % 8, r, e) << 4 : 0);
+        }
       }
       break;
     case Q6_K:
       for (int r = 0; r < G; ++r) {
         gb.d[r] = half_to_float(rd16(p + 2 * r));
         for (int j = 0; j < 16; ++j) gb.sc[r][j] = int8_t(p[32 + 16 * j + r]);
-        for (int kg = 0; kg < 64; ++kg)
+        for (int kg = 0; kg < 64; ++kg) {
+          const uint8_t* sub = p + 288 + 192 * (kg / 4);  // the top-bit plane, then 2 nibble vectors
           for (int e = 0; e < 4; ++e)
-            gb.w[r][4 * kg + e] = nib(p + 288, kg, r, e) +
-                                  (((p[2336 + 64 * (kg / 4) + vpos(r, e)] >> (2 * (kg % 4))) & 3) << 4) - 32;
+            gb.w[r][4 * kg + e] = nib(sub + 64, kg % 4, r, e) + (((sub[vpos(r, e)] >> (2 * (kg % 4))) & 3) << 4) - 32;
+        }
       }
       break;
   }
@@ -609,15 +639,27 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
 // The block code below is written once over `V`, 16 int32 or fp32 lanes = the 16 rows of a
 // group: one zmm with AVX-512, two ymm halves (rows 0-7, 8-15) with AVX2. A tile of NM <= MT
 // rows of x passes over each group.
+// Tuned per CPU vendor by build.py (timing only: no bit of a result depends on them): how far
+// ahead the weight stream is prefetched, into which cache level, and how many groups of 16 rows
+// one pass over a single row of x reads side by side (M_ONE_STREAMS, below).
 #ifndef SSD_PF_BYTES
 #define SSD_PF_BYTES 2048
 #endif
-constexpr int PF_BYTES = SSD_PF_BYTES;  // software prefetch distance along the packed stream (build.py)
+#ifndef SSD_PF_L2
+#define SSD_PF_L2 0
+#endif
+#ifndef SSD_M1_STREAMS
+#define SSD_M1_STREAMS 4
+#endif
+constexpr int PF_BYTES = SSD_PF_BYTES;
+// Into L1 (T0) or L2 only (T2): an L1 prefetch holds one of the core's few L1 miss buffers until
+// its line arrives, and on an AMD EPYC that capped one core's weight stream near 12 GB/s.
+constexpr auto PF_HINT = SSD_PF_L2 ? _MM_HINT_T2 : _MM_HINT_T0;
 
 static inline __m512i bcast_512(const void* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
 // Software prefetch along the packed stream, one line per line read, PF_BYTES ahead (a hint:
 // no fault past the end). Keeps DRAM busy while the cores compute.
-static inline void ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES), _MM_HINT_T0); }
+static inline void ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES), PF_HINT); }
 
 #if SSD_VNNI
 struct V {
@@ -781,22 +823,23 @@ static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
 // Q4_K / Q5_K: one super-block of 256 (8 sub-blocks of 8 k-groups, each an activation block).
 template <int64_t T, int NM>
 static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
-  const uint8_t* qs = p + 320;
   VF s[NM];
   for (int m = 0; m < NM; ++m) s[m] = V::zerof();
 #pragma GCC unroll 1
   for (int j = 0; j < 8; ++j) {
+    const uint8_t* ch = p + k_head(T) + k_chunk(T) * j;  // 4 nibble vectors (Q5_K: then 8 masks)
+    if constexpr (T == Q5_K) ahead(ch + 256);
     VI t[NM];
     for (int m = 0; m < NM; ++m) t[m] = V::zero();
 #pragma GCC unroll 4
     for (int vv = 0; vv < 4; ++vv) {  // (a constant trip count: GCC unrolls it, accumulators stay put)
       const int v = 4 * j + vv;
-      ahead(qs + 64 * v);
-      const VI raw = V::load(qs + 64 * v);
+      ahead(ch + 64 * vv);
+      const VI raw = V::load(ch + 64 * vv);
       VI w0 = V::and_(raw, V::bytes(0x0F)), w1 = V::hi_nibbles(raw);
       if constexpr (T == Q5_K) {
-        w0 = V::add_where(w0, p + 2368 + 16 * v, V::bytes(16));
-        w1 = V::add_where(w1, p + 2368 + 16 * v + 8, V::bytes(16));
+        w0 = V::add_where(w0, ch + 256 + 16 * vv, V::bytes(16));
+        w1 = V::add_where(w1, ch + 256 + 16 * vv + 8, V::bytes(16));
       }
 #pragma GCC unroll 8
       for (int m = 0; m < NM; ++m)
@@ -828,7 +871,6 @@ static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
 // -32 * sum x (a broadcast load, where a subtraction would take a vector slot).
 template <int NM>
 static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
-  const uint8_t* ql = p + 288;
   const VF d = V::half(p);
 #pragma GCC unroll 1
   for (int pr = 0; pr < 8; ++pr) {
@@ -840,13 +882,15 @@ static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
       for (int m = 0; m < NM; ++m) t[m] = V::set1(x.s16[j * MT + m]);
       // The sub-block's 4 k-groups: low nibbles from two nibble vectors, top bits from one
       // plane (k-group 4j + c in bits 2c, 2c + 1, shifted to bits 4 and 5).
-      const VI hb = V::load(p + 2336 + 64 * j);
+      const uint8_t* sub = p + k_head(Q6_K) + 192 * j;  // the top-bit plane, then 2 nibble vectors
+      ahead(sub);
+      const VI hb = V::load(sub);
       const VI top[4] = {V::shl16<4>(hb), V::shl16<2>(hb), hb, V::shr16<2>(hb)};
 #pragma GCC unroll 2
       for (int vv = 0; vv < 2; ++vv) {  // (as in k4_block)
         const int v = 2 * j + vv;
-        ahead(ql + 64 * v);
-        const VI raw = V::load(ql + 64 * v);
+        ahead(sub + 64 + 64 * vv);
+        const VI raw = V::load(sub + 64 + 64 * vv);
         const VI w0 = V::or_bits45(V::and_(raw, V::bytes(0x0F)), top[2 * vv]);
         const VI w1 = V::or_bits45(V::hi_nibbles(raw), top[2 * vv + 1]);
 #pragma GCC unroll 8
@@ -866,10 +910,6 @@ static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
   }
 }
 
-// Bytes of a K-type packed block before its 2048-byte quant plane (scales); bit planes follow it.
-template <int64_t T>
-constexpr int HEAD = T == Q6_K ? 288 : 320;
-
 // NG groups side by side, block by block: each group is a stream of its own in memory, and
 // several streams at once keep more of DRAM's latency covered than one (the hardware
 // prefetcher follows each), and give the core independent chains to overlap.
@@ -888,9 +928,9 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
       if constexpr (pb < 2048) {  // a small legacy block: all of its lines
 #pragma GCC unroll 16
         for (int off = 0; off < pb; off += 64) ahead(p + off);
-      } else {  // the scales and bit planes (the quants are fetched ahead as they are read)
-#pragma GCC unroll 24
-        for (int off = 0; off < pb - 2048; off += 64) ahead(p + (off < HEAD<T> ? off : off + 2048));
+      } else {  // the scales (the quants are fetched ahead as they are read)
+#pragma GCC unroll 5
+        for (int off = 0; off < k_head(T); off += 64) ahead(p + off);
       }
       if constexpr (T == Q4_K || T == Q5_K) k4_block<T, NM>(p, x, acc[g]);
       else if constexpr (T == Q6_K) q6k_block<NM>(p, x, acc[g]);
@@ -901,8 +941,10 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
     for (int m = 0; m < NM; ++m) V::store(out + (g * a.M + tile * MT + m) * G, acc[g][m]);
 }
 
-// Groups per pass by rows of x: as many streams as the registers hold accumulators for.
-static int groups_per_pass(int64_t M) { return M == 1 ? 4 : M <= 4 ? 2 : 1; }
+// Groups per pass by rows of x: up to as many streams as the registers hold accumulators for.
+// (Several streams keep more DRAM requests in flight on the Intel Xeon; on an AMD EPYC one
+// sequential stream per thread, which its prefetchers follow, is faster.)
+static int groups_per_pass(int64_t M) { return M == 1 ? SSD_M1_STREAMS : M <= 4 ? std::min(2, SSD_M1_STREAMS) : 1; }
 
 template <int64_t T>
 static void group_simd(const uint8_t* packed, int64_t ng, int64_t nb, const Act& a, int64_t M, float* out) {

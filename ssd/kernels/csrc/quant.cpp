@@ -660,6 +660,13 @@ static inline __m512i bcast_512(const void* p) { return _mm512_set1_epi32(*reint
 // Software prefetch along the packed stream, one line per line read, PF_BYTES ahead (a hint:
 // no fault past the end). Keeps DRAM busy while the cores compute.
 static inline void ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES), PF_HINT); }
+// The first PF_BYTES of a stretch about to be read, which no ahead() covers: fetched all at once
+// rather than one demand miss after another (a thread starts such a stretch ~8 times per matrix,
+// and a small draft matrix is only some 100 KB a thread).
+static inline void warm(const uint8_t* p, int64_t bytes) {
+  for (int64_t off = 0; off < std::min<int64_t>(bytes, PF_BYTES); off += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p + off), PF_HINT);
+}
 
 #if SSD_VNNI
 struct V {
@@ -985,6 +992,7 @@ static void group_fast(int64_t t, const uint8_t* packed, int64_t ng, int64_t nb,
 }
 #else
 static int groups_per_pass(int64_t) { return 1; }
+static void warm(const uint8_t*, int64_t) {}
 static void group_fast(int64_t t, const uint8_t* packed, int64_t, int64_t nb, const Act& a, int64_t M, float* out) {
   group_portable(t, packed, nb, a, M, out);
 }
@@ -1042,7 +1050,7 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
       const int64_t u0 = next.fetch_add(run, std::memory_order_relaxed);
       if (u0 >= total) break;
       const int64_t u1 = std::min(total, u0 + run);
-      size_t p = 0;
+      size_t p = 0, warmed = parts.size();
       for (int64_t u = u0; u < u1;) {
         while (groups_before[p + 1] <= u) ++p;
         // The next groups of this part in the run, done in one pass.
@@ -1051,6 +1059,10 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
         const Info in = info(t);
         const int64_t nb = K / in.block;
         const uint8_t* packed = parts[p].data_ptr<uint8_t>() + g * nb * in.pack_bytes;
+        if (warmed != p) {  // this run's stretch of part p starts here
+          warm(packed, (std::min(u1, groups_before[p + 1]) - u) * nb * in.pack_bytes);
+          warmed = p;
+        }
         if (reference)
           for (int64_t i = 0; i < ng; ++i) group_portable(t, packed + i * nb * in.pack_bytes, nb, a, M, out.data() + i * M * G);
         else group_fast(t, packed, ng, nb, a, M, out.data());

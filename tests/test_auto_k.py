@@ -41,6 +41,25 @@ def test_expected_tokens_and_timings():
     assert 3.0 < t(3) < 4.0
 
 
+def test_a_pass_never_reads_dearer_than_a_larger_one():
+    # A start-up timing caught in a load spike (1 row: 0.5 s) is capped by the larger sizes'.
+    t = Timings({1: 0.5, 2: 0.05, 3: 0.06})
+    assert t(1) == 0.05 and t(2) == 0.05 and t(3) == 0.06 and t(4) == pytest.approx(0.07)
+    t.observe(2, 0.08)
+    assert t(1) == 0.06  # (now capped by size 3)
+
+
+def test_a_useless_draft_is_turned_off_despite_a_spiked_start_up_timing():
+    # A draft step as dear as the target's pass, never accepted, and the plain step's start-up
+    # timing 10x too high: drafting must not look free (K = 0 would never run to correct it).
+    policy = AutoK(8, lambda rows: 0.5 if rows == 1 else 0.05 + 0.004 * (rows - 1), 0.05)
+    seqs = [_Seq(0)]
+    for _ in range(30):
+        ks = policy.choose(seqs)
+        policy.observe(seqs, ks, [0] * len(ks), 0.05 * max(ks), 0.05 + 0.004 * sum(ks))
+    assert policy.choose(seqs) == [0]
+
+
 def test_a_draft_that_is_never_accepted_turns_speculation_off_then_probes():
     policy, seq = _policy(), _Seq(0)
     assert policy.choose([seq])[0] > 0  # optimistic before any data

@@ -103,7 +103,11 @@ def expected_tokens(rates: list[float]) -> list[float]:
 class Timings:
     """Moving averages of the target's pass by rows, read with interpolation. The start-up
     timings are replaced by the first round measured at each size (a real round also pays for
-    sampling and verification)."""
+    sampling and verification). A pass over more rows costs at least what one over fewer
+    does, so a reading is capped by every larger size's: a start-up timing caught in a spike
+    of the host's load would otherwise stand until that size ran again, and a plain decoding
+    step that looks dearer than a verify pass makes drafting look free (then K = 0, the size
+    that would correct it, never runs)."""
 
     def __init__(self, initial: dict[int, float]):
         self.values = dict(initial)
@@ -115,6 +119,9 @@ class Timings:
         self.measured.add(size)
 
     def __call__(self, size: int) -> float:
+        return min([self._read(size)] + [v for s, v in self.values.items() if s > size])
+
+    def _read(self, size: int) -> float:
         if size in self.values:
             return self.values[size]
         known = sorted(self.values)

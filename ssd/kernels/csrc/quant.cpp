@@ -572,7 +572,7 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
           gb.mn[r][j] = p[192 + 16 * j + r];
         }
         for (int kg = 0; kg < 64; ++kg) {
-          const uint8_t* ch = p + 320 + k_chunk(t) * (kg / 8);  // nibble vectors, then Q5_K's masks
+          const uint8_t* ch = p + k_head(t) + k_chunk(t) * (kg / 8);  // nibble vectors, then Q5_K's masks
           for (int e = 0; e < 4; ++e)
             gb.w[r][4 * kg + e] = nib(ch, kg % 8, r, e) + (t == Q5_K ? bit(ch + 256, kg % 8, r, e) << 4 : 0);
         }
@@ -583,7 +583,7 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
         gb.d[r] = half_to_float(rd16(p + 2 * r));
         for (int j = 0; j < 16; ++j) gb.sc[r][j] = int8_t(p[32 + 16 * j + r]);
         for (int kg = 0; kg < 64; ++kg) {
-          const uint8_t* sub = p + 288 + 192 * (kg / 4);  // the top-bit plane, then 2 nibble vectors
+          const uint8_t* sub = p + k_head(t) + 192 * (kg / 4);  // the top-bit plane, then 2 nibble vectors
           for (int e = 0; e < 4; ++e)
             gb.w[r][4 * kg + e] = nib(sub + 64, kg % 4, r, e) + (((sub[vpos(r, e)] >> (2 * (kg % 4))) & 3) << 4) - 32;
         }
@@ -641,7 +641,8 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
 // rows of x passes over each group.
 // Tuned per CPU vendor by build.py (timing only: no bit of a result depends on them): how far
 // ahead the weight stream is prefetched, into which cache level, and how many groups of 16 rows
-// one pass over a single row of x reads side by side (M_ONE_STREAMS, below).
+// a pass over one row of x reads side by side (SSD_M1_STREAMS; it also caps the 2 used for up
+// to 4 rows: groups_per_pass, below).
 #ifndef SSD_PF_BYTES
 #define SSD_PF_BYTES 2048
 #endif

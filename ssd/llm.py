@@ -202,11 +202,10 @@ class LLM:
         """Run one scheduled step; return (sequence, new tokens, from_draft flags) for each
         sequence that got tokens. Prompt chunks run through the target alone; in SD and SSD
         modes the sequences that are decoding run one speculative round."""
-        placement = self.speculator.placement() if self.speculator else nullcontext()
-        with placement:
-            work = self.scheduler.schedule()
-            decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
-            plain = [w for w in work if w.seq not in decoding]
+        work = self.scheduler.schedule()
+        decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
+        plain = [w for w in work if w.seq not in decoding]
+        with self.speculator.placement(drafting=bool(decoding)) if self.speculator else nullcontext():
             events = self._forward(plain) if plain else []
             return events + (self._speculate(decoding) if decoding else [])
 

@@ -65,3 +65,44 @@ def test_auto_counts_tokens_beyond_the_candidates():
         f.observe(True, 1, None)
     # ... and none once no fork is worth MIN_GAIN: the budget goes unspent.
     assert f.sizes(3, after_hit=True) == [0, 0, 0] == f.sizes(3, after_hit=False)
+
+
+def test_a_late_build_caps_the_tree_at_the_likeliest_forks():
+    f = FanOut(2, 3)  # 3 forks at each of depths 0, 1 and 2: 9 branches
+    f.fit(9, build_s=0.080, wait_s=0.0)  # the target's request waited for this build
+    assert f.cap == 7
+    sizes = f.sizes(3, after_hit=True)
+    # The prior ends most rounds at depth 2 (all accepted) and ranks the draft's first choice
+    # highest: the two forks dropped are the least likely outcomes, at most F per depth kept.
+    assert sum(sizes) == 7 and sizes[2] == 3 and max(sizes) <= 3, sizes
+    f.fit(7, build_s=0.060, wait_s=0.0007)  # what receiving a waiting request takes: late again
+    assert f.cap == 6
+    for _ in range(10):
+        f.fit(1, build_s=0.040, wait_s=0.0)
+    assert f.cap == 1 and sum(f.sizes(3, after_hit=False)) == 1
+
+
+def test_the_cap_grows_while_the_draft_waits_longer_than_a_branch_costs():
+    f = FanOut(2, 3)
+    f.fit(9, build_s=0.080, wait_s=0.0)
+    f.fit(7, build_s=0.060, wait_s=0.005)  # a branch cost at most 60/7 ms: 5 ms is not room for one
+    assert f.cap == 7
+    f.fit(7, build_s=0.060, wait_s=0.020)
+    assert f.cap == 8
+    f.fit(4, build_s=0.030, wait_s=0.050)  # a smaller tree than the cap (a short speculation): no news
+    assert f.cap == 8
+
+
+def test_a_draft_that_keeps_up_is_never_capped():
+    f = FanOut(4, 3)
+    for _ in range(100):
+        f.fit(15, build_s=0.004, wait_s=0.010)  # a draft on its own GPU
+    assert f.cap is None and f.sizes(5, after_hit=True) == [3] * 5
+
+
+def test_trees_of_a_batch_share_the_cap():
+    f = FanOut(3, "auto", budget=12)
+    f.fit(8, build_s=0.050, wait_s=0.0)
+    assert f.cap == 6
+    assert sum(f.sizes(4, after_hit=True, trees=3)) == 2
+    assert sum(f.sizes(4, after_hit=True, trees=8)) == 1  # every tree keeps one branch

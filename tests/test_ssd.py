@@ -13,6 +13,7 @@ import pytest
 import torch
 import transformers
 
+import ssd.llm
 from ssd import LLM, SamplingParams
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
@@ -76,6 +77,27 @@ def _alone(model, context: list[int], n: int) -> torch.Tensor:
     return ModelRunner(model, cache, torch.device("cpu")).forward([Chunk(0, context, 0, n)])
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="SSD splits the cores: needs two")
+def test_prompts_run_on_the_idle_workers_cores_too(smollm_dir, truncated_draft, ar_outputs, monkeypatch):
+    """The target is pinned to its half of the cores while the worker drafts; a step of
+    prompts alone also takes the worker's (idle) cores, and the output stays AR's."""
+    with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, fan_out=2) as llm:
+        prompts, rounds = [], []
+        llm_forward = llm._forward
+
+        def spy(calls: list, fn):
+            return lambda *a: calls.append((os.sched_getaffinity(0), torch.get_num_threads())) or fn(*a)
+        forward = spy(prompts, llm_forward)
+        # Only the steps of prompt chunks (a round that drafts nothing also runs _forward).
+        monkeypatch.setattr(llm, "_forward", lambda work: (forward if work[0].num_new > 1 else llm_forward)(work))
+        monkeypatch.setattr(ssd.llm, "speculative_round", spy(rounds, ssd.llm.speculative_round))
+        outs = llm.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
+        target, draft = set(llm.speculator.target.cores), set(llm.speculator.draft.cores)
+    assert prompts and all(c == target | draft and n == len(c) for c, n in prompts), prompts
+    assert rounds and all(c == target and n == len(c) for c, n in rounds), rounds
+
+
 def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
     """Every branch of the tree, decoded among all others with the tree mask, gives the same
     logits (hence tokens and q) as decoding its context alone."""
@@ -99,6 +121,33 @@ def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
                 assert branch.tokens == logits.argmax(-1).tolist() and branch.q is None
             else:
                 assert torch.equal(branch.q, probs_from_logits(logits, p))
+
+
+def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
+    """The worker reports how long the draft waited for the target's next request; a build
+    the request had to wait for caps the next tree (fanout.py), whose branches are still
+    the draft's own continuations."""
+    model = load_model(truncated_draft, torch.device("cpu"), torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(truncated_draft)
+    k = 2
+    draft = SSDDraft(DraftEngine(model, torch.device("cpu"), k=k, cache_tokens=4096, seed=0), FanOut(k, 3))
+    ids = tok(PROMPTS[0]).input_ids
+    draft.step([SpecRequest(0, 0, ids, k, SamplingParams.greedy())])
+    draft.build()
+    assert len(draft.cache) == 9
+    draft.waited(0.0)
+    assert draft.fan_out.cap == 7
+    # The target accepted the whole speculation and then the draft's likeliest bonus token.
+    bonus = max(draft.cache.entries(0).items(), key=lambda e: e[0][0])[0][1]
+    reply = draft.step([SpecRequest(0, len(ids) + k, [bonus], k, None)])[0]
+    assert reply.hit
+    draft.build()
+    entries = draft.cache.entries(0)
+    assert len(entries) == 7
+    context = draft.engine.seqs[0].tokens  # the prompt, the first speculation, the bonus, this one
+    for (j, t), branch in entries.items():
+        logits = _alone(model, context[:len(context) - k + j] + [t] + branch.tokens[:-1], k)
+        assert branch.tokens == logits.argmax(-1).tolist()
 
 
 # ---- sampling exactness through the real cache path ------------------------------------

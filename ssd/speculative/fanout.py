@@ -16,6 +16,15 @@ Three policies:
   fork worth less than MIN_GAIN (every branch costs draft compute). Until enough rounds are
   seen, a prior (acceptance 0.8 per token, rank probabilities falling like 1/(n+1)^2) stands
   in for the measurements.
+
+Whatever the policy, the tree must be built while the target verifies, or the target waits
+for it every round. Where the draft computes its branches one by one (a CPU core), a tree
+of 3 forks at each of K+1 depths takes longer than that, so the worker tells `fit` how each
+build went against the target's next request, and a cap on the branches follows: it drops
+by a quarter (at least one) after a build that the request had to wait for, and rises by one
+while the draft waits longer than a branch costs. Over the cap, the forks kept are the most
+likely outcomes, by the same estimates as "auto". Where the draft is fast (its own GPU) the
+cap never binds.
 """
 from collections.abc import Sequence
 
@@ -25,6 +34,9 @@ MAX_RANK = 16  # ranks beyond this are counted as "not among the candidates"
 PRIOR_WEIGHT = 8.0  # pseudo-rounds of the prior in the auto estimates
 PRIOR_ACCEPT = 0.8
 MIN_GAIN = 1e-3  # auto: a fork must be the outcome at least this often to get a branch
+# The draft's wait below which a build counts as late: a request that was already there
+# took 0.6-0.7 ms to receive on the AMD EPYC machine (two cores, gloo).
+LATE_S = 2e-3
 
 
 def _sizes(spec: int | Sequence[int], k: int, what: str) -> list[int]:
@@ -58,17 +70,31 @@ class FanOut:
         # Measured: rounds ending at each depth, after a hit [1] or a miss [0]; target-token ranks.
         self.depth_counts = [[0] * (k + 1), [0] * (k + 1)]
         self.rank_counts = [0] * (MAX_RANK + 1)  # [MAX_RANK]: beyond the candidates
+        self.cap: int | None = None  # most branches per build that the target's verification hides (fit)
 
     @property
     def max_size(self) -> int:
         return self.budget if self.auto else max(max(self.hit), max(self.miss))
 
-    def sizes(self, depths: int, after_hit: bool) -> list[int]:
-        """F_0..F_{depths-1} for a speculation of depths-1 tokens (the last depth is the bonus)."""
+    def sizes(self, depths: int, after_hit: bool, trees: int = 1) -> list[int]:
+        """F_0..F_{depths-1} for a speculation of depths-1 tokens (the last depth is the bonus),
+        one of `trees` sequences' trees that share the cap."""
+        cap = None if self.cap is None else max(1, self.cap // trees)
         if self.auto:
-            return self._allocate(depths, after_hit)
+            return self._allocate(depths, after_hit, self.budget if cap is None else min(cap, self.budget))
         full = self.hit if after_hit else self.miss
-        return full[:depths - 1] + [full[-1]]
+        sizes = full[:depths - 1] + [full[-1]]
+        return sizes if cap is None or sum(sizes) <= cap else self._allocate(depths, after_hit, cap, sizes)
+
+    def fit(self, branches: int, build_s: float, wait_s: float) -> None:
+        """A build of `branches` forks took build_s, then the draft waited wait_s for the
+        target's next request (about 0: the request came before the build ended)."""
+        if branches < 1:
+            return
+        if wait_s < LATE_S:
+            self.cap = max(1, branches - max(1, branches // 4))
+        elif self.cap is not None and branches >= self.cap and wait_s > 1.5 * build_s / branches:
+            self.cap += 1  # room for another branch, at what one costs at most
 
     def observe(self, after_hit: bool, depth: int, rank: int | None) -> None:
         """A round ended at `depth`; the target's token was the draft's candidate number
@@ -89,11 +115,13 @@ class FanOut:
         return [(c + PRIOR_WEIGHT * p / norm) / (total + PRIOR_WEIGHT)
                 for c, p in zip(self.rank_counts, prior)]
 
-    def _allocate(self, depths: int, after_hit: bool) -> list[int]:
+    def _allocate(self, depths: int, after_hit: bool, budget: int, limits: list[int] | None = None) -> list[int]:
+        """The `budget` forks worth most, at most limits[j] at depth j."""
         p_depth, p_rank = self._depth_probs(depths, after_hit), self._rank_probs()
+        limits = limits or [MAX_RANK] * depths
         sizes = [0] * depths
-        for _ in range(self.budget):
-            gains = [p_depth[j] * p_rank[sizes[j]] if sizes[j] < MAX_RANK else 0.0 for j in range(depths)]
+        for _ in range(budget):
+            gains = [p_depth[j] * p_rank[sizes[j]] if sizes[j] < min(limits[j], MAX_RANK) else 0.0 for j in range(depths)]
             best = max(range(depths), key=gains.__getitem__)
             if gains[best] < MIN_GAIN:
                 break

@@ -62,8 +62,9 @@ class Speculator:
         """The draft's KV cache blocks held, where this process holds them (None: elsewhere or none)."""
         return None
 
-    def placement(self) -> AbstractContextManager:
-        """The target's share of the hardware while it runs (SSD: its cores, pinned)."""
+    def placement(self, drafting: bool = True) -> AbstractContextManager:
+        """The target's share of the hardware for a step (SSD: its cores, pinned; in a step
+        without a speculative round, also the draft worker's idle cores)."""
         return nullcontext()
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:

@@ -29,6 +29,7 @@ class SSDDraft:
         self.engine, self.fan_out, self.backup = engine, fan_out, backup
         self.cache = SpeculationCache(fan_out)
         self._pending: list[int] = []  # sequences whose speculation build() forks from
+        self._built: tuple[int, float] | None = None  # the last build's branches and seconds
 
     @classmethod
     def from_config(cls, cfg: DraftConfig, device: torch.device) -> "SSDDraft":
@@ -71,6 +72,13 @@ class SSDDraft:
                 replies[i] = SpecReply(tokens, q, False, backup_s=seconds * k / sum(ks))
         self._pending = [r.seq_id for r, reply in zip(requests, replies) if reply.tokens]
         return replies
+
+    def waited(self, seconds: float) -> None:
+        """The target's request came `seconds` after the last build ended (about 0: it had
+        to wait for the build): the fan-out fits the next trees to the target's verification."""
+        if self._built is not None:
+            self.fan_out.fit(*self._built, seconds)
+            self._built = None
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:
@@ -129,6 +137,7 @@ class SSDDraft:
         for b, f in enumerate(forks):
             self.cache.put(f.seq.seq_id, f.depth, f.token, Branch(tokens[b], qs[b] or None))
         seconds = time.perf_counter() - start
+        self._built = (len(forks), seconds)
         counts = Counter(f.seq.seq_id for f in forks)
         return {seq_id: seconds * n / len(forks) for seq_id, n in counts.items()}
 
@@ -139,7 +148,7 @@ class SSDDraft:
             spec, n = s.spec, len(s.spec) + 1
             if not s.params.greedy_decoding:  # rank by the processed distribution (top-k/top-p cut)
                 rows = probs_from_logits(rows, s.params)
-            sizes = self.fan_out.sizes(n, s.after_hit)
+            sizes = self.fan_out.sizes(n, s.after_hit, trees=len(seqs))
             top = self.engine.head.token_ids(rows.topk(min(MAX_RANK + 1, rows.shape[-1]), dim=-1).indices,
                                              extra_ids).tolist()
             s.candidates = [[t for t in top[j] if j == n - 1 or t != spec[j]][:MAX_RANK] for j in range(n)]

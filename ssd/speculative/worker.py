@@ -46,6 +46,7 @@ def serve(channel: Channel, device: torch.device) -> None:
             if msg["type"] == "close":
                 return
             requests, release = decode_requests(msg)
+            draft.waited(start - idle_from)
             draft.release(release)
             try:
                 replies = draft.step(requests)

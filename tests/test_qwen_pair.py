@@ -29,4 +29,10 @@ def test_qwen_pair_equals_ar(prompts, ar, mode, options):
     with LLM(TARGET, draft=DRAFT, mode=mode, speculate_k=4, max_num_seqs=4, **options) as llm:
         outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == ar
-    assert sum(o.metrics.accepted for o in outs) / sum(o.metrics.drafted for o in outs) > 0.4
+    if options.get("backup") == "fast":
+        # A miss sends placeholders, which are rarely accepted, and on two CPU cores the trees
+        # are cut to what the verify pass hides (fanout.py): half the rounds miss. The rounds
+        # that hit carry the draft's tokens, accepted as in SD.
+        assert sum(o.metrics.tokens_on_hit for o in outs) / sum(o.metrics.hits for o in outs) > 2.5
+    else:
+        assert sum(o.metrics.accepted for o in outs) / sum(o.metrics.drafted for o in outs) > 0.4

@@ -37,6 +37,8 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
         if meta["flag"] is None:
             continue
         default = "none" if f.default is None and meta["choices"] else f.default
+        if isinstance(default, bool):  # a switch: written on/off (argparse parses a text default)
+            default = "on" if default else "off"
         shown = "" if f.default is None else f" (default: {default})"
         names = [meta["flag"], "--fan-out-hit"] if f.name == "fan_out" else [meta["flag"]]
         s.add_argument(*names, dest=f"spec_{f.name}", default=default, type=_parsed(meta["parse"]),

@@ -148,6 +148,9 @@ def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
     for (j, t), branch in entries.items():
         logits = _alone(model, context[:len(context) - k + j] + [t] + branch.tokens[:-1], k)
         assert branch.tokens == logits.argmax(-1).tolist()
+    draft.fit_tree = False  # fit_tree=False: late or not, the fan-out stays as given
+    draft.waited(0.0)
+    assert draft.fan_out.cap == 7
 
 
 # ---- sampling exactness through the real cache path ------------------------------------
@@ -161,7 +164,10 @@ def test_ssd_sampling_follows_the_target(tiny_pair, options):
     target, draft = tiny_pair
     n, temperature = 4000, 1.0
     params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
-    with LLM(target, draft=draft, mode="ssd", speculate_k=2, max_num_seqs=500, seed=1, **options) as llm:
+    # The whole fan-out every round (fit_tree off): the trees of 500 sequences on one core are
+    # late, and capped ones would leave the cache path too few hits to test.
+    with LLM(target, draft=draft, mode="ssd", speculate_k=2, max_num_seqs=500, seed=1, fit_tree=False,
+             **options) as llm:
         outs = llm.generate([PROMPT] * n, params)
         prompt_ids = llm.encode(PROMPT)
     tokens = torch.tensor([o.token_ids for o in outs])
@@ -297,6 +303,7 @@ def test_an_oversized_reply_fails_over_to_sd(smollm_dir, truncated_draft, ar_out
     (dict(draft_address="nowhere"), "HOST:PORT"),
     (dict(draft_timeout=0), "draft_timeout"),
     (dict(fan_out="auto", fan_out_miss=2), "auto"),
+    (dict(fit_tree="yes"), "fit_tree must be"),
 ])
 def test_bad_ssd_options(smollm_dir, kwargs, match):
     with pytest.raises(SSDError, match=match):

@@ -43,7 +43,7 @@ def start_speculator(opts: SpecOptions, mode: str, draft: str | Path, *, target_
                       cache_tokens=cache_tokens + max_num_seqs * (k + 2 * block_size + branches * k),
                       block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,
                       fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget,
-                      backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=vocab_ids)
+                      fit_tree=opts.fit_tree, backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=vocab_ids)
     # SD, and SSD's fallback should its worker fail: the draft in this process.
     in_process = lambda: DraftEngine.from_config(cfg, device)  # noqa: E731
     if mode == "sd":

@@ -53,6 +53,13 @@ def parse_k(text: str) -> int | str:
     return _int_or(text, (AUTO_K,), "K")
 
 
+def parse_on_off(text: str) -> bool:
+    """A switch as written on the command line: on or off."""
+    if text.strip() not in ("on", "off"):
+        raise SSDError(f"expected on or off, got {text!r}")
+    return text.strip() == "on"
+
+
 def parse_draft_vocab(text: str) -> int | str:
     """A reduced draft head's size as written on the command line: an integer, "auto" or "full"."""
     return _int_or(text, ("auto", "full"), "draft vocabulary")
@@ -113,6 +120,9 @@ class SpecOptions:
         parse=parse_fan_out, metavar="F0,..,FK")
     tree_budget: int | None = _option(None, "with --f auto: branches per tree (default: 3*(K+1))",
                                       flag="--tree-budget", ssd_only=True, parse=int, metavar="B")
+    fit_tree: bool = _option(True, "fit the tree to the target's verify pass: a build the target had to wait for "
+                             "caps the next trees' branches at the likeliest outcomes; off: the whole fan-out every "
+                             "round", flag="--fit-tree", ssd_only=True, parse=parse_on_off, metavar="on|off")
     backup: str = _option("jit", "on a cache miss draft on the spot (jit) or send placeholders verified as one-hot "
                           "proposals (fast)", flag="--backup", ssd_only=True, choices=BACKUPS)
     saguaro_c: float | None = _option(None, "temperature > 0: Saguaro sampling, scale the draft's top tokens by C in "
@@ -158,6 +168,8 @@ class SpecOptions:
                            f"got {self.draft_quantization!r}")
         if not self.draft_timeout > 0:
             raise SSDError(f"draft_timeout must be > 0 seconds, got {self.draft_timeout}")
+        if not isinstance(self.fit_tree, bool):
+            raise SSDError(f"fit_tree must be True or False, got {self.fit_tree!r}")
         if self.backup not in BACKUPS:
             raise SSDError(f"backup must be one of {', '.join(BACKUPS)}, got {self.backup!r}")
         if self.saguaro_c is not None and not 0 < self.saguaro_c < 1:
@@ -232,6 +244,7 @@ class DraftConfig:
     fan_out: int | list[int] | str = 3
     fan_out_miss: int | list[int] | None = None
     tree_budget: int | None = None
+    fit_tree: bool = True
     backup: str = "jit"
     saguaro_c: float | None = None
     vocab_ids: list[int] | None = None  # a reduced-vocabulary head's token ids (see SpecOptions.draft_vocab)

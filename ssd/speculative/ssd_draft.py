@@ -25,8 +25,8 @@ from ssd.speculative.tree import DraftTree, Fork, tree_owner
 
 
 class SSDDraft:
-    def __init__(self, engine: DraftEngine, fan_out: FanOut, backup: str = "jit"):
-        self.engine, self.fan_out, self.backup = engine, fan_out, backup
+    def __init__(self, engine: DraftEngine, fan_out: FanOut, backup: str = "jit", fit_tree: bool = True):
+        self.engine, self.fan_out, self.backup, self.fit_tree = engine, fan_out, backup, fit_tree
         self.cache = SpeculationCache(fan_out)
         self._pending: list[int] = []  # sequences whose speculation build() forks from
         self._built: tuple[int, float] | None = None  # the last build's branches and seconds
@@ -36,7 +36,7 @@ class SSDDraft:
         fan_out = FanOut(cfg.k, cfg.fan_out, cfg.fan_out_miss, cfg.tree_budget)
         # Saguaro scales the draft's top tokens: as many as the tree can fork on, and one more.
         saguaro = None if cfg.saguaro_c is None else (cfg.saguaro_c, min(fan_out.max_size, MAX_RANK) + 1)
-        return cls(DraftEngine.from_config(cfg, device, saguaro), fan_out, cfg.backup)
+        return cls(DraftEngine.from_config(cfg, device, saguaro), fan_out, cfg.backup, cfg.fit_tree)
 
     def step(self, requests: list[SpecRequest]) -> list[SpecReply]:
         engine = self.engine
@@ -76,7 +76,7 @@ class SSDDraft:
     def waited(self, seconds: float) -> None:
         """The target's request came `seconds` after the last build ended (about 0: it had
         to wait for the build): the fan-out fits the next trees to the target's verification."""
-        if self._built is not None:
+        if self._built is not None and self.fit_tree:
             self.fan_out.fit(*self._built, seconds)
             self._built = None
 

@@ -118,10 +118,10 @@ class FanOut:
     def _allocate(self, depths: int, after_hit: bool, budget: int, limits: list[int] | None = None) -> list[int]:
         """The `budget` forks worth most, at most limits[j] at depth j."""
         p_depth, p_rank = self._depth_probs(depths, after_hit), self._rank_probs()
-        limits = limits or [MAX_RANK] * depths
+        limits = [min(f, MAX_RANK) for f in limits] if limits else [MAX_RANK] * depths
         sizes = [0] * depths
         for _ in range(budget):
-            gains = [p_depth[j] * p_rank[sizes[j]] if sizes[j] < min(limits[j], MAX_RANK) else 0.0 for j in range(depths)]
+            gains = [p_depth[j] * p_rank[sizes[j]] if sizes[j] < limits[j] else 0.0 for j in range(depths)]
             best = max(range(depths), key=gains.__getitem__)
             if gains[best] < MIN_GAIN:
                 break

@@ -76,9 +76,9 @@ class SSDDraft:
     def waited(self, seconds: float) -> None:
         """The target's request came `seconds` after the last build ended (about 0: it had
         to wait for the build): the fan-out fits the next trees to the target's verification."""
-        if self._built is not None and self.fit_tree:
-            self.fan_out.fit(*self._built, seconds)
-            self._built = None
+        built, self._built = self._built, None
+        if built is not None and self.fit_tree:
+            self.fan_out.fit(*built, seconds)
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

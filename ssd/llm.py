@@ -20,7 +20,7 @@ from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, resolve_weights, shared_model
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.adaptive_k import AutoK, FixedK
+from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
 from ssd.speculative.launch import start_speculator
 from ssd.speculative.options import AUTO_K, SpecOptions
 from ssd.speculative.round import speculative_round
@@ -73,12 +73,11 @@ class LLM:
         change the model's outputs: meant for a draft, see ssd/models/loader.py), or "auto".
         speculation: the options of SpecOptions (ssd/speculative/options.py): speculate_k,
         draft_quantization, and for SSD fan_out, backup, target_device, draft_device, ..."""
-        spec = SpecOptions.from_kwargs(speculation).for_mode(mode)
-        spec.check(mode)
+        spec = SpecOptions.from_kwargs(speculation).resolved(mode)
         if (draft is None) != (mode == "ar"):
             raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
-        self.mode, self.k = mode, spec.max_k
+        self.mode, self.k_max = mode, spec.k_max
         if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
             raise SSDError(f"threads must be an integer >= 1, got {threads!r}")
         target_device = spec.target_device if mode == "ssd" else None
@@ -113,9 +112,12 @@ class LLM:
         self.runner = ModelRunner(self.model, self.cache, self.device)
         self.runner.warm_up()
         self.speculate_k = spec.speculate_k if self.speculator else 0  # set_speculate_k() changes it
+        # Drafts sit before the target's own token, and inside the draft model's context.
+        draft_len = self.speculator.context if self.speculator else None
+        self.draft_context = self.max_model_len - 1 if draft_len is None else min(self.max_model_len - 1, draft_len)
         self.k_policy = None if self.speculator is None else self._k_policy(spec.speculate_k)
         self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
-                                   lookahead=self.k if self.speculator else 0,
+                                   lookahead=self.k_max if self.speculator else 0,
                                    on_release=self._release if self.speculator else None)
         self.generator = torch.Generator(self.device)
         self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
@@ -224,15 +226,15 @@ class LLM:
         engine was started with (its KV room per round), or "auto" (`ssd chat`'s /k, /mode)."""
         if self.speculator is None:
             raise SSDError("there is no draft model: speculation needs mode 'sd' or 'ssd'")
-        if k != AUTO_K and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k):
-            raise SSDError(f"K must be an integer in 0..{self.k} (the most this engine was started with) "
+        if k != AUTO_K and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k_max):
+            raise SSDError(f"K must be an integer in 0..{self.k_max} (the most this engine was started with) "
                            f"or '{AUTO_K}', got {k!r}")
         self.k_policy, self.speculate_k = self._k_policy(k), k
 
     def _k_policy(self, k: int | str) -> FixedK | AutoK:
         if k != AUTO_K:
             return FixedK(k)
-        return AutoK(self.k, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost(),
+        return AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost(),
                      self.speculator.measures_steps)
 
     @property
@@ -300,8 +302,7 @@ class LLM:
 
     def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int], list[bool]]]:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding."""
-        # No more drafts than the sequence can still use (its max_tokens and the context).
-        ks = [max(0, min(k, s.params.max_tokens - len(s.output_ids) - 1, self.max_model_len - s.num_tokens - 1))
+        ks = [round_k(k, s.num_tokens, self.draft_context, s.params.max_tokens - len(s.output_ids))
               for s, k in zip(seqs, self.k_policy.choose(seqs))]
         if not any(ks):  # plain decoding this round: no draft pass; the draft catches up when next asked
             start = time.perf_counter()

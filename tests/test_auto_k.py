@@ -253,6 +253,6 @@ def test_auto_k_sampling_follows_the_target(tiny_pair):
 
 
 def test_auto_k_is_sds_default_and_a_fixed_k_ssds():
-    assert SpecOptions().for_mode("sd").speculate_k == AUTO_K
-    assert SpecOptions().for_mode("ssd").speculate_k == SSD_K
-    assert SpecOptions(speculate_k=3).for_mode("sd").speculate_k == 3
+    assert SpecOptions().resolved("sd").speculate_k == AUTO_K
+    assert SpecOptions().resolved("ssd").speculate_k == SSD_K
+    assert SpecOptions(speculate_k=3).resolved("sd").speculate_k == 3

@@ -104,7 +104,7 @@ def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
     model = load_model(truncated_draft, torch.device("cpu"), torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(truncated_draft)
     k, sizes = 3, [2, 1, 2, 3]
-    draft = SSDDraft(DraftEngine(model, torch.device("cpu"), k=k, cache_tokens=4096, seed=0), FanOut(k, sizes))
+    draft = SSDDraft(DraftEngine(model, torch.device("cpu"), k_max=k, cache_tokens=4096, seed=0), FanOut(k, sizes))
     prompts = [tok(p).input_ids for p in PROMPTS[:2]]
     params = [SamplingParams.greedy(), SamplingParams(temperature=0.9, top_k=50)]
     replies = draft.step([SpecRequest(i, 0, ids, k, p) for i, (ids, p) in enumerate(zip(prompts, params))])
@@ -130,7 +130,7 @@ def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
     model = load_model(truncated_draft, torch.device("cpu"), torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(truncated_draft)
     k = 2
-    draft = SSDDraft(DraftEngine(model, torch.device("cpu"), k=k, cache_tokens=4096, seed=0), FanOut(k, 3))
+    draft = SSDDraft(DraftEngine(model, torch.device("cpu"), k_max=k, cache_tokens=4096, seed=0), FanOut(k, 3))
     ids = tok(PROMPTS[0]).input_ids
     draft.step([SpecRequest(0, 0, ids, k, SamplingParams.greedy())])
     draft.build()

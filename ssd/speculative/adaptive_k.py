@@ -140,6 +140,15 @@ class Timings:
         return max(0.0, v_lo + (v_hi - v_lo) * (size - lo) / (hi - lo))
 
 
+def round_k(k: int, num_tokens: int, context: int, left: int | None = None) -> int:
+    """The K of a round, the one rule on both sides: k draft tokens (a policy's choice, or the
+    deepest a tree goes), as many as fit before position `context` of a sequence of num_tokens
+    tokens, and, for a request with `left` tokens to go, no more than it can use beside the
+    target's own token."""
+    k = min(k, context - num_tokens)
+    return max(0, k if left is None else min(k, left - 1))
+
+
 class FixedK:
     """Every sequence drafts K tokens every round."""
 

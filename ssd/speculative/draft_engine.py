@@ -18,6 +18,7 @@ from ssd.errors import SSDError
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
+from ssd.speculative.adaptive_k import round_k
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.vocab import DraftHead
 
@@ -41,7 +42,7 @@ class DraftSeq:
 
 
 class DraftEngine:
-    def __init__(self, model: DecoderLM, device: torch.device, *, k: int, cache_tokens: int,
+    def __init__(self, model: DecoderLM, device: torch.device, *, k_max: int, cache_tokens: int,
                  block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None,
                  vocab_ids: tuple[int, ...] | None = None):
         """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
@@ -49,7 +50,7 @@ class DraftEngine:
         in that order): the draft proposes only them and each sequence's own tokens (DraftHead),
         and its q is 0 on every other token."""
         cfg = model.config
-        self.k, self.device, self.saguaro = k, device, saguaro
+        self.k_max, self.device, self.saguaro = k_max, device, saguaro
         self.max_len = cfg.max_position_embeddings
         self.head = DraftHead(model, vocab_ids, device)
         self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype)
@@ -68,12 +69,14 @@ class DraftEngine:
         from ssd.store import resolve_model
         ids = None if cfg.vocab_ids is None else tuple(cfg.vocab_ids)
         model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.weights, ids)
-        return cls(model, device, k=cfg.k, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
+        return cls(model, device, k_max=cfg.k_max, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
                    seed=cfg.seed, saguaro=saguaro, vocab_ids=ids)
 
-    def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None) -> DraftSeq:
+    def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None,
+             k: int) -> DraftSeq:
         """Apply the target's outcome: keep the first num_valid tokens the draft holds, append
-        new_tokens (a prompt the first time, then the target's own token)."""
+        new_tokens (a prompt the first time, then the target's own token). k: the round's K,
+        which the target decided (round_k) and the draft checks."""
         s = self.seqs.get(seq_id)
         if s is None:
             if params is None:
@@ -84,16 +87,15 @@ class DraftEngine:
                            f"tokens and adds {len(new_tokens)}")
         del s.tokens[num_valid:]
         s.tokens += new_tokens
+        if not 0 <= k <= round_k(self.k_max, len(s.tokens), self.max_len):
+            raise SSDError(f"draft protocol: sequence {seq_id} of {len(s.tokens)} tokens asks for {k} draft tokens, "
+                           f"beyond K {self.k_max} or the draft's context of {self.max_len}")
         self.head.extend(seq_id, new_tokens)
         s.confirmed = len(s.tokens)
         s.cached = min(s.cached, num_valid)
         s.candidates = []
         self.kv.truncate(seq_id, s.cached)
         return s
-
-    def room(self, s: DraftSeq, k: int) -> int:
-        """Draft tokens s can take: drafting token i feeds position len + i - 1, inside the context."""
-        return max(0, min(k, self.k, self.max_len - len(s.tokens)))
 
     def release(self, seq_ids: list[int]) -> None:
         for seq_id in seq_ids:

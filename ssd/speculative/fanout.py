@@ -52,23 +52,23 @@ def _sizes(spec: int | Sequence[int], k: int, what: str) -> list[int]:
 
 
 class FanOut:
-    def __init__(self, k: int, hit: int | Sequence[int] | str = 3, miss: int | Sequence[int] | None = None,
+    def __init__(self, k_max: int, hit: int | Sequence[int] | str = 3, miss: int | Sequence[int] | None = None,
                  budget: int | None = None):
-        self.k = k
+        self.k_max = k_max
         self.auto = hit == "auto"
         if self.auto:
             if miss is not None:
                 raise SSDError("fan_out='auto' chooses the sizes after a miss too; drop fan_out_miss")
-            self.budget = budget if budget is not None else 3 * (k + 1)
+            self.budget = budget if budget is not None else 3 * (k_max + 1)
             if self.budget < 1:
                 raise SSDError(f"the tree budget must be >= 1, got {self.budget}")
         elif isinstance(hit, str):
             raise SSDError(f"fan_out must be an int, a list of K+1 ints or 'auto', got {hit!r}")
         else:
-            self.hit = _sizes(hit, k, "fan_out")
-            self.miss = _sizes(miss, k, "fan_out_miss") if miss is not None else self.hit
+            self.hit = _sizes(hit, k_max, "fan_out")
+            self.miss = _sizes(miss, k_max, "fan_out_miss") if miss is not None else self.hit
         # Measured: rounds ending at each depth, after a hit [1] or a miss [0]; target-token ranks.
-        self.depth_counts = [[0] * (k + 1), [0] * (k + 1)]
+        self.depth_counts = [[0] * (k_max + 1), [0] * (k_max + 1)]
         self.rank_counts = [0] * (MAX_RANK + 1)  # [MAX_RANK]: beyond the candidates
         self.cap: int | None = None  # most branches per build that the target's verification hides (fit)
 
@@ -99,7 +99,7 @@ class FanOut:
     def observe(self, after_hit: bool, depth: int, rank: int | None) -> None:
         """A round ended at `depth`; the target's token was the draft's candidate number
         `rank` there (0 = most likely), or not among the first MAX_RANK (None)."""
-        self.depth_counts[after_hit][min(depth, self.k)] += 1
+        self.depth_counts[after_hit][min(depth, self.k_max)] += 1
         self.rank_counts[MAX_RANK if rank is None or rank >= MAX_RANK else rank] += 1
 
     def _depth_probs(self, depths: int, after_hit: bool) -> list[float]:

@@ -33,13 +33,13 @@ def start_speculator(opts: SpecOptions, mode: str, draft: str | Path, *, target_
     check_same_vocabulary(tokenizer, load_tokenizer(folder), config, draft_config)
     head = head_tokens(target_folder, opts.draft_vocab, draft_config.vocab_size, eos_ids)
     vocab_ids = None if head is None else list(head)
-    k = opts.max_k
+    k = opts.k_max
     fan = FanOut(k, opts.fan_out, opts.fan_out_miss, opts.tree_budget)
     # The target's tokens, K proposals and a partial block per sequence, and in SSD each
     # sequence's tree of up to fan.max_size branches per depth, K deep.
     branches = (k + 1) * fan.max_size if mode == "ssd" else 0
     cfg = DraftConfig(model=str(folder) if opts.draft_address is None else str(draft),
-                      dtype=str(dtype).removeprefix("torch."), weights=opts.draft_weights(folder, device), k=k,
+                      dtype=str(dtype).removeprefix("torch."), weights=opts.draft_weights(folder, device), k_max=k,
                       cache_tokens=cache_tokens + max_num_seqs * (k + 2 * block_size + branches * k),
                       block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len, seed=seed,
                       fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget,
@@ -52,5 +52,5 @@ def start_speculator(opts: SpecOptions, mode: str, draft: str | Path, *, target_
         speculator = RemoteSpeculator(cfg, opts.target_placement(device), opts.draft_placement(device),
                                       address=opts.draft_address, secret=opts.secret(), timeout=opts.draft_timeout,
                                       fallback=in_process)
-    speculator.draft_weights = cfg.weights
+    speculator.draft_weights, speculator.context = cfg.weights, draft_config.max_position_embeddings
     return speculator

@@ -140,9 +140,12 @@ class SpecOptions:
     # A remote worker's shared secret (default: $SSD_DRAFT_SECRET); never shown in a repr.
     draft_secret: str | None = _option(None, "", ssd_only=True, repr=False)
 
-    def for_mode(self, mode: str) -> "SpecOptions":
-        """These options with the default K filled in for `mode`."""
-        return self if self.speculate_k is not None else replace(self, speculate_k=SSD_K if mode == "ssd" else AUTO_K)
+    def resolved(self, mode: str) -> "SpecOptions":
+        """These options checked for `mode`, its default K filled in, and k_max the most draft
+        tokens a round asks for (a fixed K's own value)."""
+        spec = self if self.speculate_k is not None else replace(self, speculate_k=SSD_K if mode == "ssd" else AUTO_K)
+        spec.check(mode)
+        return spec if spec.speculate_k == AUTO_K else replace(spec, k_max=spec.speculate_k)
 
     def check(self, mode: str) -> None:
         if mode not in MODES:
@@ -180,16 +183,12 @@ class SpecOptions:
             raise SSDError(f"a draft worker started by hand needs a shared secret: set {SECRET_ENV} to the same value "
                            "where the target and the worker run (or pass draft_secret=...)")
         from ssd.speculative.fanout import FanOut
-        FanOut(self.max_k, self.fan_out, self.fan_out_miss, self.tree_budget)  # raises on a bad fan-out
+        k_max = self.k_max if self.speculate_k == AUTO_K else self.speculate_k
+        FanOut(k_max, self.fan_out, self.fan_out_miss, self.tree_budget)  # raises on a bad fan-out
         if mode == "ssd":
             for device in (self.target_device, self.draft_device):
                 if device is not None:
                     parse_placement(device)
-
-    @property
-    def max_k(self) -> int:
-        """The most draft tokens a round asks for."""
-        return self.k_max if self.speculate_k == AUTO_K else self.speculate_k
 
     def secret(self) -> str | None:
         return self.draft_secret or os.environ.get(SECRET_ENV) or None
@@ -234,7 +233,7 @@ class DraftConfig:
     model: str  # a model folder, or for a worker on another host the name or path it resolves there
     dtype: str  # "float32", "bfloat16", ... as the target names it
     weights: str  # how the draft's weights are held (ssd/models/loader.py WEIGHTS)
-    k: int
+    k_max: int  # the most draft tokens a round asks for
     cache_tokens: int
     block_size: int
     max_num_seqs: int

@@ -89,7 +89,7 @@ class RemoteSpeculator(Speculator):
                 raise LinkError(f"the draft worker could not start: {msg.get('message', msg)}")
             self.vocab = int(msg["vocab_size"])
             cfg = self.config
-            self.channel.limits = Limits.for_config(cfg.max_num_seqs, cfg.max_model_len, cfg.k, self.vocab)
+            self.channel.limits = Limits.for_config(cfg.max_num_seqs, cfg.max_model_len, cfg.k_max, self.vocab)
             self.channel.wait = watched_wait(self._alive, self.timeout)
         except (LinkError, KeyError, TypeError, ValueError) as e:
             self._fail_over(e if isinstance(e, LinkError) else LinkError(f"a bad ready message: {e}"))

@@ -36,6 +36,7 @@ class Speculator:
         self.released: list[int] = []  # sequences the draft may forget, told with the next round
         self.failures = 0  # SSD: how often the draft worker failed and SD took over
         self.draft_weights: str | None = None  # how a draft model's weights are held, "auto" resolved
+        self.context: int | None = None  # positions the draft model holds (None: no model, no limit)
 
     def wait_ready(self) -> None:
         """Return once the draft can answer (SSD: its worker has loaded the model)."""
@@ -127,6 +128,5 @@ def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequ
                     ) -> list[Proposal]:
     """SD's proposals: tell the draft what the target kept, then draft K tokens for each."""
     engine.release(speculator.take_released())
-    drafts = [engine.sync(seq.seq_id, *speculator.news(seq)) for seq in seqs]
-    ks = [engine.room(s, k) for s, k in zip(drafts, ks)]
+    drafts = [engine.sync(seq.seq_id, *speculator.news(seq), k) for seq, k in zip(seqs, ks)]
     return [Proposal(tokens, q) for tokens, q in engine.draft(drafts, ks)]

@@ -16,6 +16,7 @@ from collections import Counter
 import torch
 
 from ssd.engine.sampler import probs_from_logits
+from ssd.speculative.adaptive_k import round_k
 from ssd.speculative.draft_engine import DraftEngine, DraftSeq
 from ssd.speculative.fanout import MAX_RANK, FanOut
 from ssd.speculative.options import DraftConfig
@@ -33,7 +34,7 @@ class SSDDraft:
 
     @classmethod
     def from_config(cls, cfg: DraftConfig, device: torch.device) -> "SSDDraft":
-        fan_out = FanOut(cfg.k, cfg.fan_out, cfg.fan_out_miss, cfg.tree_budget)
+        fan_out = FanOut(cfg.k_max, cfg.fan_out, cfg.fan_out_miss, cfg.tree_budget)
         # Saguaro scales the draft's top tokens: as many as the tree can fork on, and one more.
         saguaro = None if cfg.saguaro_c is None else (cfg.saguaro_c, min(fan_out.max_size, MAX_RANK) + 1)
         return cls(DraftEngine.from_config(cfg, device, saguaro), fan_out, cfg.backup, cfg.fit_tree)
@@ -45,9 +46,9 @@ class SSDDraft:
         for i, r in enumerate(requests):
             known = engine.seqs.get(r.seq_id)
             found = self.cache.lookup(known, r.num_valid, r.new_tokens) if known else None
-            s = engine.sync(r.seq_id, r.num_valid, r.new_tokens, r.params)
+            s = engine.sync(r.seq_id, r.num_valid, r.new_tokens, r.params, r.k)
             engine.kv.release(tree_owner(r.seq_id))  # last round's branches
-            k = engine.room(s, r.k)
+            k = r.k
             if k == 0:
                 replies.append(SpecReply([], None, None))
             elif found and found.branch is not None:
@@ -106,17 +107,17 @@ class SSDDraft:
         seqs = [engine.seqs[i] for i in self._pending]
         self._pending = []
         # Branches of sequence s go k_s tokens deep, inside the draft's context.
-        depth = {s.seq_id: engine.room(s, engine.k) for s in seqs}
+        depth = {s.seq_id: round_k(engine.k_max, len(s.tokens), engine.max_len) for s in seqs}
         seqs = [s for s in seqs if depth[s.seq_id] > 0]
         forks = self._forks(seqs) if seqs else []
         if not forks:
             return {}
-        tree = DraftTree(engine.kv, forks, engine.k, engine.device)
+        tree = DraftTree(engine.kv, forks, engine.k_max, engine.device)
         # All branches of all sequences decode together: one forward pass per depth.
         inputs = torch.tensor([f.token for f in forks], device=engine.device)
         tokens: list[list[int]] = [[] for _ in forks]
         qs: list[list[torch.Tensor]] = [[] for _ in forks]
-        for i in range(engine.k):
+        for i in range(engine.k_max):
             live = [b for b, f in enumerate(forks) if depth[f.seq.seq_id] > i]
             if not live:
                 break

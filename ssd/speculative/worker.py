@@ -35,7 +35,7 @@ def serve(channel: Channel, device: torch.device) -> None:
     except (SSDError, OSError, RuntimeError, TypeError) as e:
         channel.send({"type": "error", "message": f"{type(e).__name__}: {e}"})
         return
-    channel.limits = Limits.for_config(config.max_num_seqs, config.max_model_len, config.k, draft.engine.head.vocab)
+    channel.limits = Limits.for_config(config.max_num_seqs, config.max_model_len, config.k_max, draft.engine.head.vocab)
     channel.send({"type": "ready", "vocab_size": draft.engine.head.vocab, "pid": os.getpid()})
     tree_shares: dict[int, float] = {}
     idle_from = time.perf_counter()

@@ -11,44 +11,22 @@ from tqdm import tqdm
 from ssd.engine.detokenizer import TextStream
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.placement import engine_threads, parse_placement
 from ssd.engine.sampler import next_tokens
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
+from ssd.checks import check_int
+from ssd.config import EngineConfig
 from ssd.errors import ContextLengthError, PromptError, SSDError
-from ssd.models.config import ModelConfig
-from ssd.models.loader import load_tokenizer, resolve_weights, shared_model
+from ssd.models.loader import load_tokenizer, shared_model
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
 from ssd.speculative.launch import start_speculator
-from ssd.speculative.options import AUTO_K, SpecOptions
+from ssd.speculative.options import AUTO_K
 from ssd.speculative.round import speculative_round
 from ssd.speculative.speculator import Speculator
-from ssd.store import resolve_model
 
 Prompt = str | list[dict]
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SSDError("device cuda was asked for but this machine has no usable CUDA GPU")
-    return device
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
-    if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype not in DTYPES:
-        raise SSDError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    return DTYPES[dtype]
 
 
 class LLM:
@@ -61,66 +39,64 @@ class LLM:
     gives the target's output exactly; see README.md for the options.
     """
 
-    def __init__(self, model: str | os.PathLike, *, draft: str | os.PathLike | None = None,
-                 mode: str = "ar", device: str | torch.device | None = None,
-                 dtype: str | torch.dtype | None = None, max_model_len: int | None = None,
-                 threads: int | None = None, max_num_seqs: int = 16,
-                 max_num_batched_tokens: int = 512, kv_cache_tokens: int | None = None,
-                 block_size: int = 16, seed: int | None = None, weights: str = "auto", **speculation):
-        """weights: how the model's weights are held: "gguf" (a GGUF model's own quantised
-        blocks, the default for one on a CPU), "dequantized" (a copy in `dtype`: the values
-        transformers loads, and what a GPU uses), "int8" or "q4_0" (requantised copies, which
-        change the model's outputs: meant for a draft, see ssd/models/loader.py), or "auto".
-        speculation: the options of SpecOptions (ssd/speculative/options.py): speculate_k,
-        draft_quantization, and for SSD fan_out, backup, target_device, draft_device, ..."""
-        spec = SpecOptions.from_kwargs(speculation).resolved(mode)
-        if (draft is None) != (mode == "ar"):
-            raise SSDError(f"mode {mode!r} needs a draft model" if draft is None
-                           else f"a draft model needs mode 'sd' or 'ssd', not {mode!r}")
-        self.mode, self.k_max = mode, spec.k_max
-        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-            raise SSDError(f"threads must be an integer >= 1, got {threads!r}")
-        target_device = spec.target_device if mode == "ssd" else None
-        # SSD pins the target to its cores around each step (speculator.placement()).
-        self.threads = engine_threads(threads)
-        torch.set_num_threads(self.threads)
-        self.device = resolve_device(device if target_device is None else parse_placement(target_device).device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        self.folder: Path = resolve_model(model)
-        self.config = ModelConfig.from_folder(self.folder)
-        self.weights = resolve_weights(self.folder, self.device, weights)  # fail now, before a draft worker starts
-        self.tokenizer = load_tokenizer(self.folder)
-        limit = self.config.max_position_embeddings
-        self.max_model_len = limit if max_model_len is None else max_model_len
-        if isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) \
-                or not 1 < self.max_model_len <= limit:
-            raise SSDError(f"max_model_len must be in 2..{limit} for this model, got {max_model_len}")
-        self.eos_ids = set(self.config.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_ids.add(self.tokenizer.eos_token_id)
-        cache_tokens = kv_cache_tokens or max(self.max_model_len, 16384)
-        self.speculator: Speculator | None = None if draft is None else start_speculator(
-            spec, mode, draft, target_folder=self.folder, tokenizer=self.tokenizer, config=self.config,
-            eos_ids=self.eos_ids, device=self.device, dtype=self.dtype,
-            cache_tokens=cache_tokens, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len,
-            block_size=block_size, seed=seed)
+    def __init__(self, model: str | os.PathLike, **options):
+        """options: those of EngineConfig (ssd/config.py): draft, mode, device, dtype,
+        max_model_len, threads, max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
+        block_size, seed, weights; and those of SpecOptions (ssd/speculative/options.py):
+        speculate_k, draft_quantization, and for SSD fan_out, backup, target_device,
+        draft_device, ... weights: how the model's weights are held: "gguf" (a GGUF model's own
+        quantised blocks, the default for one on a CPU), "dequantized" (a copy in `dtype`: the
+        values transformers loads, and what a GPU uses), "int8" or "q4_0" (requantised copies,
+        which change the model's outputs: meant for a draft, see ssd/models/loader.py), or
+        "auto". Every option is checked before any model loads or worker starts."""
+        self.config = config = EngineConfig.from_options(model, options)
+        spec = config.speculation
+        self.k_max = spec.k_max
+        torch.set_num_threads(config.threads)
+        self.tokenizer = load_tokenizer(config.model)
+        self.eos_ids = config.model_config.end_ids(self.tokenizer)
+        self.speculator: Speculator | None = None if config.draft is None else \
+            start_speculator(config, self.tokenizer)
         # The target loads while an SSD worker loads the draft.
-        self.model = shared_model(self.folder, self.device, self.dtype, self.weights)
+        self.model = shared_model(config.model, config.device, config.dtype, config.weights)
         if self.speculator:
             self.speculator.wait_ready()
-        self.cache = PagedKVCache(self.config, cache_tokens, block_size, self.device, self.dtype)
-        self.runner = ModelRunner(self.model, self.cache, self.device)
+        self.cache = PagedKVCache(config.model_config, config.kv_cache_tokens, config.block_size, config.device,
+                                  config.dtype)
+        self.runner = ModelRunner(self.model, self.cache, config.device)
         self.runner.warm_up()
         self.speculate_k = spec.speculate_k if self.speculator else 0  # set_speculate_k() changes it
         # Drafts sit before the target's own token, and inside the draft model's context.
         draft_len = self.speculator.context if self.speculator else None
         self.draft_context = self.max_model_len - 1 if draft_len is None else min(self.max_model_len - 1, draft_len)
         self.k_policy = None if self.speculator is None else self._k_policy(spec.speculate_k)
-        self.scheduler = Scheduler(self.cache, max_num_seqs, max_num_batched_tokens,
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    lookahead=self.k_max if self.speculator else 0,
                                    on_release=self._release if self.speculator else None)
-        self.generator = torch.Generator(self.device)
-        self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+        self.generator = torch.Generator(config.device)
+        self.generator.manual_seed(config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little"))
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def folder(self) -> Path:
+        """The target model's folder."""
+        return self.config.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def threads(self) -> int:
+        return self.config.threads
+
+    @property
+    def weights(self) -> str:
+        """How the target's weights are held ("auto" decided)."""
+        return self.config.weights
 
     # ---- public API -------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt],
@@ -191,7 +167,7 @@ class LLM:
                    else "shorten the prompt"))
         gen = None
         if params.seed is not None:
-            gen = torch.Generator(self.device)
+            gen = torch.Generator(self.config.device)
             gen.manual_seed(params.seed)
         label = prompt if isinstance(prompt, str) else prompt[-1]["content"]
         return Sequence(label, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
@@ -226,9 +202,8 @@ class LLM:
         engine was started with (its KV room per round), or "auto" (`ssd chat`'s /k, /mode)."""
         if self.speculator is None:
             raise SSDError("there is no draft model: speculation needs mode 'sd' or 'ssd'")
-        if k != AUTO_K and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= self.k_max):
-            raise SSDError(f"K must be an integer in 0..{self.k_max} (the most this engine was started with) "
-                           f"or '{AUTO_K}', got {k!r}")
+        if k != AUTO_K:
+            check_int("K", k, 0, self.k_max, also=f"(the most this engine was started with) or '{AUTO_K}'")
         self.k_policy, self.speculate_k = self._k_policy(k), k
 
     def _k_policy(self, k: int | str) -> FixedK | AutoK:

@@ -1,17 +1,10 @@
 import math
 from dataclasses import dataclass
 
+from ssd.checks import check_int, is_int, is_number
 from ssd.errors import SamplingParamsError
 
 MAX_SEED = 2**64  # torch generators take 64-bit seeds
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def _list(value, kind: type, name: str, allowed: str) -> list:
@@ -43,15 +36,13 @@ class SamplingParams:
                                       "generation before the first token")
         self.stop_token_ids = _list(self.stop_token_ids, int, "stop_token_ids", "a list of token ids")
         # Written so that NaN fails every range check.
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
+        if not is_number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise SamplingParamsError(f"temperature must be >= 0 and finite (0: greedy), got {self.temperature!r}")
-        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+        if not is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise SamplingParamsError(f"top_p must be in (0, 1] (1: no cut), got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be an integer >= 0 (0: no cut), got {self.top_k!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
+        check_int("top_k", self.top_k, 0, also="(0: no cut)", error=SamplingParamsError)
+        check_int("max_tokens", self.max_tokens, 1, error=SamplingParamsError)
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < MAX_SEED):
             raise SamplingParamsError(f"seed must be None or an integer in 0..2**64-1, got {self.seed!r}")
 
     @property

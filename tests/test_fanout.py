@@ -2,7 +2,7 @@
 import pytest
 
 from ssd.errors import SSDError
-from ssd.speculative.fanout import MAX_RANK, FanOut
+from ssd.speculative.fanout import MAX_RANK, FanOut, check_fan_out
 
 
 def test_uniform_and_short_speculations():
@@ -26,7 +26,7 @@ def test_lists_after_hit_and_after_miss():
 ])
 def test_bad_fan_outs(hit, miss, match):
     with pytest.raises(SSDError, match=match):
-        FanOut(4, hit, miss)
+        check_fan_out(4, hit, miss, None)
 
 
 def test_auto_spends_the_budget_where_rounds_end():

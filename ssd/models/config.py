@@ -35,6 +35,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
+    def end_ids(self, tokenizer) -> set[int]:
+        """The token ids that end a sequence: the config's and its tokenizer's."""
+        ids = set(self.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        return ids
+
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
         arch = d.get("model_type", "")

@@ -28,6 +28,7 @@ cap never binds.
 """
 from collections.abc import Sequence
 
+from ssd.checks import check_int, is_int
 from ssd.errors import SSDError
 
 MAX_RANK = 16  # ranks beyond this are counted as "not among the candidates"
@@ -39,34 +40,44 @@ MIN_GAIN = 1e-3  # auto: a fork must be the outcome at least this often to get a
 LATE_S = 2e-3
 
 
-def _sizes(spec: int | Sequence[int], k: int, what: str) -> list[int]:
-    if isinstance(spec, int) and not isinstance(spec, bool):
-        if spec < 1:
+def check_fan_out(k_max: int, hit: int | Sequence[int] | str, miss: int | Sequence[int] | None,
+                  budget: int | None) -> None:
+    """Raise SSDError for a fan-out that FanOut cannot take (the speculation options' check,
+    and a worker's check of the configuration it is sent)."""
+    if hit == "auto":
+        if miss is not None:
+            raise SSDError("fan_out='auto' chooses the sizes after a miss too; drop fan_out_miss")
+        if budget is not None:
+            check_int("the tree budget", budget, 1)
+        return
+    if isinstance(hit, str):
+        raise SSDError(f"fan_out must be an int, a list of K+1 ints or 'auto', got {hit!r}")
+    for spec, what in ((hit, "fan_out"), (miss, "fan_out_miss")):
+        if is_int(spec) and spec < 1:
             raise SSDError(f"{what} must be >= 1, got {spec}")
-        return [spec] * (k + 1)
-    sizes = list(spec)
-    if len(sizes) != k + 1 or not all(isinstance(f, int) and f >= 0 for f in sizes) or not any(sizes):
-        raise SSDError(f"{what} must be one int or a list of K+1 = {k + 1} ints >= 0 (one per depth "
-                       f"0..K), not all 0; got {list(spec)}")
-    return sizes
+        if spec is None or is_int(spec):
+            continue
+        if not (isinstance(spec, (list, tuple)) and len(spec) == k_max + 1 and all(is_int(f) and f >= 0 for f in spec)
+                and any(spec)):
+            raise SSDError(f"{what} must be one int or a list of K+1 = {k_max + 1} ints >= 0 (one per depth "
+                           f"0..K), not all 0; got {spec!r}")
+
+
+def _sizes(spec: int | Sequence[int], k_max: int) -> list[int]:
+    return [spec] * (k_max + 1) if is_int(spec) else list(spec)
 
 
 class FanOut:
     def __init__(self, k_max: int, hit: int | Sequence[int] | str = 3, miss: int | Sequence[int] | None = None,
                  budget: int | None = None):
         self.k_max = k_max
+        """hit, miss, budget: as checked by check_fan_out."""
         self.auto = hit == "auto"
         if self.auto:
-            if miss is not None:
-                raise SSDError("fan_out='auto' chooses the sizes after a miss too; drop fan_out_miss")
             self.budget = budget if budget is not None else 3 * (k_max + 1)
-            if self.budget < 1:
-                raise SSDError(f"the tree budget must be >= 1, got {self.budget}")
-        elif isinstance(hit, str):
-            raise SSDError(f"fan_out must be an int, a list of K+1 ints or 'auto', got {hit!r}")
         else:
-            self.hit = _sizes(hit, k_max, "fan_out")
-            self.miss = _sizes(miss, k_max, "fan_out_miss") if miss is not None else self.hit
+            self.hit = _sizes(hit, k_max)
+            self.miss = _sizes(miss, k_max) if miss is not None else self.hit
         # Measured: rounds ending at each depth, after a hit [1] or a miss [0]; target-token ranks.
         self.depth_counts = [[0] * (k_max + 1), [0] * (k_max + 1)]
         self.rank_counts = [0] * (MAX_RANK + 1)  # [MAX_RANK]: beyond the candidates

@@ -9,7 +9,6 @@ The proposals are not drawn from any distribution, so they are verified as one-h
 from dataclasses import dataclass, field
 
 from ssd.engine.sequence import Sequence
-from ssd.speculative.options import check_ngram_sizes
 from ssd.speculative.speculator import Proposal, Speculator
 
 
@@ -23,8 +22,8 @@ class _Index:
 
 class NgramSpeculator(Speculator):
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
+        """ngram_min, ngram_max: as checked by the speculation options (check_ngram_sizes)."""
         super().__init__()
-        check_ngram_sizes(ngram_min, ngram_max)
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.indexes: dict[int, _Index] = {}
 

@@ -11,9 +11,11 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
 
+from ssd.checks import check_int, is_int
 from ssd.engine.placement import Placement, default_pair, parse_placement
 from ssd.errors import SSDError
 from ssd.models.loader import QUANTIZATIONS, resolve_weights
+from ssd.speculative.fanout import check_fan_out
 from ssd.speculative.protocol import parse_address
 
 MODES = ("ar", "sd", "ssd")
@@ -32,7 +34,7 @@ AUTO_DRAFT_VOCAB = 32768
 
 
 def check_ngram_sizes(ngram_min: int, ngram_max: int) -> None:
-    if not (isinstance(ngram_min, int) and isinstance(ngram_max, int) and 1 <= ngram_min <= ngram_max <= 16):
+    if not (is_int(ngram_min) and is_int(ngram_max) and 1 <= ngram_min <= ngram_max <= 16):
         raise SSDError(f"n-gram sizes must satisfy 1 <= ngram_min <= ngram_max <= 16, got {ngram_min}, {ngram_max}")
 
 
@@ -86,8 +88,8 @@ def _option(default, help: str, *, flag: str | None = None, ssd_only: bool = Fal
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """How SD and SSD speculate (README.md, "Speculative decoding"). Checked by `check(mode)`
-    before any model loads or worker starts."""
+    """How SD and SSD speculate (README.md, "Speculative decoding"). Checked, once, by
+    `resolved(mode)` (ssd/config.py) before any model loads or worker starts."""
 
     speculate_k: int | str | None = _option(
         None, "draft tokens per round (1..32), or auto: chosen per sequence and round from the measured acceptance "
@@ -152,15 +154,12 @@ class SpecOptions:
             raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if mode == "ar":
             return
-        if self.speculate_k != AUTO_K and (isinstance(self.speculate_k, bool) or not isinstance(self.speculate_k, int)
-                                           or not 1 <= self.speculate_k <= MAX_K):
-            raise SSDError(f"speculate_k must be an integer in 1..{MAX_K} or '{AUTO_K}', got {self.speculate_k!r}")
-        if isinstance(self.k_max, bool) or not isinstance(self.k_max, int) or not 1 <= self.k_max <= MAX_K:
-            raise SSDError(f"k_max must be an integer in 1..{MAX_K}, got {self.k_max!r}")
+        if self.speculate_k != AUTO_K:
+            check_int("speculate_k", self.speculate_k, 1, MAX_K, also=f"or '{AUTO_K}'")
+        check_int("k_max", self.k_max, 1, MAX_K)
         if self.k_max != SpecOptions.k_max and self.speculate_k != AUTO_K:
             raise SSDError(f"k_max applies to speculate_k='{AUTO_K}' only")
-        if self.draft_vocab not in (None, "auto", "full") and (isinstance(self.draft_vocab, bool)
-                                                              or not isinstance(self.draft_vocab, int)):
+        if self.draft_vocab not in (None, "auto", "full") and not is_int(self.draft_vocab):
             raise SSDError(f"draft_vocab must be an integer, 'auto', 'full' or None, got {self.draft_vocab!r}")
         changed = [f.name for f in fields(self) if f.metadata["ssd_only"] and getattr(self, f.name) != f.default]
         if mode != "ssd" and changed:
@@ -182,9 +181,8 @@ class SpecOptions:
         if self.draft_address is not None and not self.secret():
             raise SSDError(f"a draft worker started by hand needs a shared secret: set {SECRET_ENV} to the same value "
                            "where the target and the worker run (or pass draft_secret=...)")
-        from ssd.speculative.fanout import FanOut
-        k_max = self.k_max if self.speculate_k == AUTO_K else self.speculate_k
-        FanOut(k_max, self.fan_out, self.fan_out_miss, self.tree_budget)  # raises on a bad fan-out
+        check_fan_out(self.k_max if self.speculate_k == AUTO_K else self.speculate_k, self.fan_out,
+                      self.fan_out_miss, self.tree_budget)
         if mode == "ssd":
             for device in (self.target_device, self.draft_device):
                 if device is not None:
@@ -259,4 +257,6 @@ class DraftConfig:
         if not isinstance(d, dict) or not required <= set(d) <= names:
             keys = set(d) if isinstance(d, dict) else set()
             raise SSDError(f"bad draft configuration: missing {sorted(required - keys)}, unknown {sorted(keys - names)}")
-        return cls(**d)
+        cfg = cls(**d)
+        check_fan_out(cfg.k_max, cfg.fan_out, cfg.fan_out_miss, cfg.tree_budget)
+        return cfg

@@ -1,0 +1,98 @@
+"""The engine's configuration: what LLM(...) is asked for, checked once, before any model
+loads or worker starts, and resolved against this machine and the model (its folder, device,
+dtype, weights, context). The draft side's configuration derives from it
+(ssd/speculative/launch.py)."""
+import os
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from ssd.checks import check_int, is_int
+from ssd.engine.placement import engine_threads, parse_placement
+from ssd.errors import SSDError
+from ssd.models.config import ModelConfig
+from ssd.models.loader import resolve_weights
+from ssd.speculative.options import SpecOptions
+from ssd.store import resolve_model
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+MIN_CACHE_TOKENS = 16384  # the default KV cache holds at least this many tokens
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SSDError("device cuda was asked for but this machine has no usable CUDA GPU")
+    return device
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise SSDError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class EngineConfig:
+    """LLM(...)'s options (README.md, "Python API"). As given, then resolved in place: `model`
+    becomes the model's folder, `device`, `dtype` and `weights` what they are here,
+    `max_model_len`, `threads` and `kv_cache_tokens` numbers, and `speculation` the checked
+    options of the mode (its K filled in)."""
+
+    model: str | os.PathLike
+    draft: str | os.PathLike | None = None  # a model, or "ngram" (prompt lookup)
+    mode: str = "ar"
+    device: str | torch.device | None = None
+    dtype: str | torch.dtype | None = None
+    max_model_len: int | None = None
+    threads: int | None = None
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 512
+    kv_cache_tokens: int | None = None
+    block_size: int = 16
+    seed: int | None = None
+    weights: str = "auto"
+    speculation: SpecOptions = field(default_factory=SpecOptions)
+    model_config: ModelConfig = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        spec = self.speculation = self.speculation.resolved(self.mode)
+        if (self.draft is None) != (self.mode == "ar"):
+            raise SSDError(f"mode {self.mode!r} needs a draft model" if self.draft is None
+                           else f"a draft model needs mode 'sd' or 'ssd', not {self.mode!r}")
+        if self.threads is not None:
+            check_int("threads", self.threads, 1)
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            check_int(name, getattr(self, name), 1)
+        if self.kv_cache_tokens is not None:
+            check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
+        if self.seed is not None:
+            check_int("seed", self.seed, 0, 2**64 - 1)
+        # SSD pins the target to its cores around each step (the speculator's placement()).
+        self.threads = engine_threads(self.threads)
+        target_device = spec.target_device if self.mode == "ssd" else None
+        self.device = resolve_device(self.device if target_device is None else parse_placement(target_device).device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
+        self.model = resolve_model(self.model)
+        self.model_config = ModelConfig.from_folder(self.model)
+        self.weights = resolve_weights(self.model, self.device, self.weights)  # fail now, before a worker starts
+        limit = self.model_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = limit
+        elif not (is_int(self.max_model_len) and 1 < self.max_model_len <= limit):
+            raise SSDError(f"max_model_len must be in 2..{limit} for this model, got {self.max_model_len}")
+        self.kv_cache_tokens = self.kv_cache_tokens or max(self.max_model_len, MIN_CACHE_TOKENS)
+
+    @classmethod
+    def from_options(cls, model: str | os.PathLike, options: dict) -> "EngineConfig":
+        """From LLM(model, **options): the engine's own options, the rest SpecOptions'."""
+        own = {f.name for f in fields(cls) if f.init} - {"model", "speculation"}
+        return cls(model, **{k: v for k, v in options.items() if k in own},
+                   speculation=SpecOptions.from_kwargs({k: v for k, v in options.items() if k not in own}))

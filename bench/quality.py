@@ -43,11 +43,11 @@ def held_out_text(min_chars: int) -> str:
 def chunk_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Logits at every position of one chunk, evaluated from its start (a fresh sequence)."""
     owner = -12345
-    llm.cache.reserve(owner, len(ids))
+    llm.engine.cache.reserve(owner, len(ids))
     try:
-        return llm.runner.forward([Chunk(owner, ids, 0, len(ids))]).float()
+        return llm.engine.runner.forward([Chunk(owner, ids, 0, len(ids))]).float()
     finally:
-        llm.cache.release(owner)
+        llm.engine.cache.release(owner)
 
 
 def score(model: str, weights: str, chunks: list[list[int]], threads: int | None) -> tuple[list[torch.Tensor], float]:

@@ -1,30 +1,19 @@
 import dataclasses
 import os
-import time
 from collections.abc import Iterator
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ssd.engine.detokenizer import TextStream
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import next_tokens
-from ssd.engine.scheduler import Scheduler, Work
-from ssd.engine.sequence import Sequence
-from ssd.checks import check_int
 from ssd.config import EngineConfig
+from ssd.engine.detokenizer import TextStream
+from ssd.engine.sequence import Sequence
 from ssd.errors import ContextLengthError, PromptError, SSDError
-from ssd.models.loader import load_tokenizer, shared_model
+from ssd.llm_engine import Event, LLMEngine
+from ssd.models.loader import load_tokenizer
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
-from ssd.speculative.launch import start_speculator
-from ssd.speculative.options import AUTO_K
-from ssd.speculative.round import speculative_round
-from ssd.speculative.speculator import Speculator
 
 Prompt = str | list[dict]
 
@@ -49,32 +38,13 @@ class LLM:
         values transformers loads, and what a GPU uses), "int8" or "q4_0" (requantised copies,
         which change the model's outputs: meant for a draft, see ssd/models/loader.py), or
         "auto". Every option is checked before any model loads or worker starts."""
-        self.config = config = EngineConfig.from_options(model, options)
-        spec = config.speculation
-        self.k_max = spec.k_max
-        torch.set_num_threads(config.threads)
-        self.tokenizer = load_tokenizer(config.model)
-        self.eos_ids = config.model_config.end_ids(self.tokenizer)
-        self.speculator: Speculator | None = None if config.draft is None else \
-            start_speculator(config, self.tokenizer)
-        # The target loads while an SSD worker loads the draft.
-        self.model = shared_model(config.model, config.device, config.dtype, config.weights)
-        if self.speculator:
-            self.speculator.wait_ready()
-        self.cache = PagedKVCache(config.model_config, config.kv_cache_tokens, config.block_size, config.device,
-                                  config.dtype)
-        self.runner = ModelRunner(self.model, self.cache, config.device)
-        self.runner.warm_up()
-        self.speculate_k = spec.speculate_k if self.speculator else 0  # set_speculate_k() changes it
-        # Drafts sit before the target's own token, and inside the draft model's context.
-        draft_len = self.speculator.context if self.speculator else None
-        self.draft_context = self.max_model_len - 1 if draft_len is None else min(self.max_model_len - 1, draft_len)
-        self.k_policy = None if self.speculator is None else self._k_policy(spec.speculate_k)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   lookahead=self.k_max if self.speculator else 0,
-                                   on_release=self._release if self.speculator else None)
-        self.generator = torch.Generator(config.device)
-        self.generator.manual_seed(config.seed if config.seed is not None else int.from_bytes(os.urandom(8), "little"))
+        self.config = EngineConfig.from_options(model, options)
+        torch.set_num_threads(self.config.threads)
+        self.tokenizer = load_tokenizer(self.config.model)
+        self.engine = LLMEngine(self.config, self.tokenizer)
+        self.generator = torch.Generator(self.config.device)  # for requests without a seed of their own
+        seed = self.config.seed
+        self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
 
     @property
     def mode(self) -> str:
@@ -97,6 +67,15 @@ class LLM:
     def weights(self) -> str:
         """How the target's weights are held ("auto" decided)."""
         return self.config.weights
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return self.engine.eos_ids
+
+    @property
+    def speculate_k(self) -> int | str:
+        """The K of the next rounds (0 without a draft): set_speculate_k() changes it."""
+        return self.engine.speculate_k
 
     # ---- public API -------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt],
@@ -122,7 +101,7 @@ class LLM:
         for seq in seqs:
             self.add_request(seq)
         try:
-            while self.scheduler.has_work:
+            while self.engine.scheduler.has_work:
                 for seq, _, _ in self.step():
                     if seq.finished:
                         bar.update(1)
@@ -174,54 +153,37 @@ class LLM:
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a request from new_request(); it joins the running batch at a later step."""
-        self.scheduler.add(seq)
+        self.engine.scheduler.add(seq)
 
-    def step(self) -> list[tuple[Sequence, list[int], list[bool]]]:
-        """Run one scheduled step; return (sequence, new tokens, from_draft flags) for each
-        sequence that got tokens. Prompt chunks run through the target alone; in SD and SSD
-        modes the sequences that are decoding run one speculative round."""
-        work = self.scheduler.schedule()
-        decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
-        plain = [w for w in work if w.seq not in decoding]
-        with self.speculator.placement(drafting=bool(decoding)) if self.speculator else nullcontext():
-            events = self._forward(plain) if plain else []
-            return events + (self._speculate(decoding) if decoding else [])
+    def step(self) -> list[Event]:
+        """Run one scheduled step (ssd/llm_engine.py); return (sequence, new tokens, from_draft
+        flags) for each sequence that got tokens."""
+        return self.engine.step()
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Stop unfinished requests and free what they hold (KV blocks, the draft's state)."""
         for seq in seqs:
             if not seq.finished:
-                self.scheduler.finish(seq)
+                self.engine.finish(seq)
 
     def kv_blocks_in_use(self) -> int:
         """The target's KV cache blocks held by requests (0 when none is in flight)."""
-        return self.cache.blocks_in_use
+        return self.engine.cache.blocks_in_use
 
     def set_speculate_k(self, k: int | str) -> None:
         """Change K for the next rounds: 0 (plain decoding, the draft idle) up to the K the
         engine was started with (its KV room per round), or "auto" (`ssd chat`'s /k, /mode)."""
-        if self.speculator is None:
-            raise SSDError("there is no draft model: speculation needs mode 'sd' or 'ssd'")
-        if k != AUTO_K:
-            check_int("K", k, 0, self.k_max, also=f"(the most this engine was started with) or '{AUTO_K}'")
-        self.k_policy, self.speculate_k = self._k_policy(k), k
-
-    def _k_policy(self, k: int | str) -> FixedK | AutoK:
-        if k != AUTO_K:
-            return FixedK(k)
-        return AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2), self.speculator.step_cost(),
-                     self.speculator.measures_steps)
+        self.engine.set_speculate_k(k)
 
     @property
     def draft_failures(self) -> int:
         """How often the SSD draft worker failed to start, died or hung (SD took over)."""
-        return self.speculator.failures if self.speculator else 0
+        speculator = self.engine.speculator
+        return speculator.failures if speculator else 0
 
     def close(self) -> None:
         """Free the requests in flight and stop the draft worker, if any. Idempotent."""
-        self.abort(list(self.scheduler.running) + list(self.scheduler.waiting))
-        if self.speculator is not None:
-            self.speculator.close()
+        self.engine.close()
 
     def __enter__(self) -> "LLM":
         return self
@@ -259,72 +221,6 @@ class LLM:
             if not isinstance(m["content"], str):
                 raise PromptError(f"chat message {i} has content of type {type(m['content']).__name__}; "
                                   "content must be a string")
-
-    def _forward(self, work: list[Work]) -> list[tuple[Sequence, list[int], list[bool]]]:
-        logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.seq.num_cached:][:w.num_new],
-                                            w.seq.num_cached, int(w.samples)) for w in work])
-        now = time.perf_counter()
-        events, row = [], 0
-        for w in work:
-            seq, samples = w.seq, w.samples
-            seq.num_cached += w.num_new
-            if not samples:
-                continue
-            token = int(next_tokens(logits[row:row + 1], seq.params, seq.generator)[0])
-            row += 1
-            events.append(self._append(seq, [token], [False], now))
-        return events
-
-    def _speculate(self, seqs: list[Sequence]) -> list[tuple[Sequence, list[int], list[bool]]]:
-        """One speculative round (ssd/speculative/round.py) for the sequences that are decoding."""
-        ks = [round_k(k, s.num_tokens, self.draft_context, s.params.max_tokens - len(s.output_ids))
-              for s, k in zip(seqs, self.k_policy.choose(seqs))]
-        if not any(ks):  # plain decoding this round: no draft pass; the draft catches up when next asked
-            start = time.perf_counter()
-            events = self._forward([Work(s, 1) for s in seqs])
-            verify_s = time.perf_counter() - start
-            self.k_policy.observe(seqs, [0] * len(seqs), [0] * len(seqs), 0.0, verify_s)
-            for seq in seqs:
-                seq.stats.record_round(0, 0, 0, 0.0, verify_s)
-            return events
-        results = speculative_round(self.speculator, self.runner, seqs, ks)
-        self.k_policy.observe(seqs, [len(r.proposal.tokens) for r in results], [r.accepted for r in results],
-                              results[0].draft_s, results[0].verify_s, self.speculator.last_step_s(),
-                              self.speculator.last_catchup())
-        now = time.perf_counter()
-        events = []
-        for seq, k, r in zip(seqs, ks, results):
-            st, p = seq.stats, r.proposal
-            st.tree_s += p.tree_s
-            st.draft_idle_s += p.idle_s
-            st.backup_s += p.backup_s
-            st.draft_failures += p.failed_over
-            st.record_round(k, len(p.tokens), r.accepted, r.draft_s, r.verify_s, p.hit if self.mode == "ssd" else None)
-            events.append(self._append(seq, r.tokens, [True] * r.accepted + [False], now))
-        return events
-
-    def _release(self, seq: Sequence) -> None:
-        self.speculator.release(seq)
-        self.k_policy.release(seq)
-
-    def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float
-                ) -> tuple[Sequence, list[int], list[bool]]:
-        """Add tokens up to the first that finishes the sequence; return what was added."""
-        for i, token in enumerate(tokens):
-            seq.token_ids.append(token)
-            seq.from_draft.append(from_draft[i])
-            seq.text.push([token])
-            seq.first_token_at = seq.first_token_at or now
-            seq.last_token_at = now
-            p = seq.params
-            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or seq.text.stopped:
-                seq.finish_reason = "stop"
-            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-                seq.finish_reason = "length"
-            if seq.finished:
-                self.scheduler.finish(seq)
-                return seq, tokens[:i + 1], from_draft[:i + 1]
-        return seq, tokens, from_draft
 
     def _output(self, seq: Sequence) -> RequestOutput:
         return RequestOutput(seq.prompt, seq.text.text, list(seq.output_ids),

@@ -207,7 +207,7 @@ def test_auto_k_with_prompt_lookup_drafts_deep_on_repeats(smollm_dir, ar_outputs
     with LLM(smollm_dir, draft="ngram", mode="sd", speculate_k="auto") as llm:
         # Costs fixed as a quiet machine measures them: SmolLM2's passes take ~10 ms, so on a
         # busy CI machine the measured V(rows) is noise and the 10 rounds too few to average it.
-        llm.k_policy = _FixedCosts(k_max=8)
+        llm.engine.k_policy = _FixedCosts(k_max=8)
         (out,) = llm.generate([REPEATING], params)
     assert out.token_ids == ar_outputs([REPEATING], params)[0]
     assert out.metrics.mean_k >= 3, out.metrics  # drafting is free and copies are accepted (k_max 8)
@@ -240,7 +240,7 @@ def test_auto_k_sampling_follows_the_target(tiny_pair):
     with LLM(target, draft=draft, mode="sd", speculate_k="auto", k_max=4, max_num_seqs=500, seed=5) as llm:
         # The tiny models cost next to nothing and about the same: fix the costs (a free draft, a
         # target pass growing slowly with its rows) so that K follows each sequence's acceptance.
-        llm.k_policy = _FixedCosts()
+        llm.engine.k_policy = _FixedCosts()
         outs = llm.generate([PROMPT] * n, params)
         prompt_ids = llm.encode(PROMPT)
     tokens = torch.tensor([o.token_ids for o in outs])

@@ -108,6 +108,6 @@ def test_the_target_and_its_worker_listen_on_the_loopback_only(smollm_dir, trunc
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd") as llm:
         llm.generate("Hello", SamplingParams.greedy(max_tokens=8, ignore_eos=True))
         assert llm.draft_failures == 0
-        sockets = {"target": listening(os.getpid()), "worker": listening(llm.speculator.proc.pid)}
+        sockets = {"target": listening(os.getpid()), "worker": listening(llm.engine.speculator.proc.pid)}
     assert sockets["target"] and sockets["worker"], sockets  # the rendezvous store's and gloo's
     assert all(_loopback(ip) for found in sockets.values() for ip, _ in found), sockets

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-import ssd.llm
+import ssd.llm_engine
 from ssd import LLM, SamplingParams
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
@@ -31,7 +31,7 @@ GREEDY = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
 
 
 def children_alive(llm: LLM) -> bool:
-    proc = llm.speculator.proc
+    proc = llm.engine.speculator.proc
     return proc is not None and proc.poll() is None
 
 
@@ -83,17 +83,17 @@ def test_prompts_run_on_the_idle_workers_cores_too(smollm_dir, truncated_draft, 
     prompts alone also takes the worker's (idle) cores, and the output stays AR's."""
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, fan_out=2) as llm:
         prompts, rounds = [], []
-        llm_forward = llm._forward
+        llm_forward = llm.engine._forward
 
         def spy(calls: list, fn):
             return lambda *a: calls.append((os.sched_getaffinity(0), torch.get_num_threads())) or fn(*a)
         forward = spy(prompts, llm_forward)
         # Only the steps of prompt chunks (a round that drafts nothing also runs _forward).
-        monkeypatch.setattr(llm, "_forward", lambda work: (forward if work[0].num_new > 1 else llm_forward)(work))
-        monkeypatch.setattr(ssd.llm, "speculative_round", spy(rounds, ssd.llm.speculative_round))
+        monkeypatch.setattr(llm.engine, "_forward", lambda work: (forward if work[0].num_new > 1 else llm_forward)(work))
+        monkeypatch.setattr(ssd.llm_engine, "speculative_round", spy(rounds, ssd.llm_engine.speculative_round))
         outs = llm.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
-        target, draft = set(llm.speculator.target.cores), set(llm.speculator.draft.cores)
+        target, draft = set(llm.engine.speculator.target.cores), set(llm.engine.speculator.draft.cores)
     assert prompts and all(c == target | draft and n == len(c) for c, n in prompts), prompts
     assert rounds and all(c == target and n == len(c) for c, n in rounds), rounds
 
@@ -204,7 +204,7 @@ def test_killing_the_worker_mid_generation(smollm_dir, truncated_draft, ar_outpu
     want = ar_outputs(PROMPTS[:1], SamplingParams.greedy(max_tokens=48, ignore_eos=True))[0]
     with caplog.at_level(logging.WARNING, logger="ssd"), \
             LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3) as llm:
-        proc = llm.speculator.proc
+        proc = llm.engine.speculator.proc
         ids, metrics, _ = _stream_with(llm, proc.kill)
         assert ids == want and metrics.draft_failures == 1
         assert proc.poll() is not None
@@ -217,7 +217,7 @@ def test_killing_the_worker_mid_generation(smollm_dir, truncated_draft, ar_outpu
 def test_a_hung_worker_times_out(smollm_dir, truncated_draft, ar_outputs):
     want = ar_outputs(PROMPTS[:1], SamplingParams.greedy(max_tokens=48, ignore_eos=True))[0]
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, draft_timeout=2.0) as llm:
-        proc = llm.speculator.proc
+        proc = llm.engine.speculator.proc
         ids, metrics, gap = _stream_with(llm, lambda: os.kill(proc.pid, signal.SIGSTOP))
         assert ids == want and metrics.draft_failures == 1
         assert gap < 30, "the round after the hang: the 2 s timeout, loading the draft here, one SD round"
@@ -235,7 +235,7 @@ def test_a_worker_that_cannot_start(smollm_dir, truncated_draft, tmp_path, ar_ou
             LLM(smollm_dir, draft=broken, mode="ssd") as llm:
         outs = llm.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
-        assert llm.draft_failures == 1 and llm.speculator.proc.poll() is not None
+        assert llm.draft_failures == 1 and llm.engine.speculator.proc.poll() is not None
     assert "could not start" in caplog.text and "plain decoding" in caplog.text
 
 

@@ -175,8 +175,8 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
     first = next(iter(llms.values()))
     result.device, result.dtype = str(first.device), str(first.dtype).removeprefix("torch.")
     result.threads = first.threads
-    result.draft_weights = next((llm.speculator.draft_weights for llm in llms.values()
-                                 if llm.speculator and llm.speculator.draft_weights), None)
+    result.draft_weights = next((llm.engine.speculator.draft_weights for llm in llms.values()
+                                 if llm.engine.speculator and llm.engine.speculator.draft_weights), None)
     inputs = {name: [wrap(p.text) for p in ps] for name, ps in result.prompt_sets.items()}
     token_ids = {name: [first.encode(x) for x in xs] for name, xs in inputs.items()}
     for llm in llms.values():  # warm-up: first-call allocations and kernel builds out of the timings

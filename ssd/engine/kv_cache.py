@@ -1,9 +1,11 @@
 """The paged KV cache: one tensor for all layers, cut into fixed-size blocks.
 
 A sequence owns a list of blocks (its block table); token position p lives in slot
-block_table[p // block_size] * block_size + p % block_size. Rolling back rejected
-tokens is only a length change: `truncate` frees whole blocks past the new length and
-the stale slots inside the last block are overwritten by the next write.
+block_table[p // block_size] * block_size + p % block_size. The cache also keeps how many
+leading positions of each owner hold K/V (`cached`): a forward pass writes them
+(ModelRunner), and rolling back rejected tokens is only a length change: `truncate` frees
+whole blocks past the new length and the stale slots inside the last block are overwritten
+by the next write.
 """
 import torch
 
@@ -24,6 +26,15 @@ class PagedKVCache:
                               cfg.head_dim, device=device, dtype=dtype)
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
         self.tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}  # owner -> leading positions whose K/V are written
+
+    def cached(self, owner: int) -> int:
+        """Leading positions of `owner` whose K/V are in the cache."""
+        return self.lengths.get(owner, 0)
+
+    def written(self, owner: int, end: int) -> None:
+        """A forward pass wrote `owner`'s K/V up to position end - 1 (ModelRunner)."""
+        self.lengths[owner] = end
 
     @property
     def blocks_in_use(self) -> int:
@@ -47,12 +58,15 @@ class PagedKVCache:
     def truncate(self, owner: int, num_tokens: int) -> None:
         """Keep only positions < num_tokens (rollback); frees the blocks past them."""
         table = self.tables.get(owner, [])
+        if owner in self.lengths:
+            self.lengths[owner] = min(self.lengths[owner], num_tokens)
         keep = -(-num_tokens // self.block_size)
         while len(table) > keep:
             self.free_blocks.append(table.pop())
 
     def release(self, owner: int) -> None:
         self.free_blocks.extend(reversed(self.tables.pop(owner, [])))
+        self.lengths.pop(owner, None)
 
     def slots(self, owner: int, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions start..end-1 of `owner` (a CPU LongTensor)."""

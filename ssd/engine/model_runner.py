@@ -69,7 +69,10 @@ class ModelRunner:
         logits_index = torch.cat([torch.arange(end - c.num_logits, end)
                                   for c, end in zip(chunks, row_ends.tolist())])
         batch = AttentionBatch(slot_mapping, rows, q_row, q_len)
-        return self.run(input_ids, positions, batch, logits_index, head)
+        out = self.run(input_ids, positions, batch, logits_index, head)
+        for c, n in zip(chunks, lengths):
+            self.cache.written(c.owner, c.start + n)
+        return out
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,

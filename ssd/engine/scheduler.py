@@ -16,12 +16,13 @@ from ssd.engine.sequence import Sequence
 @dataclass
 class Work:
     seq: Sequence
-    num_new: int  # feed token_ids[num_cached : num_cached + num_new]
+    start: int  # feed token_ids[start : start + num_new]: start is what the cache holds of seq
+    num_new: int
 
     @property
     def samples(self) -> bool:
         """Whether this chunk reaches the newest token, so a next token is drawn after it."""
-        return self.seq.num_cached + self.num_new == self.seq.num_tokens
+        return self.start + self.num_new == self.seq.num_tokens
 
 
 class Scheduler:
@@ -53,7 +54,7 @@ class Scheduler:
         work: list[Work] = []
         budget = self.budget
         for seq in list(self.running):
-            if seq not in self.running or seq.num_tokens - seq.num_cached != 1:
+            if seq not in self.running or seq.num_tokens - self.cache.cached(seq.seq_id) != 1:
                 continue
             need = seq.num_tokens + self.lookahead
             while not self.cache.can_reserve(seq.seq_id, need):
@@ -64,17 +65,18 @@ class Scheduler:
                     break
             if seq in self.running:
                 self.cache.reserve(seq.seq_id, need)
-                work.append(Work(seq, 1))
+                work.append(Work(seq, seq.num_tokens - 1, 1))
                 budget -= 1
         for seq in self.running:
-            remaining = seq.num_tokens - seq.num_cached
+            start = self.cache.cached(seq.seq_id)
+            remaining = seq.num_tokens - start
             if remaining <= 1 or budget <= 0:
                 continue
             n = min(remaining, budget)
-            if not self.cache.can_reserve(seq.seq_id, seq.num_cached + n):
+            if not self.cache.can_reserve(seq.seq_id, start + n):
                 break
-            self.cache.reserve(seq.seq_id, seq.num_cached + n)
-            work.append(Work(seq, n))
+            self.cache.reserve(seq.seq_id, start + n)
+            work.append(Work(seq, start, n))
             budget -= n
         if not work and len(self.running) > 1:
             # Admitted prompts overcommitted the cache: make room and try again.
@@ -86,7 +88,6 @@ class Scheduler:
         self.running.remove(seq)
         self.cache.release(seq.seq_id)
         self.on_release(seq)
-        seq.num_cached = 0
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:

@@ -14,7 +14,8 @@ _ids = count()
 
 @dataclass
 class Sequence:
-    """One request: its tokens, how many of them are in the KV cache, and its progress."""
+    """One request: its tokens and its progress (how many of its tokens the target's KV cache
+    holds is the cache's to say: PagedKVCache.cached)."""
 
     prompt: str
     token_ids: list[int]  # prompt followed by the output so far
@@ -22,7 +23,6 @@ class Sequence:
     text: TextStream = field(repr=False)
     generator: torch.Generator | None = field(default=None, repr=False)
     num_prompt_tokens: int = 0
-    num_cached: int = 0  # leading tokens whose K/V are in the target's cache
     finish_reason: str | None = None
     from_draft: list[bool] = field(default_factory=list)  # per output token
     stats: RequestMetrics = field(default_factory=RequestMetrics)  # speculation counters

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits
 from ssd.engine.sequence import Sequence
@@ -30,8 +31,10 @@ class RoundResult:
     verify_s: float  # the target's verify pass (the whole batch's)
 
 
-def speculative_round(speculator: Speculator, target: ModelRunner, seqs: list[Sequence], ks: list[int]
-                      ) -> list[RoundResult]:
+def speculative_round(speculator: Speculator, target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
+                      ks: list[int]) -> list[RoundResult]:
+    """One round for the decoding sequences, ks[i] draft tokens asked for seqs[i]; `cache` is
+    the target's KV cache, which `target` writes."""
     t0 = time.perf_counter()
     proposals = speculator.propose(seqs, ks)
     t1 = time.perf_counter()
@@ -50,8 +53,7 @@ def speculative_round(speculator: Speculator, target: ModelRunner, seqs: list[Se
             q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
             verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
-        seq.num_cached = valid
-        target.cache.truncate(seq.seq_id, valid)
+        cache.truncate(seq.seq_id, valid)
         speculator.accepted(seq, valid)
         results.append(RoundResult(prop, verdict.accepted, prop.tokens[:verdict.accepted] + [verdict.token],
                                    t1 - t0, t2 - t1))

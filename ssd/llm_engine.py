@@ -1,0 +1,151 @@
+"""The engine under LLM (ssd/llm.py): the target model with its KV cache and scheduler, the
+speculator and its K policy, and the step that runs them.
+
+A step is one forward pass of the target over what the scheduler picked: prompt chunks and
+plain decoding steps (AR), and in SD and SSD one speculative round (ssd/speculative/round.py)
+for the sequences that are decoding. It returns what each sequence got, finished sequences
+included; LLM turns that into outputs and streams.
+"""
+import time
+from contextlib import nullcontext
+
+from ssd.checks import check_int
+from ssd.config import EngineConfig
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.engine.sampler import next_tokens
+from ssd.engine.scheduler import Scheduler, Work
+from ssd.engine.sequence import Sequence
+from ssd.errors import SSDError
+from ssd.models.loader import shared_model
+from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
+from ssd.speculative.launch import start_speculator
+from ssd.speculative.options import AUTO_K
+from ssd.speculative.round import speculative_round
+from ssd.speculative.speculator import Speculator
+
+Event = tuple[Sequence, list[int], list[bool]]  # a sequence, its new tokens, and whether each was a draft's
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, tokenizer):
+        self.config = config
+        self.eos_ids = config.model_config.end_ids(tokenizer)
+        self.speculator: Speculator | None = None if config.draft is None else start_speculator(config, tokenizer)
+        # The target loads while an SSD worker loads the draft.
+        model = shared_model(config.model, config.device, config.dtype, config.weights)
+        if self.speculator:
+            self.speculator.wait_ready()
+        self.cache = PagedKVCache(config.model_config, config.kv_cache_tokens, config.block_size, config.device,
+                                  config.dtype)
+        self.runner = ModelRunner(model, self.cache, config.device)
+        self.runner.warm_up()
+        self.k_max = config.speculation.k_max
+        self.speculate_k: int | str = 0  # set_speculate_k() changes it
+        self.k_policy: FixedK | AutoK | None = None
+        if self.speculator:
+            self.set_speculate_k(config.speculation.speculate_k)
+        # Drafts sit before the target's own token, and inside the draft model's context.
+        draft_len = self.speculator.context if self.speculator else None
+        self.draft_context = min(config.max_model_len - 1, draft_len or config.max_model_len)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   lookahead=self.k_max if self.speculator else 0,
+                                   on_release=self._release if self.speculator else None)
+
+    def step(self) -> list[Event]:
+        """One scheduled step. Prompt chunks run through the target alone; in SD and SSD the
+        sequences that are decoding run one speculative round."""
+        work = self.scheduler.schedule()
+        decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
+        plain = [w for w in work if w.seq not in decoding]
+        with self.speculator.placement(drafting=bool(decoding)) if self.speculator else nullcontext():
+            events = self._forward(plain) if plain else []
+            return events + (self._speculate(decoding) if decoding else [])
+
+    def set_speculate_k(self, k: int | str) -> None:
+        """K for the next rounds: 0 (plain decoding) up to k_max, or "auto"."""
+        if self.speculator is None:
+            raise SSDError("there is no draft model: speculation needs mode 'sd' or 'ssd'")
+        if k != AUTO_K:
+            check_int("K", k, 0, self.k_max, also=f"(the most this engine was started with) or '{AUTO_K}'")
+            self.k_policy = FixedK(k)
+        else:
+            self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
+                                  self.speculator.step_cost(), self.speculator.measures_steps)
+        self.speculate_k = k
+
+    def finish(self, seq: Sequence) -> None:
+        """End a sequence, finished or not, and free what it holds."""
+        self.scheduler.finish(seq)
+
+    def close(self) -> None:
+        for seq in self.scheduler.running + list(self.scheduler.waiting):
+            self.finish(seq)
+        if self.speculator is not None:
+            self.speculator.close()
+
+    def _forward(self, work: list[Work]) -> list[Event]:
+        """Prompt chunks and plain decoding steps: one pass, a token drawn where a chunk ends
+        at its sequence's newest token."""
+        logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start,
+                                            int(w.samples)) for w in work])
+        now = time.perf_counter()
+        events, row = [], 0
+        for w in work:
+            if not w.samples:
+                continue
+            token = int(next_tokens(logits[row:row + 1], w.seq.params, w.seq.generator)[0])
+            row += 1
+            events.append(self._append(w.seq, [token], [False], now))
+        return events
+
+    def _speculate(self, seqs: list[Sequence]) -> list[Event]:
+        """One speculative round (ssd/speculative/round.py) for the sequences that are decoding."""
+        ks = [round_k(k, s.num_tokens, self.draft_context, s.params.max_tokens - len(s.output_ids))
+              for s, k in zip(seqs, self.k_policy.choose(seqs))]
+        if not any(ks):  # plain decoding this round: no draft pass; the draft catches up when next asked
+            start = time.perf_counter()
+            events = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
+            verify_s = time.perf_counter() - start
+            self.k_policy.observe(seqs, [0] * len(seqs), [0] * len(seqs), 0.0, verify_s)
+            for seq in seqs:
+                seq.stats.record_round(0, 0, 0, 0.0, verify_s)
+            return events
+        results = speculative_round(self.speculator, self.runner, self.cache, seqs, ks)
+        self.k_policy.observe(seqs, [len(r.proposal.tokens) for r in results], [r.accepted for r in results],
+                              results[0].draft_s, results[0].verify_s, self.speculator.last_step_s(),
+                              self.speculator.last_catchup())
+        now = time.perf_counter()
+        events = []
+        for seq, k, r in zip(seqs, ks, results):
+            st, p = seq.stats, r.proposal
+            st.tree_s += p.tree_s
+            st.draft_idle_s += p.idle_s
+            st.backup_s += p.backup_s
+            st.draft_failures += p.failed_over
+            st.record_round(k, len(p.tokens), r.accepted, r.draft_s, r.verify_s,
+                            p.hit if self.config.mode == "ssd" else None)
+            events.append(self._append(seq, r.tokens, [True] * r.accepted + [False], now))
+        return events
+
+    def _release(self, seq: Sequence) -> None:
+        self.speculator.release(seq)
+        self.k_policy.release(seq)
+
+    def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float) -> Event:
+        """Add tokens up to the first that finishes the sequence; return what was added."""
+        for i, token in enumerate(tokens):
+            seq.token_ids.append(token)
+            seq.from_draft.append(from_draft[i])
+            seq.text.push([token])
+            seq.first_token_at = seq.first_token_at or now
+            seq.last_token_at = now
+            p = seq.params
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or seq.text.stopped:
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finished:
+                self.finish(seq)
+                return seq, tokens[:i + 1], from_draft[:i + 1]
+        return seq, tokens, from_draft

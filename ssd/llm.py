@@ -101,7 +101,7 @@ class LLM:
         for seq in seqs:
             self.add_request(seq)
         try:
-            while self.engine.scheduler.has_work:
+            while self.unfinished():
                 for seq, _, _ in self.step():
                     if seq.finished:
                         bar.update(1)
@@ -166,9 +166,35 @@ class LLM:
             if not seq.finished:
                 self.engine.finish(seq)
 
+    # ---- what is in flight, for a loop that drives the engine (ssd/serving/) ------------
+    @property
+    def num_running(self) -> int:
+        """Requests in the running batch."""
+        return len(self.engine.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests added and waiting for a place in the running batch."""
+        return len(self.engine.scheduler.waiting)
+
+    def unfinished(self) -> list[Sequence]:
+        """Requests added and not finished: the running batch, then those waiting."""
+        return self.engine.scheduler.running + list(self.engine.scheduler.waiting)
+
     def kv_blocks_in_use(self) -> int:
         """The target's KV cache blocks held by requests (0 when none is in flight)."""
         return self.engine.cache.blocks_in_use
+
+    @property
+    def kv_blocks_total(self) -> int:
+        """The target's KV cache blocks."""
+        return self.engine.cache.num_blocks
+
+    def draft_kv_blocks_in_use(self) -> int | None:
+        """The SD draft's KV cache blocks held by requests; None where there is no draft model in
+        this process (AR, prompt lookup, an SSD worker's cache in its own process)."""
+        speculator = self.engine.speculator
+        return speculator.kv_blocks_in_use() if speculator else None
 
     def set_speculate_k(self, k: int | str) -> None:
         """Change K for the next rounds: 0 (plain decoding, the draft idle) up to the K the

@@ -72,10 +72,10 @@ class EngineLoop:
 
     def queued(self) -> int:
         """Requests accepted but not running yet."""
-        return len(self._incoming) + len(self.llm.engine.scheduler.waiting)
+        return len(self._incoming) + self.llm.num_waiting
 
     def running(self) -> int:
-        return len(self.llm.engine.scheduler.running)
+        return self.llm.num_running
 
     def submit(self, prompt, params: SamplingParams, sink: Sink, fill_context: bool = False) -> Sequence:
         """Check and queue a request; its events go to `sink` (called in the engine thread).
@@ -115,7 +115,7 @@ class EngineLoop:
         try:
             while True:
                 with self._cond:
-                    while not (self._incoming or self._cancelled or self._stopping or self.llm.engine.scheduler.has_work):
+                    while not (self._incoming or self._cancelled or self._stopping or self.llm.unfinished()):
                         if not keep_going():
                             self._stopping = True
                             break
@@ -128,10 +128,10 @@ class EngineLoop:
                     self.llm.add_request(seq)
                 self._drop(cancelled)
                 if stopping:
-                    self._fail(list(self.llm.engine.scheduler.running) + list(self.llm.engine.scheduler.waiting),
+                    self._fail(self.llm.unfinished(),
                                "the server shut down before the request finished")
                     return
-                if self.llm.engine.scheduler.has_work:
+                if self.llm.unfinished():
                     self._step()
         finally:
             self._stopping = True
@@ -144,7 +144,7 @@ class EngineLoop:
         except Exception as e:  # a bug or a resource failure: fail the batch, keep serving
             self.failed_steps += 1
             log.exception("ssd: an engine step failed")
-            self._fail(list(self.llm.engine.scheduler.running) + list(self.llm.engine.scheduler.waiting),
+            self._fail(self.llm.unfinished(),
                        f"the engine failed: {type(e).__name__}: {e}")
             return
         for seq, tokens, from_draft in events:

@@ -44,12 +44,11 @@ class ServerMetrics:
 
     def engine_state(self, llm: LLM, queued: int) -> None:
         """After each engine step (engine thread)."""
-        self.running.set(len(llm.engine.scheduler.running))
+        self.running.set(llm.num_running)
         self.waiting.set(queued)
         self.kv_used.set(llm.kv_blocks_in_use())
-        self.kv_total.set(llm.engine.cache.num_blocks)
-        draft = llm.engine.speculator.kv_blocks_in_use() if llm.engine.speculator else None
-        self.draft_kv_used.set(draft or 0)
+        self.kv_total.set(llm.kv_blocks_total)
+        self.draft_kv_used.set(llm.draft_kv_blocks_in_use() or 0)
 
     def request_done(self, m: RequestMetrics, reason: str) -> None:
         self.finished.labels(reason).inc()

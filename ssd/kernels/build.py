@@ -2,9 +2,11 @@
 
 Each kernel's source is compiled on first use (never at import) with
 ``torch.utils.cpp_extension`` into ``$SSD_HOME/kernels`` (default
-``~/.cache/ssd-engine/kernels``), once per machine, source and torch version, for the best
-ISA the CPU has: ``avx512``, ``avx2`` (AVX2 + FMA) or ``portable`` (plain C++). If no
-build is possible the kernel reports itself unavailable and callers fall back to stock
+``~/.cache/ssd-engine/kernels``), once per machine, source (with the csrc/ headers it
+includes), compiler flags and torch version, for the best ISA the CPU has: ``avx512``,
+``avx2`` (AVX2 + FMA) or ``portable`` (plain C++).
+
+If no build is possible the kernel reports itself unavailable and callers fall back to stock
 torch ops (not batch-invariant) after one line on stderr.
 
 ``SSD_CPU_KERNELS``: ``auto`` (default), ``avx512``, ``avx2``, ``portable``, or ``off``.
@@ -16,6 +18,8 @@ import functools
 import hashlib
 import os
 import platform
+import posixpath
+import re
 import sys
 import threading
 from pathlib import Path
@@ -85,6 +89,7 @@ def default_variant() -> str | None:
 
 
 SOURCES = Path(__file__).with_name("csrc")
+_LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
 class CppKernel:
@@ -105,8 +110,22 @@ class CppKernel:
         self._warned = False
 
     @functools.cached_property
-    def source(self) -> str:
-        return (SOURCES / f"{self.name}.cpp").read_text()
+    def sources(self) -> dict[str, str]:
+        """The text of ``csrc/<name>.cpp`` and of every header of csrc/ it includes with
+        ``#include "..."`` (transitively), by path under csrc/, the .cpp first. A header is
+        looked up beside the file that includes it, as the compiler looks first; one not found
+        there is not ours (the compiler finds it elsewhere or fails)."""
+        found: dict[str, str] = {}
+
+        def read(path: str) -> None:
+            found[path] = text = (SOURCES / path).read_text()
+            for name in _LOCAL_INCLUDE.findall(text):
+                header = posixpath.normpath(posixpath.join(posixpath.dirname(path), name))
+                if header not in found and not header.startswith("..") and (SOURCES / header).is_file():
+                    read(header)
+
+        read(f"{self.name}.cpp")
+        return found
 
     def flags(self, variant: str) -> list[str]:
         return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
@@ -133,7 +152,8 @@ class CppKernel:
 
     def build_dir(self, variant: str) -> Path:
         root = Path(os.environ.get("SSD_HOME") or Path.home() / ".cache" / "ssd-engine").expanduser()
-        tag = hashlib.sha256("\0".join([self.source, *self.flags(variant), torch.__version__])
+        texts = [part for path, text in self.sources.items() for part in (path, text)]
+        tag = hashlib.sha256("\0".join([*texts, *self.flags(variant), torch.__version__])
                              .encode()).hexdigest()[:12]
         return root / "kernels" / f"{self.name}-{variant}-{tag}"
 
@@ -142,9 +162,14 @@ class CppKernel:
 
         ns, d = self._ns(variant), self.build_dir(variant)
         d.mkdir(parents=True, exist_ok=True)
+        # The headers go beside the source, as in csrc/: the compiler reads exactly the texts
+        # that build_dir hashed (an include path to csrc/ would read whatever is there now).
+        for path, text in self.sources.items():
+            dest = d / path
+            if not dest.exists() or dest.read_text() != text:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                dest.write_text(text)
         src = d / f"{self.name}.cpp"
-        if not src.exists() or src.read_text() != self.source:
-            src.write_text(self.source)
         # torch's own build lock (a file `lock` that it waits on while it exists) outlives a
         # build that was killed, and the next process would wait forever. So builds take an
         # OS lock first, which dies with its process: whoever holds it may delete `lock`.

@@ -15,15 +15,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512DQ__) && defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SSD_ISA 2
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SSD_ISA 1
-#else
-#define SSD_ISA 0
-#endif
+#include "isa.h"
 
 namespace {
 
@@ -39,7 +31,7 @@ constexpr int64_t SCH = 64;       // keys per P.V chunk (when a tile has several
 
 // ---------------------------------------------------------------------------------------
 // W-lane vectors. Every lane op is the IEEE fp32 op of the portable code, lane by lane.
-#if SSD_ISA == 2
+#if SSD_AVX512
 constexpr int W = 16;
 using V = __m512;
 static inline V vzero() { return _mm512_setzero_ps(); }
@@ -95,7 +87,7 @@ static inline void transpose(V* r) {
 constexpr int SC_RR = 12, SC_NV = 2;  // score register tile: rows x key vectors
 constexpr int PV_RR = 6, PV_NV = 4;   // P.V register tile: rows x d vectors
 
-#elif SSD_ISA == 1
+#elif SSD_AVX2
 constexpr int W = 8;
 using V = __m256;
 static inline V vzero() { return _mm256_setzero_ps(); }

@@ -10,40 +10,9 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SSD_AVX2 1
-#else
-#define SSD_AVX2 0
-#endif
-#if SSD_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
-#define SSD_AVX512 1
-#else
-#define SSD_AVX512 0
-#endif
+#include "v8.h"
 
 namespace {
-
-// Eight fp32 lanes. The portable V8 does per lane exactly what the AVX2 one does.
-#if SSD_AVX2
-using V8 = __m256;
-static inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
-static inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a); }
-static inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
-static inline void prefetch(const float* p) {
-  _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
-#else
-struct V8 { float v[8]; };
-static inline V8 vload(const float* p) {
-  V8 r; for (int j = 0; j < 8; ++j) r.v[j] = p[j]; return r;
-}
-static inline void vstore(float* p, V8 a) { for (int j = 0; j < 8; ++j) p[j] = a.v[j]; }
-static inline V8 vfma(V8 a, V8 b, V8 c) {
-  V8 r; for (int j = 0; j < 8; ++j) r.v[j] = std::fma(a.v[j], b.v[j], c.v[j]); return r;
-}
-static inline void prefetch(const float* p) { __builtin_prefetch(p); }
-#endif
 
 // Blocking. None of these changes the arithmetic, only the speed.
 constexpr int64_t KC = 512;  // K chunk: an NR x KC tile of W stays in L1 across M tiles

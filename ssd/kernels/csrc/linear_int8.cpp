@@ -9,51 +9,20 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SSD_AVX2 1
-#else
-#define SSD_AVX2 0
-#endif
-#if SSD_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
-#define SSD_AVX512 1
-#else
-#define SSD_AVX512 0
-#endif
+#include "v8.h"
 
 namespace {
 
-// Eight fp32 lanes; the portable V8 does per lane exactly what the AVX2 one does. vload
-// of int8 converts exactly to fp32.
+// Loads of int8 weights, converted exactly to fp32: 8 lanes (V8), or 16 (AVX-512).
 #if SSD_AVX2
-using V8 = __m256;
-static inline V8 vload(const float* p) { return _mm256_loadu_ps(p); }
 static inline V8 vload(const int8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
-static inline V8 vzero() { return _mm256_setzero_ps(); }
-static inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a); }
-static inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
-static inline void prefetch(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-}
-static inline void prefetch_l2(const void* p) {
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1);
-}
 #else
-struct V8 { float v[8]; };
-template <typename T>
-static inline V8 vload(const T* p) {
+static inline V8 vload(const int8_t* p) {
   V8 r; for (int j = 0; j < 8; ++j) r.v[j] = float(p[j]); return r;
 }
-static inline V8 vzero() { return V8{}; }
-static inline void vstore(float* p, V8 a) { for (int j = 0; j < 8; ++j) p[j] = a.v[j]; }
-static inline V8 vfma(V8 a, V8 b, V8 c) {
-  V8 r; for (int j = 0; j < 8; ++j) r.v[j] = std::fma(a.v[j], b.v[j], c.v[j]); return r;
-}
-static inline void prefetch(const void* p) { __builtin_prefetch(p); }
-static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif
 #if SSD_AVX512
 static inline __m512 zload(const float* p) { return _mm512_loadu_ps(p); }

@@ -57,20 +57,21 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && \
-    defined(__F16C__)
-#include <immintrin.h>
+#include "isa.h"
+
+// Beyond isa.h's ISA the fast code needs F16C, and its AVX-512 path BW, VL and VNNI (vpdpbusd):
+// build.py adds their flags where the CPU has them (quant_cpu.py). SSD_FAST without SSD_VNNI
+// is the AVX2 path.
+#if SSD_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define SSD_VNNI 1
-#define SSD_AVX2 0
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SSD_VNNI 0
-#define SSD_AVX2 1
 #else
 #define SSD_VNNI 0
-#define SSD_AVX2 0
 #endif
-#define SSD_FAST (SSD_VNNI || SSD_AVX2)
+#if SSD_AVX2 && defined(__F16C__)
+#define SSD_FAST 1
+#else
+#define SSD_FAST 0
+#endif
 
 namespace {
 
@@ -446,7 +447,7 @@ static inline float quantize_block(const float* xb, int8_t* q, int32_t* half) {
   half[0] = _mm512_reduce_add_epi32(i0);
   half[1] = _mm512_reduce_add_epi32(i1);
   return amax;
-#elif SSD_AVX2
+#elif SSD_FAST
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], m = _mm256_setzero_ps();
   for (int k = 0; k < 4; ++k) {

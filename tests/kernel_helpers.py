@@ -8,8 +8,8 @@ import torch
 def kernel_op(get, what: str):
     """get(): a CPU kernel for this machine's default build, after starting the other runnable
     builds alongside (a cold CI machine compiles them all). Fails rather than skips when the
-    default build does not compile: a missing build would silently cost the engine its
-    exactness (the fallbacks are not batch-invariant)."""
+    default build does not compile: a missing build would silently cost the engine its speed
+    (the plain-torch fallbacks are batch-invariant, but many times slower)."""
     from ssd.kernels import build
     if build.default_variant() is None:
         pytest.skip("SSD_CPU_KERNELS=off")

@@ -38,8 +38,10 @@ The C++ source (ssd/kernels/csrc/attention.cpp) is built on first use by
 ssd/kernels/build.py for the best ISA the CPU has: ``avx512`` (16 lanes), ``avx2`` (8
 lanes, AVX2 + FMA) or ``portable`` (plain C++, std::fma). Lanes only ever hold independent
 chains (keys for the scores, d for P.V, the 16 sum/max lanes as two 8-lane halves with
-AVX2), so all three give the same bits. If no build is possible, :func:`attention` returns
-None and the caller uses SDPA (not batch-invariant).
+AVX2), so all three give the same bits. If no build is possible, :func:`attention` computes
+in plain torch, one query at a time (ssd/kernels/fallback.py: batch-invariant too, slower, not
+these bits); it returns None only for tensors it does not take (CUDA, not fp32), and the
+caller then uses SDPA.
 """
 from __future__ import annotations
 
@@ -65,9 +67,27 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
               variant: str | None = None) -> torch.Tensor | None:
     """out[t] = softmax(scale * q[t] K^T) V over the keys in slots rows[q_row[t], :q_len[t]].
 
-    q: [T, H, D]; caches: [slots, G, D]. Returns None when the kernel cannot run here (the
-    caller then uses SDPA)."""
-    op = _KERNEL.op("attention", variant) if supported(q, k_cache) else None
-    if op is None:
+    q: [T, H, D]; caches: [slots, G, D]. Returns None for tensors that are not fp32 on the CPU
+    (the caller then uses SDPA)."""
+    if not supported(q, k_cache):
         return None
+    op = _KERNEL.op("attention", variant)
+    if op is None:
+        return _by_query(q, k_cache, v_cache, rows, q_row, q_len, scale)
     return op(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale)
+
+
+def _by_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+              q_row: torch.Tensor, q_len: torch.Tensor, scale: float) -> torch.Tensor:
+    """The same attention in plain torch where the kernel cannot run: each query alone, through
+    calls whose shapes depend only on its own number of keys, so it is batch-invariant."""
+    h, d = q.shape[1:]
+    g = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for t, (r, n) in enumerate(zip(q_row.tolist(), q_len.tolist())):
+        slots = rows[r, :n]
+        keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [G, L, D]
+        heads = q[t].reshape(g, h // g, d).clone()  # grouped by kv head; a fresh copy (alignment)
+        weights = torch.softmax((heads @ keys.transpose(1, 2)) * scale, dim=-1)
+        out[t] = (weights @ values).view(h, d)
+    return out

@@ -6,8 +6,11 @@ Each kernel's source is compiled on first use (never at import) with
 includes), compiler flags and torch version, for the best ISA the CPU has: ``avx512``,
 ``avx2`` (AVX2 + FMA) or ``portable`` (plain C++).
 
-If no build is possible the kernel reports itself unavailable and callers fall back to stock
-torch ops (not batch-invariant) after one line on stderr.
+If no build is possible (no C++ compiler, ``SSD_CPU_KERNELS=off``) the kernel reports itself
+unavailable, after one line on stderr for a failed build, and callers compute in plain torch
+one row at a time (ssd/kernels/fallback.py): slower, still batch-invariant, so SD and SSD
+still equal AR. GGUF blocks have no such fallback: a model on them is loaded dequantised
+instead (ssd/models/loader.py).
 
 ``SSD_CPU_KERNELS``: ``auto`` (default), ``avx512``, ``avx2``, ``portable``, or ``off``.
 """
@@ -222,6 +225,6 @@ class CppKernel:
         if not self._warned:
             self._warned = True
             last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-            print(f"ssd-engine: CPU {self.name} kernel ({variant}) unavailable, using stock "
-                  f"torch ops, not batch-invariant: {type(e).__name__}: {last}",
+            print(f"ssd-engine: CPU {self.name} kernel ({variant}) unavailable, running without it "
+                  f"(slower, still batch-invariant): {type(e).__name__}: {last}",
                   file=sys.stderr, flush=True)

@@ -7,7 +7,8 @@ independently in a fixed order (batch-invariant); RoPE gives the bits of the tor
 it replaces, RMSNorm sums in its own fixed order (close to torch's, not equal to it).
 
 `rms_norm` and `rope_cache` return None where the kernel does not apply (CUDA, not fp32, or no
-build), and the caller uses torch.
+build), and the caller uses torch: on the CPU in fp32, RMSNorm one row at a time (batch-invariant,
+ssd/kernels/fallback.py); RoPE's torch expression is elementwise, so batch-invariant as it is.
 """
 from __future__ import annotations
 

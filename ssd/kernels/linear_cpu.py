@@ -18,8 +18,8 @@ The C++ source (ssd/kernels/csrc/linear.cpp) is built on first use by ssd/kernel
 for the best ISA the CPU has: ``avx512`` (AVX-512F/DQ: two rows of x per zmm, each half
 doing exactly the 8-lane AVX2 arithmetic), ``avx2`` (AVX2 + FMA) or ``portable`` (plain
 C++, std::fma). All three perform the same operations in the same order: they give the
-same bits. If no build is possible, :func:`available` is False and :func:`linear` falls
-back to ``F.linear`` (not batch-invariant).
+same bits. If no build is possible, :func:`available` is False and :func:`linear` computes
+each row alone with ``F.linear`` (ssd/kernels/fallback.py: batch-invariant too, slower).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ssd.kernels.build import VARIANTS, CppKernel, default_variant, runnable_variants
+from ssd.kernels.fallback import rows_apart
 
 __all__ = ["VARIANTS", "available", "default_variant", "get_op", "linear", "runnable_variants"]
 
@@ -71,21 +72,26 @@ _F32 = torch.float32
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            variant: str | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` computed by the batch-invariant kernel when the tensors
-    are fp32 on the CPU and the kernel is available, else by ``F.linear``. x: [..., K]."""
-    op = get_op(variant) if supported(x, weight, bias) else None
-    if op is None:
+    """``F.linear(x, weight, bias)``, batch-invariant when the tensors are fp32 on the CPU: by
+    the kernel, or where it cannot run here by ``F.linear`` on each row alone. Other tensors
+    (CUDA, bf16) go to ``F.linear``. x: [..., K]."""
+    if not supported(x, weight, bias):
         return F.linear(x, weight, bias)
+    op = get_op(variant)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    y = rows_apart(lambda row: F.linear(row, weight, bias), x2) if op is None else _run(op, x2, weight, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _run(op, x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The kernel on x2 [M, K], with the backward of _LinearFn where gradients are wanted."""
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     if weight.stride(-1) != 1:
         weight = weight.contiguous()
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+    if torch.is_grad_enabled() and (x2.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
-        y = _LinearFn.apply(x2, weight, bias, op)
-    else:
-        y = op(x2, weight, bias)
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
+        return _LinearFn.apply(x2, weight, bias, op)
+    return op(x2, weight, bias)

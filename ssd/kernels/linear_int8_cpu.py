@@ -28,7 +28,8 @@ while the cores convert. See `bench/linear_kernel.py --compare int8`.
 Built lazily from ssd/kernels/csrc/linear_int8.cpp by ssd/kernels/build.py (nothing at
 import). If the kernel cannot run (no compiler, ``SSD_CPU_KERNELS=off``, CUDA or non-fp32
 tensors), :func:`linear_int8` computes ``(x @ Wq.T) * scale (+ b)`` with stock torch ops
-in x's dtype: correct, slower, not batch-invariant.
+in x's dtype: slower, and for fp32 on the CPU still batch-invariant (one row at a time,
+ssd/kernels/fallback.py).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ssd.kernels.build import VARIANTS, CppKernel, default_variant, runnable_variants
+from ssd.kernels.fallback import rows_apart
 
 __all__ = ["VARIANTS", "available", "default_variant", "get_op", "linear_int8", "quantize",
            "runnable_variants"]
@@ -86,12 +88,20 @@ def supported(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
 
 def linear_int8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor,
                 bias: torch.Tensor | None = None, *, variant: str | None = None) -> torch.Tensor:
-    """``(x @ qweight.T) * scale (+ bias)``, by the batch-invariant kernel when x is fp32 on
-    the CPU and the kernel is available, else by stock torch ops in x's dtype. x: [..., K]."""
-    op = get_op(variant) if supported(x, qweight, scale, bias) else None
+    """``(x @ qweight.T) * scale (+ bias)``, batch-invariant when x is fp32 on the CPU: by the
+    kernel, or where it cannot run here by stock torch ops on each row alone. Other tensors
+    (CUDA, bf16) by stock torch ops in x's dtype. x: [..., K]."""
+    fits = supported(x, qweight, scale, bias)
+    op = get_op(variant) if fits else None
     if op is None:
         # int8 values are exact in fp16/bf16/fp32, so only the matmul itself rounds
-        y = F.linear(x, qweight.to(x.dtype)) * scale.to(x.dtype)
+        w = qweight.to(x.dtype)
+        if fits:  # no kernel here
+            y = rows_apart(lambda row: F.linear(row, w), x.reshape(-1, x.shape[-1]))
+            y = y.view(*x.shape[:-1], qweight.shape[0])
+        else:
+            y = F.linear(x, w)
+        y = y * scale.to(x.dtype)
         return y if bias is None else y + bias.to(x.dtype)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:

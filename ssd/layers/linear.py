@@ -7,12 +7,14 @@ from ssd.kernels.quant_cpu import QuantMatrix, QuantStack, dequant_rows
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose forward, for fp32 tensors on the CPU, runs the batch-invariant
-    kernel (row m of the output does not depend on the other rows, so scoring K+1 tokens
-    gives the bits of scoring each alone); anything else (CUDA, bf16) goes to ``F.linear``.
+    """``nn.Linear`` whose forward, for fp32 tensors on the CPU, is batch-invariant (row m of
+    the output does not depend on the other rows, so scoring K+1 tokens gives the bits of
+    scoring each alone): the kernel, or where it cannot be built ``F.linear`` on each row
+    alone; anything else (CUDA, bf16) goes to ``F.linear``.
 
     After :meth:`quantize_int8` it holds int8 weights instead (for a draft model) and runs
-    the batch-invariant int8 kernel, or stock torch ops on the dequantized weights."""
+    the batch-invariant int8 kernel, or stock torch ops on the dequantized weights (each row
+    alone on the CPU)."""
 
     @property
     def quantized(self) -> bool:

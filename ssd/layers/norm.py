@@ -2,6 +2,7 @@ import torch
 from torch import nn
 
 from ssd.kernels import fused_cpu
+from ssd.kernels.fallback import rows_apart
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +15,11 @@ class RMSNorm(nn.Module):
         y = fused_cpu.rms_norm(x, self.weight, self.eps)
         if y is not None:
             return y
+        if x.is_cpu and x.dtype is torch.float32:  # the kernel cannot run: each row alone, batch-invariant
+            return rows_apart(self._norm, x.reshape(-1, x.shape[-1])).view_as(x)
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -73,8 +73,9 @@ def resolve_weights(folder: Path, device: torch.device, weights: str) -> str:
         if device.type != "cpu":
             raise SSDError(f"weights={weights!r} runs on the CPU only (a GPU gets the dequantised weights)")
         if not quant_cpu.available():
-            raise SSDError(f"weights={weights!r} needs the CPU quant kernel, which could not be built here "
-                           "(see the message above); use weights='dequantized'")
+            why = ("is switched off by SSD_CPU_KERNELS" if quant_cpu.variant() is None
+                   else "could not be built here (see the message above)")
+            raise SSDError(f"weights={weights!r} needs the CPU quant kernel, which {why}; use weights='dequantized'")
     if weights == "auto":
         return "gguf" if is_gguf and device.type == "cpu" and quant_cpu.available() else "dequantized"
     return weights

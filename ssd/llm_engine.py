@@ -21,7 +21,7 @@ from ssd.models.loader import shared_model
 from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
 from ssd.speculative.launch import start_speculator
 from ssd.speculative.options import AUTO_K
-from ssd.speculative.round import speculative_round
+from ssd.speculative.round import Proposal, Round, speculative_round
 from ssd.speculative.speculator import Speculator
 
 Event = tuple[Sequence, list[int], list[bool]]  # a sequence, its new tokens, and whether each was a draft's
@@ -59,7 +59,9 @@ class LLMEngine:
         decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
         plain = [w for w in work if w.seq not in decoding]
         with self.speculator.placement(drafting=bool(decoding)) if self.speculator else nullcontext():
-            events = self._forward(plain) if plain else []
+            drawn = self._forward(plain) if plain else []
+            now = time.perf_counter()
+            events = [self._append(seq, [token], [False], now) for seq, token in drawn]
             return events + (self._speculate(decoding) if decoding else [])
 
     def set_speculate_k(self, k: int | str) -> None:
@@ -84,48 +86,33 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.close()
 
-    def _forward(self, work: list[Work]) -> list[Event]:
-        """Prompt chunks and plain decoding steps: one pass, a token drawn where a chunk ends
-        at its sequence's newest token."""
+    def _forward(self, work: list[Work]) -> list[tuple[Sequence, int]]:
+        """Prompt chunks and plain decoding steps in one pass; a token is drawn for each chunk
+        that ends at its sequence's newest token."""
         logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start,
                                             int(w.samples)) for w in work])
-        now = time.perf_counter()
-        events, row = [], 0
-        for w in work:
-            if not w.samples:
-                continue
-            token = int(next_tokens(logits[row:row + 1], w.seq.params, w.seq.generator)[0])
-            row += 1
-            events.append(self._append(w.seq, [token], [False], now))
-        return events
+        drawn = [w.seq for w in work if w.samples]
+        return [(seq, int(next_tokens(logits[row:row + 1], seq.params, seq.generator)[0]))
+                for row, seq in enumerate(drawn)]
 
     def _speculate(self, seqs: list[Sequence]) -> list[Event]:
-        """One speculative round (ssd/speculative/round.py) for the sequences that are decoding."""
+        """One speculative round (ssd/speculative/round.py) for the sequences that are decoding;
+        its records go to the K policy and to each request's metrics."""
         ks = [round_k(k, s.num_tokens, self.draft_context, s.params.max_tokens - len(s.output_ids))
               for s, k in zip(seqs, self.k_policy.choose(seqs))]
-        if not any(ks):  # plain decoding this round: no draft pass; the draft catches up when next asked
+        if any(ks):
+            rounds = speculative_round(self.speculator, self.runner, self.cache, seqs, ks)
+        else:  # plain decoding this round: no draft pass; the draft catches up when next asked
             start = time.perf_counter()
-            events = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
+            drawn = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
             verify_s = time.perf_counter() - start
-            self.k_policy.observe(seqs, [0] * len(seqs), [0] * len(seqs), 0.0, verify_s)
-            for seq in seqs:
-                seq.stats.record_round(0, 0, 0, 0.0, verify_s)
-            return events
-        results = speculative_round(self.speculator, self.runner, self.cache, seqs, ks)
-        self.k_policy.observe(seqs, [len(r.proposal.tokens) for r in results], [r.accepted for r in results],
-                              results[0].draft_s, results[0].verify_s, self.speculator.last_step_s(),
-                              self.speculator.last_catchup())
+            rounds = [Round(seq, 0, Proposal([]), tokens=[token], verify_s=verify_s) for seq, token in drawn]
+        self.k_policy.observe(rounds)
         now = time.perf_counter()
         events = []
-        for seq, k, r in zip(seqs, ks, results):
-            st, p = seq.stats, r.proposal
-            st.tree_s += p.tree_s
-            st.draft_idle_s += p.idle_s
-            st.backup_s += p.backup_s
-            st.draft_failures += p.failed_over
-            st.record_round(k, len(p.tokens), r.accepted, r.draft_s, r.verify_s,
-                            p.hit if self.config.mode == "ssd" else None)
-            events.append(self._append(seq, r.tokens, [True] * r.accepted + [False], now))
+        for r in rounds:
+            r.seq.stats.record(r)
+            events.append(self._append(r.seq, r.tokens, [True] * r.accepted + [False], now))
         return events
 
     def _release(self, seq: Sequence) -> None:

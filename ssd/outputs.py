@@ -1,5 +1,9 @@
 """What the engine hands back: finished outputs, stream chunks, and their metrics."""
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ssd.speculative.round import Round
 
 
 @dataclass
@@ -61,9 +65,9 @@ class RequestMetrics:
     def tokens_per_round_miss(self) -> float:
         return self.tokens_on_miss / self.misses if self.misses else 0.0
 
-    def record_round(self, asked: int, drafted: int, accepted: int, draft_s: float, verify_s: float,
-                     hit: bool | None = None) -> None:
-        """One speculative round that asked for `asked` drafts; `hit` is None outside SSD."""
+    def record(self, r: "Round") -> None:
+        """One round of the request (ssd/speculative/round.py)."""
+        p, asked, drafted, accepted = r.proposal, r.k, r.drafted, r.accepted
         self.rounds += 1
         self.k_hist.extend([0] * (asked + 1 - len(self.k_hist)))
         self.k_hist[asked] += 1
@@ -78,12 +82,16 @@ class RequestMetrics:
         for i in range(drafted):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted
-        self.draft_s += draft_s
-        self.verify_s += verify_s
-        if hit is not None:
-            self.hits += hit
-            self.misses += not hit
-            if hit:
+        self.draft_s += r.draft_s
+        self.verify_s += r.verify_s
+        self.tree_s += p.tree_s
+        self.backup_s += p.backup_s
+        self.draft_idle_s += p.idle_s
+        self.draft_failures += p.failed_over
+        if p.hit is not None:  # SSD
+            self.hits += p.hit
+            self.misses += not p.hit
+            if p.hit:
                 self.tokens_on_hit += accepted + 1
             else:
                 self.tokens_on_miss += accepted + 1

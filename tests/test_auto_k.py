@@ -1,5 +1,7 @@
 """Auto-K (ssd/speculative/adaptive_k.py): K chosen per sequence and round from measured
 acceptance and costs; plain decoding when drafting does not pay; exact in every case."""
+import dataclasses
+
 import pytest
 import torch
 import transformers
@@ -7,6 +9,7 @@ import transformers
 from ssd import LLM, SamplingParams
 from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, Timings, expected_tokens
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
+from ssd.speculative.round import Proposal, Round
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, V, exact_joint, pooled_p_value
 
@@ -19,6 +22,12 @@ class _Seq:
         self.params = SamplingParams(max_tokens=max_tokens)
 
 
+def _observe(policy, seqs, drafted, accepted, draft_s, verify_s, step_s=None, catchup=None):
+    """One round of the batch `seqs`, as the engine records it (ssd/speculative/round.py)."""
+    policy.observe([Round(s, d, Proposal([0] * d), a, draft_s=draft_s, verify_s=verify_s, step_s=step_s,
+                          catchup=catchup) for s, d, a in zip(seqs, drafted, accepted)])
+
+
 def _policy(k_max=8, draft_step=0.01):
     # A target pass of R rows: 50 ms + 4 ms per extra row (about the 1.5B target's shape here).
     return AutoK(k_max, lambda rows: 0.05 + 0.004 * (rows - 1), draft_step)
@@ -27,7 +36,7 @@ def _policy(k_max=8, draft_step=0.01):
 def _rounds(policy, seqs, accept, n):
     for _ in range(n):
         ks = policy.choose(seqs)
-        policy.observe(seqs, ks, [accept(k) for k in ks], 0.01 * max(ks), 0.05 + 0.004 * sum(ks))
+        _observe(policy, seqs, ks, [accept(k) for k in ks], 0.01 * max(ks), 0.05 + 0.004 * sum(ks))
     return policy.choose(seqs)
 
 
@@ -56,7 +65,7 @@ def test_a_useless_draft_is_turned_off_despite_a_spiked_start_up_timing():
     seqs = [_Seq(0)]
     for _ in range(30):
         ks = policy.choose(seqs)
-        policy.observe(seqs, ks, [0] * len(ks), 0.05 * max(ks), 0.05 + 0.004 * sum(ks))
+        _observe(policy, seqs, ks, [0] * len(ks), 0.05 * max(ks), 0.05 + 0.004 * sum(ks))
     assert policy.choose(seqs) == [0]
 
 
@@ -68,7 +77,7 @@ def test_a_draft_that_is_never_accepted_turns_speculation_off_then_probes():
     for _ in range(3000):  # rounds at K = 0 teach nothing: a probe now and then
         (k,) = policy.choose([seq])
         chosen.append(k)
-        policy.observe([seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
+        _observe(policy, [seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
         seq.num_tokens += 1
     probes = [i for i, k in enumerate(chosen) if k]
     assert {chosen[i] for i in probes} == {PROBE_K} and len(probes) >= 3, probes
@@ -82,7 +91,7 @@ def test_a_long_prompt_with_a_short_answer_is_not_prefilled_for_the_draft():
     """Drafting starts only if what it saves over the tokens left pays the draft's catch-up."""
     policy = _policy()
     _rounds(policy, [_Seq(0)], lambda k: k, 30)  # a draft that is always right
-    policy.observe([_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # a step + 1 ms per token
+    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # a step + 1 ms per token
     short_prompt, long_prompt = _Seq(1, num_tokens=300, max_tokens=64), _Seq(2, num_tokens=3000, max_tokens=64)
     assert policy.choose([short_prompt])[0] > 0  # 0.3 s of catch-up, ~2 s saved
     assert policy.choose([long_prompt]) == [0]  # 3 s of catch-up
@@ -93,7 +102,7 @@ def test_too_little_evidence_does_not_refuse_a_catch_up():
     """Before the engine-wide rates rest on a few rounds, a long prompt drafts anyway, to learn."""
     policy = _policy()
     assert policy.choose([_Seq(0, num_tokens=3000, max_tokens=64)])[0] > 0
-    policy.observe([_Seq(1)], [1], [0], 0.01, 0.054, 0.01)  # a warm-up's one round, rejected
+    _observe(policy, [_Seq(1)], [1], [0], 0.01, 0.054, 0.01)  # a warm-up's one round, rejected
     assert policy.choose([_Seq(2, num_tokens=300, max_tokens=128)])[0] > 0
 
 
@@ -103,14 +112,14 @@ def test_stale_engine_wide_rates_do_not_lock_drafting_out():
     requests, though each request's catch-up of its prompt is refused on the stale rates."""
     policy = _policy()
     for _ in range(100):  # 100 rounds of a fixed K = 4 that was never accepted
-        policy.observe([_Seq(0)], [4], [0], 0.04, 0.066, 0.01)
+        _observe(policy, [_Seq(0)], [4], [0], 0.04, 0.066, 0.01)
     assert policy.engine_knows()
     rounds = []  # per request: the rounds its 128 tokens took (128 when decoded plainly)
     for seq_id in range(1, 13):
         seq, n = _Seq(seq_id, num_tokens=300, max_tokens=128), 0
         while len(seq.output_ids) < 128:
             (k,) = policy.choose([seq])
-            policy.observe([seq], [k], [k], 0.01 * k, 0.05 + 0.004 * k, 0.01 if k else None)
+            _observe(policy, [seq], [k], [k], 0.01 * k, 0.05 + 0.004 * k, 0.01 if k else None)
             seq.num_tokens += k + 1
             seq.output_ids += [0] * (k + 1)
             n += 1
@@ -131,7 +140,7 @@ def test_a_sequence_climbs_past_stale_engine_wide_rates_at_deeper_positions():
     ks = []
     for _ in range(60):
         ks += policy.choose([seq])
-        policy.observe([seq], ks[-1:], ks[-1:], 0.01 * ks[-1], 0.05 + 0.004 * ks[-1])
+        _observe(policy, [seq], ks[-1:], ks[-1:], 0.01 * ks[-1], 0.05 + 0.004 * ks[-1])
     assert min(ks[-10:]) >= 4, ks
 
 
@@ -145,7 +154,7 @@ def test_probes_on_the_engine_budget_cost_little_with_a_useless_draft():
         seq = _Seq(seq_id, num_tokens=300, max_tokens=64)
         for _ in range(64):
             (k,) = policy.choose([seq])
-            policy.observe([seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
+            _observe(policy, [seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
             seq.num_tokens += 1
             seq.output_ids.append(0)
             if k:
@@ -165,7 +174,7 @@ def test_each_sequence_gets_its_own_k():
     policy, good, bad = _policy(), _Seq(0), _Seq(1)
     for _ in range(30):
         ks = policy.choose([good, bad])
-        policy.observe([good, bad], ks, [ks[0], 0], 0.01 * max(ks), 0.05 + 0.004 * (sum(ks) + 1))
+        _observe(policy, [good, bad], ks, [ks[0], 0], 0.01 * max(ks), 0.05 + 0.004 * (sum(ks) + 1))
     k_good, k_bad = policy.choose([good, bad])
     assert k_good >= 4 and k_bad == 0
 
@@ -175,7 +184,7 @@ def test_expensive_draft_is_not_worth_it():
     policy, seqs = _policy(draft_step=0.06), [_Seq(0)]
     for _ in range(10):
         ks = policy.choose(seqs)
-        policy.observe(seqs, ks, ks, 0.06 * max(ks), 0.05 + 0.004 * sum(ks))
+        _observe(policy, seqs, ks, ks, 0.06 * max(ks), 0.05 + 0.004 * sum(ks))
     assert policy.choose(seqs) == [0]
 
 
@@ -228,8 +237,10 @@ class _FixedCosts(AutoK):
     def __init__(self, k_max=4):
         super().__init__(k_max, lambda rows: 1.0 + (rows - 1) / 3000, 0.0)
 
-    def observe(self, seqs, drafted, accepted, draft_s, verify_s, step_s=None, catchup=None):
-        super().observe(seqs, drafted, accepted, 0.0, 1.0 + (sum(drafted) + len(seqs) - 1) / 3000)
+    def observe(self, rounds):
+        rows = sum(r.drafted + 1 for r in rounds)
+        super().observe([dataclasses.replace(r, draft_s=0.0, verify_s=1.0 + (rows - 1) / 3000, step_s=None,
+                                             catchup=None) for r in rounds])
 
 
 def test_auto_k_sampling_follows_the_target(tiny_pair):

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ssd.engine.sequence import Sequence
+from ssd.speculative.round import Round
 
 PRIOR_RATE = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0  # ... worth this many rounds
@@ -158,8 +159,7 @@ class FixedK:
     def choose(self, seqs: list[Sequence]) -> list[int]:
         return [self.k_max] * len(seqs)
 
-    def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int], draft_s: float,
-                verify_s: float, step_s: float | None = None, catchup: tuple[float, int] | None = None) -> None:
+    def observe(self, rounds: list[Round]) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:
@@ -284,14 +284,15 @@ class AutoK(FixedK):
                 ks[b] = best
         return ks
 
-    def observe(self, seqs: list[Sequence], drafted: list[int], accepted: list[int], draft_s: float,
-                verify_s: float, step_s: float | None = None, catchup: tuple[float, int] | None = None) -> None:
-        """One round's outcome: tokens each sequence drafted and had accepted, the round's wait
-        for proposals and verify pass (the whole batch's), and where the draft measured them,
-        its time per draft token without catch-up (a prompt's prefill, tokens missed at K = 0:
-        counting those would make drafting look dearer the longer it was off) and its catch-up
-        (seconds, tokens read)."""
-        for s, d, a in zip(seqs, drafted, accepted):
+    def observe(self, rounds: list[Round]) -> None:
+        """One round of the batch (round.py): tokens each sequence drafted and had accepted, the
+        round's wait for proposals and its pass, and where the draft measured them, its time
+        per draft token without catch-up (a prompt's prefill, tokens missed at K = 0: counting
+        those would make drafting look dearer the longer it was off) and its catch-up."""
+        draft_s, verify_s, step_s, catchup = rounds[0].draft_s, rounds[0].verify_s, rounds[0].step_s, rounds[0].catchup
+        drafted = [r.drafted for r in rounds]
+        for r in rounds:
+            s, d, a = r.seq, r.drafted, r.accepted
             if d:
                 if s.seq_id in self.probing:
                     self.backoff[s.seq_id] = 1 if a else min(2 * self.backoff.get(s.seq_id, 1), PROBE_BACKOFF)
@@ -314,7 +315,7 @@ class AutoK(FixedK):
             per = max(0.0, catchup[0] - self.draft_step) / catchup[1]
             self.catchup_token = per if self.catchup_token is None else \
                 self.catchup_token + TIME_EMA * (per - self.catchup_token)
-        self.verify.observe(sum(drafted) + len(seqs), verify_s)
+        self.verify.observe(sum(drafted) + len(rounds), verify_s)
 
     def release(self, seq: Sequence) -> None:
         for table in (self.seqs, self.seen, self.idle_s, self.backoff, self.explore_wait):

@@ -9,7 +9,8 @@ The proposals are not drawn from any distribution, so they are verified as one-h
 from dataclasses import dataclass, field
 
 from ssd.engine.sequence import Sequence
-from ssd.speculative.speculator import Proposal, Speculator
+from ssd.speculative.round import Proposal
+from ssd.speculative.speculator import Speculator
 
 
 @dataclass

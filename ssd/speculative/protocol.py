@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from ssd.errors import SSDError
 from ssd.sampling_params import SamplingParams
+from ssd.speculative.round import Proposal
 
 TARGET, WORKER = 0, 1
 NO_TIMEOUT = datetime.timedelta(days=1)  # liveness is watched by the target, not by gloo
@@ -61,18 +62,6 @@ class SpecRequest:
     new_tokens: list[int]  # the target's tokens after those (its recovery/bonus token; a prompt at first)
     k: int  # draft tokens wanted
     params: SamplingParams | None = None  # with a sequence's first request
-
-
-@dataclass
-class SpecReply:
-    """The worker's answer for one sequence, and the worker time spent on it."""
-
-    tokens: list[int]
-    q: torch.Tensor | None  # [len(tokens), V] distributions the tokens were drawn from; None: verify one-hot
-    hit: bool | None  # the speculation came from the cache; None when no tokens were asked for
-    tree_s: float = 0.0  # this sequence's share of the last cache build
-    backup_s: float = 0.0  # drafting it on the spot after a miss (its share of the batch)
-    idle_s: float = 0.0  # the worker waiting for this request
 
 
 @dataclass(frozen=True)
@@ -245,7 +234,7 @@ def decode_requests(msg: dict) -> tuple[list[SpecRequest], list[int]]:
         raise LinkError(f"the target sent a malformed step: {type(e).__name__}: {e}") from None
 
 
-def encode_replies(replies: list[SpecReply]) -> tuple[dict, torch.Tensor | None]:
+def encode_replies(replies: list[Proposal]) -> tuple[dict, torch.Tensor | None]:
     qs = [r.q for r in replies if r.q is not None]
     msg = {"type": "reply", "replies": [[r.tokens, r.hit, 0 if r.q is None else r.q.shape[0],
                                          r.tree_s, r.backup_s, r.idle_s] for r in replies]}
@@ -253,7 +242,7 @@ def encode_replies(replies: list[SpecReply]) -> tuple[dict, torch.Tensor | None]
 
 
 def decode_replies(msg: dict, floats: torch.Tensor | None, vocab: int, requests: list[SpecRequest]
-                   ) -> list[SpecReply]:
+                   ) -> list[Proposal]:
     """The worker's replies, checked against what was asked: one per request, at most k
     tokens each, ids inside the vocabulary, and exactly the q rows they announce."""
     try:
@@ -270,8 +259,8 @@ def decode_replies(msg: dict, floats: torch.Tensor | None, vocab: int, requests:
                 raise ValueError(f"a reply of {len(tokens)} tokens and {n} q rows to a request for {req.k}")
             q = floats.view(-1, vocab)[start:start + n] if n else None
             start += n
-            out.append(SpecReply(tokens, q, None if hit is None else bool(hit),
-                                 float(tree_s), float(backup_s), float(idle_s)))
+            out.append(Proposal(tokens, q, None if hit is None else bool(hit),
+                                float(tree_s), float(backup_s), float(idle_s)))
         if start != rows:
             raise ValueError(f"{rows} q rows sent, {start} announced")
         return out

@@ -27,7 +27,8 @@ from ssd.speculative.options import SECRET_ENV, DraftConfig
 from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, LinkError, SpecRequest, connect,
                                       decode_replies, encode_requests, listen_socket, new_secret,
                                       parse_address, watch, watched_wait)
-from ssd.speculative.speculator import Proposal, Speculator, propose_locally
+from ssd.speculative.round import Proposal
+from ssd.speculative.speculator import Speculator, propose_locally
 
 log = logging.getLogger("ssd")
 
@@ -135,8 +136,7 @@ class RemoteSpeculator(Speculator):
         msg, floats = self.channel.recv()
         if msg["type"] != "reply":
             raise LinkError(f"the draft worker failed: {msg.get('message', msg)}")
-        return [Proposal(r.tokens, r.q, r.hit, r.tree_s, r.backup_s, r.idle_s)
-                for r in decode_replies(msg, floats, self.vocab, requests)]
+        return decode_replies(msg, floats, self.vocab, requests)
 
     def _propose_locally(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         if self.local is None and not self.ar_only:
@@ -147,7 +147,7 @@ class RemoteSpeculator(Speculator):
                             "continuing with plain decoding", type(e).__name__, e)
                 self.ar_only = True
         if self.local is None:
-            return [Proposal([], None) for _ in seqs]
+            return [Proposal([]) for _ in seqs]
         return propose_locally(self, self.local, seqs, ks)
 
     def _fail_over(self, error: Exception) -> None:

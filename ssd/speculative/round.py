@@ -1,4 +1,4 @@
-"""One speculative round, the same in SD and SSD: propose -> verify -> accept.
+"""One speculative round, the same in SD and SSD: propose -> verify -> accept, and its record.
 
   1. propose: the draft side gives K tokens per sequence (SD: drafted now; SSD: usually
      ready in the speculation cache);
@@ -7,9 +7,16 @@
      target's own (a recovery token, or the bonus token after all K);
   4. accept: the target's KV cache keeps the valid prefix (rolling back is a truncation),
      and the draft side is told what the target kept.
+
+Each sequence's round leaves one record, `Round`: what was asked for, the draft side's
+`Proposal` (its tokens, where they came from, what they cost the draft side), the verdict,
+and what the round cost. The request's metrics (RequestMetrics.record) and the K policy
+(adaptive_k.py) read it; an SSD worker learns the outcome from the next request, where the
+speculation cache and the fan-out read it (ssd_draft.py).
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,21 +25,51 @@ from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits
 from ssd.engine.sequence import Sequence
-from ssd.speculative.speculator import Proposal, Speculator
 from ssd.speculative.verifier import verify, verify_greedy
+
+if TYPE_CHECKING:
+    from ssd.speculative.speculator import Speculator
 
 
 @dataclass
-class RoundResult:
+class Proposal:
+    """The draft side's answer for one sequence in a round, in SD as in SSD (protocol.py
+    carries it over the worker link)."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None  # [len(tokens), V] distributions they were drawn from; None: verify one-hot
+    hit: bool | None = None  # SSD: from the speculation cache (None: no tokens asked for, or not SSD)
+    # SSD: the draft worker's time spent on this sequence (its share of batched work).
+    tree_s: float = 0.0  # building the cache that this round's speculation came from
+    backup_s: float = 0.0  # drafting it on the spot after a miss
+    idle_s: float = 0.0  # waiting for this request
+    failed_over: bool = False  # SSD: the worker failed during this round and SD took over
+
+
+@dataclass
+class Round:
+    """One sequence's round, from the K asked for to the tokens kept (k = 0: a plain
+    decoding step). The times are the whole batch's."""
+
+    seq: Sequence
+    k: int  # draft tokens asked for
     proposal: Proposal
-    accepted: int  # draft tokens the target accepted
-    tokens: list[int]  # those tokens, then the target's own
-    draft_s: float  # the target's wait for the proposals (the whole batch's)
-    verify_s: float  # the target's verify pass (the whole batch's)
+    accepted: int = 0  # draft tokens the target accepted
+    tokens: list[int] = field(default_factory=list)  # those tokens, then the target's own
+    draft_s: float = 0.0  # the target's wait for the proposals
+    verify_s: float = 0.0  # the target's pass (the verify pass, or the plain step)
+    # Where the draft times its own steps (SD): seconds per draft token, catch-up left out
+    # (None: no such step), and its catch-up (seconds, tokens it read that it had not seen).
+    step_s: float | None = None
+    catchup: tuple[float, int] | None = None
+
+    @property
+    def drafted(self) -> int:
+        return len(self.proposal.tokens)
 
 
-def speculative_round(speculator: Speculator, target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
-                      ks: list[int]) -> list[RoundResult]:
+def speculative_round(speculator: "Speculator", target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
+                      ks: list[int]) -> list[Round]:
     """One round for the decoding sequences, ks[i] draft tokens asked for seqs[i]; `cache` is
     the target's KV cache, which `target` writes."""
     t0 = time.perf_counter()
@@ -41,10 +78,11 @@ def speculative_round(speculator: Speculator, target: ModelRunner, cache: PagedK
     logits = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens, s.num_tokens - 1, len(p.tokens) + 1)
                              for s, p in zip(seqs, proposals)])
     t2 = time.perf_counter()
-    results, row = [], 0
-    for seq, prop in zip(seqs, proposals):
-        k = len(prop.tokens)
-        rows, row = logits[row:row + k + 1], row + k + 1
+    step_s, catchup = speculator.last_step_s(), speculator.last_catchup()
+    rounds, row = [], 0
+    for seq, k, prop in zip(seqs, ks, proposals):
+        n = len(prop.tokens)
+        rows, row = logits[row:row + n + 1], row + n + 1
         if seq.params.greedy_decoding:
             verdict = verify_greedy(rows, prop.tokens)
         else:
@@ -55,6 +93,6 @@ def speculative_round(speculator: Speculator, target: ModelRunner, cache: PagedK
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         cache.truncate(seq.seq_id, valid)
         speculator.accepted(seq, valid)
-        results.append(RoundResult(prop, verdict.accepted, prop.tokens[:verdict.accepted] + [verdict.token],
-                                   t1 - t0, t2 - t1))
-    return results
+        rounds.append(Round(seq, k, prop, verdict.accepted, prop.tokens[:verdict.accepted] + [verdict.token],
+                            t1 - t0, t2 - t1, step_s, catchup))
+    return rounds

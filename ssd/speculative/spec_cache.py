@@ -5,15 +5,13 @@ An outcome is (k, t): k draft tokens accepted, then t, the target's recovery tok
 or bonus token (k == K). The entry for (sequence, k, t) holds the K draft tokens that
 continue `prefix + d_1..d_k + t`, and the K distributions q they were drawn from (None for
 greedy requests, whose verification needs no q). Entries live for one round: a sequence's
-entries are dropped as soon as its real outcome has been looked up, and the lookup tells
-the fan-out policy where the round ended and how the draft had ranked the target's token.
+entries are dropped as soon as its real outcome has been looked up.
 """
 from dataclasses import dataclass
 
 import torch
 
 from ssd.speculative.draft_engine import DraftSeq
-from ssd.speculative.fanout import FanOut
 
 
 @dataclass
@@ -34,26 +32,29 @@ class Lookup:
     same_depth: list[Branch]  # the entries forked at the outcome's depth, most likely first
 
 
+def outcome(s: DraftSeq, num_valid: int, new_tokens: list[int]) -> tuple[int, int] | None:
+    """The outcome (k, t) of the round of sequence s, as its next request tells it (before the
+    draft engine applies it): the first num_valid tokens stand, then new_tokens. None: a first
+    request, or one after the draft's context was cut short."""
+    if not (s.spec and s.confirmed <= num_valid and len(new_tokens) == 1):
+        return None
+    return num_valid - s.confirmed, new_tokens[0]
+
+
 class SpeculationCache:
-    def __init__(self, fan_out: FanOut) -> None:
-        self.fan_out = fan_out
+    def __init__(self) -> None:
         self._entries: dict[int, dict[tuple[int, int], Branch]] = {}
 
     def put(self, seq_id: int, k: int, t: int, branch: Branch) -> None:
         self._entries.setdefault(seq_id, {})[(k, t)] = branch
 
-    def lookup(self, s: DraftSeq, num_valid: int, new_tokens: list[int]) -> Lookup:
-        """The target's outcome for sequence s (before the draft engine applies it): its
-        first num_valid tokens stand, then new_tokens. Takes the sequence's entries of the
-        round; the cache keeps nothing of that round after this."""
-        entries = self._entries.pop(s.seq_id, {})
-        if not (s.spec and s.confirmed <= num_valid and len(new_tokens) == 1):
-            return Lookup(None, [])  # a first request, or the draft's context was cut short
-        depth, t = num_valid - s.confirmed, new_tokens[0]
-        if s.candidates:
-            candidates = s.candidates[depth]
-            self.fan_out.observe(s.after_hit, depth, candidates.index(t) if t in candidates else None)
-        return Lookup(entries.get((depth, t)), [b for (j, _), b in entries.items() if j == depth])
+    def lookup(self, seq_id: int, end: tuple[int, int] | None) -> Lookup:
+        """The entry for the round's outcome `end` (k, t), and those forked at its depth. Takes
+        the sequence's entries of the round: the cache keeps nothing of it after this."""
+        entries = self._entries.pop(seq_id, {})
+        if end is None:
+            return Lookup(None, [])
+        return Lookup(entries.get(end), [b for (j, _), b in entries.items() if j == end[0]])
 
     def entries(self, seq_id: int) -> dict[tuple[int, int], Branch]:
         """The sequence's entries of the round in flight, keyed (k, t), most likely fork first

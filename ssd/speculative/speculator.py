@@ -7,27 +7,11 @@ the first time). LocalSpeculator (SD) drafts in this process; RemoteSpeculator (
 remote.py) asks the draft worker.
 """
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-
-import torch
 
 from ssd.engine.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft_engine import DraftEngine
-
-
-@dataclass
-class Proposal:
-    """A round's draft for one sequence: its tokens and where they came from."""
-
-    tokens: list[int]
-    q: torch.Tensor | None  # [len(tokens), V] distributions they were drawn from; None: verify one-hot
-    hit: bool | None = None  # SSD: the speculation came from the cache (None: no tokens asked for, or SD)
-    # SSD: the draft worker's time spent on this sequence (its share of batched work).
-    tree_s: float = 0.0
-    backup_s: float = 0.0
-    idle_s: float = 0.0
-    failed_over: bool = False  # SSD: the worker failed during this round and SD took over
+from ssd.speculative.round import Proposal
 
 
 class Speculator:

@@ -20,15 +20,16 @@ from ssd.speculative.adaptive_k import round_k
 from ssd.speculative.draft_engine import DraftEngine, DraftSeq
 from ssd.speculative.fanout import MAX_RANK, FanOut
 from ssd.speculative.options import DraftConfig
-from ssd.speculative.protocol import SpecReply, SpecRequest
-from ssd.speculative.spec_cache import Branch, SpeculationCache
+from ssd.speculative.protocol import SpecRequest
+from ssd.speculative.round import Proposal
+from ssd.speculative.spec_cache import Branch, SpeculationCache, outcome
 from ssd.speculative.tree import DraftTree, Fork, tree_owner
 
 
 class SSDDraft:
     def __init__(self, engine: DraftEngine, fan_out: FanOut, backup: str = "jit", fit_tree: bool = True):
         self.engine, self.fan_out, self.backup, self.fit_tree = engine, fan_out, backup, fit_tree
-        self.cache = SpeculationCache(fan_out)
+        self.cache = SpeculationCache()
         self._pending: list[int] = []  # sequences whose speculation build() forks from
         self._built: tuple[int, float] | None = None  # the last build's branches and seconds
 
@@ -39,27 +40,30 @@ class SSDDraft:
         saguaro = None if cfg.saguaro_c is None else (cfg.saguaro_c, min(fan_out.max_size, MAX_RANK) + 1)
         return cls(DraftEngine.from_config(cfg, device, saguaro), fan_out, cfg.backup, cfg.fit_tree)
 
-    def step(self, requests: list[SpecRequest]) -> list[SpecReply]:
+    def step(self, requests: list[SpecRequest]) -> list[Proposal]:
         engine = self.engine
-        replies: list[SpecReply | None] = []
+        replies: list[Proposal | None] = []
         misses: list[tuple[int, DraftSeq, int, list[Branch]]] = []
         for i, r in enumerate(requests):
             known = engine.seqs.get(r.seq_id)
-            found = self.cache.lookup(known, r.num_valid, r.new_tokens) if known else None
+            end = outcome(known, r.num_valid, r.new_tokens) if known else None
+            if end is not None and known.candidates:
+                self._observe(known, *end)
+            found = self.cache.lookup(r.seq_id, end)
             s = engine.sync(r.seq_id, r.num_valid, r.new_tokens, r.params, r.k)
             engine.kv.release(tree_owner(r.seq_id))  # last round's branches
             k = r.k
             if k == 0:
-                replies.append(SpecReply([], None, None))
-            elif found and found.branch is not None:
+                replies.append(Proposal([]))
+            elif found.branch is not None:
                 tokens = found.branch.tokens[:k]
                 s.tokens += tokens
                 s.after_hit = True
                 q = None if found.branch.q_rows is None else torch.stack(found.branch.q_rows[:k])
-                replies.append(SpecReply(tokens, q, True))
+                replies.append(Proposal(tokens, q, True))
             else:
                 replies.append(None)
-                misses.append((i, s, k, found.same_depth if found else []))
+                misses.append((i, s, k, found.same_depth))
         if misses:
             start = time.perf_counter()
             seqs, ks = [m[1] for m in misses], [m[2] for m in misses]
@@ -70,9 +74,14 @@ class SSDDraft:
             seconds = time.perf_counter() - start
             for (i, s, k, _), (tokens, q) in zip(misses, drafted):
                 s.after_hit = False
-                replies[i] = SpecReply(tokens, q, False, backup_s=seconds * k / sum(ks))
+                replies[i] = Proposal(tokens, q, False, backup_s=seconds * k / sum(ks))
         self._pending = [r.seq_id for r, reply in zip(requests, replies) if reply.tokens]
         return replies
+
+    def _observe(self, s: DraftSeq, depth: int, token: int) -> None:
+        """The fan-out learns where s's round ended and how the tree had ranked the target's token."""
+        candidates = s.candidates[depth]
+        self.fan_out.observe(s.after_hit, depth, candidates.index(token) if token in candidates else None)
 
     def waited(self, seconds: float) -> None:
         """The target's request came `seconds` after the last build ended (about 0: it had

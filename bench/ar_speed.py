@@ -69,7 +69,7 @@ def main() -> None:
         ours_tps.append(ours())
         hf_tps.append(theirs())
     bw = read_bandwidth_gbs()
-    wb = weight_bytes_per_token(llm.model)
+    wb = weight_bytes_per_token(llm.engine.runner.model)
     print(f"model {args.model}  fp32  threads {torch.get_num_threads()}  {args.tokens} new tokens")
     print(f"ssd-engine AR    {max(ours_tps):6.2f} tok/s  (runs: {', '.join(f'{x:.2f}' for x in ours_tps)})")
     print(f"transformers     {max(hf_tps):6.2f} tok/s  (runs: {', '.join(f'{x:.2f}' for x in hf_tps)})")

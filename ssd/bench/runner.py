@@ -173,7 +173,7 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
         raise SSDError("no configuration could run: " + "; ".join(f"{k}: {v}" for k, v in result.skipped.items()))
     wrap = (lambda text: [{"role": "user", "content": text}]) if spec.chat_template else (lambda text: text)
     first = next(iter(llms.values()))
-    result.device, result.dtype = str(first.device), str(first.dtype).removeprefix("torch.")
+    result.device, result.dtype = str(first.config.device), str(first.config.dtype).removeprefix("torch.")
     result.threads = first.threads
     result.draft_weights = next((llm.engine.speculator.draft_weights for llm in llms.values()
                                  if llm.engine.speculator and llm.engine.speculator.draft_weights), None)

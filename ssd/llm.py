@@ -181,6 +181,12 @@ class LLM:
         """Requests added and not finished: the running batch, then those waiting."""
         return self.engine.scheduler.running + list(self.engine.scheduler.waiting)
 
+    def sequence_state(self) -> dict[str, int]:
+        """What the engine holds per request, by structure (sequences known, KV cache owners and
+        blocks, here and on the draft's side, an SSD worker's included): all 0 when no request
+        is in flight. A check for leaks; an SSD worker is asked over its link."""
+        return self.engine.registry.held()
+
     def kv_blocks_in_use(self) -> int:
         """The target's KV cache blocks held by requests (0 when none is in flight)."""
         return self.engine.cache.blocks_in_use

@@ -13,6 +13,7 @@ from ssd.checks import check_int
 from ssd.config import EngineConfig
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.engine.registry import Registry
 from ssd.engine.sampler import next_tokens
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
@@ -38,6 +39,10 @@ class LLMEngine:
             self.speculator.wait_ready()
         self.cache = PagedKVCache(config.model_config, config.kv_cache_tokens, config.block_size, config.device,
                                   config.dtype)
+        self.registry = Registry()  # everything held per sequence: one release reaches it all
+        self.registry.register("target KV cache", self.cache)
+        if self.speculator:
+            self.registry.register("speculator", self.speculator)
         self.runner = ModelRunner(model, self.cache, config.device)
         self.runner.warm_up()
         self.k_max = config.speculation.k_max
@@ -48,9 +53,8 @@ class LLMEngine:
         # Drafts sit before the target's own token, and inside the draft model's context.
         draft_len = self.speculator.context if self.speculator else None
         self.draft_context = min(config.max_model_len - 1, draft_len or config.max_model_len)
-        self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens,
-                                   lookahead=self.k_max if self.speculator else 0,
-                                   on_release=self._release if self.speculator else None)
+        self.scheduler = Scheduler(self.cache, self.registry, config.max_num_seqs, config.max_num_batched_tokens,
+                                   lookahead=self.k_max if self.speculator else 0)
 
     def step(self) -> list[Event]:
         """One scheduled step. Prompt chunks run through the target alone; in SD and SSD the
@@ -74,6 +78,7 @@ class LLMEngine:
         else:
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
                                   self.speculator.step_cost(), self.speculator.measures_steps)
+        self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 
     def finish(self, seq: Sequence) -> None:
@@ -114,10 +119,6 @@ class LLMEngine:
             r.seq.stats.record(r)
             events.append(self._append(r.seq, r.tokens, [True] * r.accepted + [False], now))
         return events
-
-    def _release(self, seq: Sequence) -> None:
-        self.speculator.release(seq)
-        self.k_policy.release(seq)
 
     def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float) -> Event:
         """Add tokens up to the first that finishes the sequence; return what was added."""

@@ -123,7 +123,7 @@ def test_stale_engine_wide_rates_do_not_lock_drafting_out():
             seq.num_tokens += k + 1
             seq.output_ids += [0] * (k + 1)
             n += 1
-        policy.release(seq)
+        policy.release(seq.seq_id)
         rounds.append(n)
     assert rounds[-1] < 40 and policy.choose([_Seq(99)])[0] > 0, rounds
 
@@ -134,7 +134,7 @@ def test_a_sequence_climbs_past_stale_engine_wide_rates_at_deeper_positions():
     now and then shows it, and its K climbs."""
     policy = _policy()
     _rounds(policy, [_Seq(0)], lambda k: min(k, 1), 100)
-    policy.release(_Seq(0))
+    policy.release(0)
     seq = _Seq(1)
     assert policy.choose([seq]) == [1]
     ks = []
@@ -161,7 +161,7 @@ def test_probes_on_the_engine_budget_cost_little_with_a_useless_draft():
                 probe_s += 0.01 * k + 0.004 * k + 0.01 + 300 * 0.0005  # + a catch-up of the prompt
             else:
                 plain_s += 0.05
-        policy.release(seq)
+        policy.release(seq.seq_id)
     assert 0 < probe_s <= PROBE_BUDGET * plain_s, (probe_s, plain_s)
 
 

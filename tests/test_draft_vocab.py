@@ -99,14 +99,15 @@ def test_a_sequences_own_tokens_join_a_tied_head(tiny_tied_pair):
     """Columns past V' are the sequence's tokens outside the head, scored with the input
     embedding's rows (the tied output layer's); other sequences' rows get -inf there."""
     from ssd.models.loader import load_model
-    from ssd.speculative.vocab import DraftHead
+    from ssd.speculative.vocab import DraftHead, ExtraTokens
     model = load_model(tiny_tied_pair[1], torch.device("cpu"), torch.float32)
     head = DraftHead(load_model(tiny_tied_pair[1], torch.device("cpu"), torch.float32, head_rows=(1, 2, 6)),
                      (1, 2, 6), torch.device("cpu"))
-    head.extend(7, [2, 5, 3, 5])  # 2 is in the head; 5 and 3 join, once each
-    head.extend(7, [4, 3])
+    seven, eight = ExtraTokens(), ExtraTokens()  # two sequences' own tokens
+    head.extend(seven, [2, 5, 3, 5])  # 2 is in the head; 5 and 3 join, once each
+    head.extend(seven, [4, 3])
     hidden = torch.randn(3, model.config.hidden_size)
-    logits, extra_ids = head(hidden, [7, 8], [2, 1])
+    logits, extra_ids = head(hidden, [seven, eight], [2, 1])
     full = model.lm_head(hidden)
     assert torch.allclose(logits[:2], full[:2, [1, 2, 6, 5, 3, 4]], atol=1e-4)
     assert torch.allclose(logits[2, :3], full[2, [1, 2, 6]], atol=1e-4) and logits[2, 3:].isneginf().all()
@@ -117,8 +118,7 @@ def test_a_sequences_own_tokens_join_a_tied_head(tiny_tied_pair):
     full_q = head.over_vocabulary(q, extra_ids)
     assert torch.allclose(full_q.sum(-1), torch.ones(3)) and full_q[:, [0, 7]].eq(0).all()
     assert torch.equal(full_q[0, [1, 2, 6, 5, 3, 4]], q[0])
-    head.release(7)
-    assert head(hidden, [7], [3])[1] is None
+    assert head(hidden, [eight], [3])[1] is None  # no sequence with extra tokens: no extra columns
 
 
 def test_an_untied_gguf_head_reads_any_row_from_the_file(tiny_pair, tmp_path):

@@ -98,6 +98,11 @@ def test_prompts_run_on_the_idle_workers_cores_too(smollm_dir, truncated_draft, 
     assert rounds and all(c == target and n == len(c) for c, n in rounds), rounds
 
 
+def _branches(draft: SSDDraft) -> int:
+    """The speculation cache's entries, over all sequences."""
+    return sum(len(s.cache) for s in draft.engine.seqs.values())
+
+
 def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
     """Every branch of the tree, decoded among all others with the tree mask, gives the same
     logits (hence tokens and q) as decoding its context alone."""
@@ -109,9 +114,9 @@ def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
     params = [SamplingParams.greedy(), SamplingParams(temperature=0.9, top_k=50)]
     replies = draft.step([SpecRequest(i, 0, ids, k, p) for i, (ids, p) in enumerate(zip(prompts, params))])
     shares = draft.build()
-    assert len(draft.cache) == 2 * sum(sizes) and set(shares) == {0, 1}
+    assert _branches(draft) == 2 * sum(sizes) and set(shares) == {0, 1}
     for seq_id, (ids, p, reply) in enumerate(zip(prompts, params, replies)):
-        entries = draft.cache.entries(seq_id)
+        entries = draft.engine.seqs[seq_id].cache.entries
         per_depth = [sum(1 for j, _ in entries if j == d) for d in range(k + 1)]
         assert per_depth == sizes
         for (j, t), branch in entries.items():
@@ -134,15 +139,15 @@ def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
     ids = tok(PROMPTS[0]).input_ids
     draft.step([SpecRequest(0, 0, ids, k, SamplingParams.greedy())])
     draft.build()
-    assert len(draft.cache) == 9
+    assert _branches(draft) == 9
     draft.waited(0.0)
     assert draft.fan_out.cap == 7
     # The target accepted the whole speculation and then the draft's likeliest bonus token.
-    bonus = max(draft.cache.entries(0).items(), key=lambda e: e[0][0])[0][1]
+    bonus = max(draft.engine.seqs[0].cache.entries.items(), key=lambda e: e[0][0])[0][1]
     reply = draft.step([SpecRequest(0, len(ids) + k, [bonus], k, None)])[0]
     assert reply.hit
     draft.build()
-    entries = draft.cache.entries(0)
+    entries = dict(draft.engine.seqs[0].cache.entries)
     assert len(entries) == 7
     context = draft.engine.seqs[0].tokens  # the prompt, the first speculation, the bonus, this one
     for (j, t), branch in entries.items():

@@ -68,6 +68,10 @@ class PagedKVCache:
         self.free_blocks.extend(reversed(self.tables.pop(owner, [])))
         self.lengths.pop(owner, None)
 
+    def held(self) -> dict[str, int]:
+        """Owners with blocks or written positions, and the blocks they hold."""
+        return {"owners": len(self.tables.keys() | self.lengths.keys()), "blocks": self.blocks_in_use}
+
     def slots(self, owner: int, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions start..end-1 of `owner` (a CPU LongTensor)."""
         table = torch.tensor(self.tables[owner], dtype=torch.long)

@@ -3,13 +3,15 @@
 Every step is one forward pass over a token budget: sequences that are decoding feed
 their one newest token, and the rest of the budget goes to prompt chunks of sequences
 being prefilled (chunked prefill), so long prompts never stall decoding for long.
-When the KV cache runs out, the most recently admitted sequence is preempted: its
-blocks are freed and it is prefilled again later from its tokens so far.
+When the KV cache runs out, the most recently admitted sequence is preempted: everything
+held for it is released (registry.py: its blocks, the draft's copy) and it is prefilled
+again later from its tokens so far.
 """
 from collections import deque
 from dataclasses import dataclass
 
 from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.registry import Registry
 from ssd.engine.sequence import Sequence
 
 
@@ -26,11 +28,11 @@ class Work:
 
 
 class Scheduler:
-    def __init__(self, cache: PagedKVCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 lookahead: int = 0, on_release=None):
-        self.cache = cache
+    def __init__(self, cache: PagedKVCache, registry: Registry, max_num_seqs: int, max_num_batched_tokens: int,
+                 lookahead: int = 0):
+        """registry: where every holder of per-sequence state is, the cache among them."""
+        self.cache, self.registry = cache, registry
         self.lookahead = lookahead  # extra slots a decoding sequence needs (K draft tokens in SD)
-        self.on_release = on_release or (lambda seq: None)  # frees what others hold for seq
         self.max_num_seqs = max_num_seqs
         self.budget = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -86,8 +88,7 @@ class Scheduler:
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.cache.release(seq.seq_id)
-        self.on_release(seq)
+        self.registry.release(seq.seq_id)
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence) -> None:
@@ -95,5 +96,4 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.cache.release(seq.seq_id)
-        self.on_release(seq)
+        self.registry.release(seq.seq_id)

@@ -74,6 +74,10 @@ class EngineLoop:
         """Requests accepted but not running yet."""
         return len(self._incoming) + self.llm.num_waiting
 
+    def tracked(self) -> int:
+        """Requests whose events are still routed to a caller (0 when none is in flight)."""
+        return len(self._sinks)
+
     def running(self) -> int:
         return self.llm.num_running
 

@@ -92,6 +92,17 @@ class Acceptance:
         return out
 
 
+@dataclass
+class SeqState:
+    """What auto-K keeps of one sequence."""
+
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance(SEQ_DECAY))
+    seen: int = 0  # its tokens when it last drafted (what the draft read)
+    idle_s: float = 0.0  # seconds of plain decoding since it last drafted
+    backoff: int = 1  # the wait's factor before its next probe
+    explore_wait: int = 0  # drafting rounds since it last drafted deeper
+
+
 def expected_tokens(rates: list[float]) -> list[float]:
     """E(K) for K = 0..len(rates)."""
     out, run = [1.0], 1.0
@@ -162,8 +173,11 @@ class FixedK:
     def observe(self, rounds: list[Round]) -> None:
         pass
 
-    def release(self, seq: Sequence) -> None:
+    def release(self, seq_id: int) -> None:
         pass
+
+    def held(self) -> dict[str, int]:
+        return {}
 
 
 class AutoK(FixedK):
@@ -181,20 +195,15 @@ class AutoK(FixedK):
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
         self.catchup_token: float | None = None  # the draft's cost per token it catches up on, once measured
         self.engine = Acceptance(ENGINE_DECAY)
-        self.seqs: dict[int, Acceptance] = {}
-        self.seen: dict[int, int] = {}  # seq_id -> its tokens when it last drafted (what the draft read)
-        self.idle_s: dict[int, float] = {}  # seq_id -> seconds of plain decoding since it last drafted
-        self.backoff: dict[int, int] = {}  # seq_id -> the wait's factor before its next probe
-        self.probing: set[int] = set()
+        self.seqs: dict[int, SeqState] = {}
+        self.probing: set[int] = set()  # the sequences probing on their own budget this round
         self.engine_idle_s = 0.0  # seconds since any sequence drafted
         self.engine_backoff = 1  # the engine's probes double their wait as the sequences' do
         self.engine_probe: int | None = None  # the sequence probing on the engine's budget this round
-        self.explore_wait: dict[int, int] = {}  # seq_id -> drafting rounds since it last drafted deeper
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         prior = self.engine.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
-        gains = [expected_tokens(self.seqs.setdefault(s.seq_id, Acceptance(SEQ_DECAY))
-                                 .rates(self.k_max, prior, SEQ_WEIGHT)) for s in seqs]
+        gains = [expected_tokens(self._state(s).acceptance.rates(self.k_max, prior, SEQ_WEIGHT)) for s in seqs]
         ks = self._best(gains)
         self.probing, self.engine_probe = set(), None
         learning = not self.engine_knows()  # too little measured to refuse a catch-up
@@ -205,7 +214,7 @@ class AutoK(FixedK):
         hopeful_k = max(range(1, self.k_max + 1), key=lambda k: hopeful[k] / self._round_s(k))
         costs: dict[int, float] = {}  # b -> what a probe would cost now, for the sequences at K = 0
         for b, s in enumerate(seqs):
-            missed = s.num_tokens - self.seen.get(s.seq_id, 0)
+            missed = s.num_tokens - self.seqs[s.seq_id].seen
             catchup = self._catchup_s(missed) if missed > 2 else 0.0
             if ks[b] and not learning and catchup > max(self.verify(1), self._saving(gains[b], ks[b], s)):
                 ks[b] = 0  # what drafting saves over the tokens left does not pay a long catch-up
@@ -213,9 +222,9 @@ class AutoK(FixedK):
                 k = min(PROBE_K, self.k_max)
                 # The catch-up grows with the wait whatever it is: the backoff stretches the rest.
                 costs[b] = catchup + (self._round_s(k) - self.verify(1)) \
-                    * self.backoff.get(s.seq_id, 1)
+                    * self.seqs[s.seq_id].backoff
         # While learning, a K of 0 may rest on a round or two (a warm-up's): probe at once.
-        probes = [b for b, c in costs.items() if learning or self.idle_s.get(seqs[b].seq_id, 0.0) * PROBE_BUDGET >= c]
+        probes = [b for b, c in costs.items() if learning or self.seqs[seqs[b].seq_id].idle_s * PROBE_BUDGET >= c]
         if costs and not probes:  # the engine's own budget: one probe when nothing drafted for long
             b = min(costs, key=costs.get)
             if self.engine_idle_s * PROBE_BUDGET >= costs[b] * self.engine_backoff:
@@ -228,16 +237,16 @@ class AutoK(FixedK):
         for b, s in enumerate(seqs):
             # A position beyond the chosen K is never reached, so its rate (the engine-wide one)
             # would never be corrected by this sequence: now and then it drafts one token deeper.
-            k = ks[b]
+            k, state = ks[b], self.seqs[s.seq_id]
             if 0 < k < self.k_max and s.seq_id not in self.probing \
-                    and self.explore_wait.get(s.seq_id, 0) >= EXPLORE_GAP and self._evidence(s, k) < EXPLORE_EVIDENCE:
+                    and state.explore_wait >= EXPLORE_GAP and self._evidence(s, k) < EXPLORE_EVIDENCE:
                 ks[b] = k + 1
-                self.explore_wait[s.seq_id] = 0
+                state.explore_wait = 0
         return ks
 
     def _evidence(self, seq: Sequence, position: int) -> float:
         """The sequence's own decayed rounds that reached draft position `position` (0-based)."""
-        own = self.seqs[seq.seq_id].reached
+        own = self.seqs[seq.seq_id].acceptance.reached
         return own[position] if position < len(own) else 0.0
 
     def engine_knows(self) -> bool:
@@ -292,19 +301,19 @@ class AutoK(FixedK):
         draft_s, verify_s, step_s, catchup = rounds[0].draft_s, rounds[0].verify_s, rounds[0].step_s, rounds[0].catchup
         drafted = [r.drafted for r in rounds]
         for r in rounds:
-            s, d, a = r.seq, r.drafted, r.accepted
+            s, d, a, state = r.seq, r.drafted, r.accepted, self._state(r.seq)
             if d:
                 if s.seq_id in self.probing:
-                    self.backoff[s.seq_id] = 1 if a else min(2 * self.backoff.get(s.seq_id, 1), PROBE_BACKOFF)
+                    state.backoff = 1 if a else min(2 * state.backoff, PROBE_BACKOFF)
                 if s.seq_id == self.engine_probe:
                     self.engine_backoff = 1 if a else min(2 * self.engine_backoff, PROBE_BACKOFF)
-                self.seen[s.seq_id] = s.num_tokens
-                self.idle_s[s.seq_id] = 0.0
-                self.explore_wait[s.seq_id] = self.explore_wait.get(s.seq_id, 0) + 1
-                self.seqs.setdefault(s.seq_id, Acceptance(SEQ_DECAY)).observe(d, a)
+                state.seen = s.num_tokens
+                state.idle_s = 0.0
+                state.explore_wait += 1
+                state.acceptance.observe(d, a)
                 self.engine.observe(d, a)
             else:
-                self.idle_s[s.seq_id] = self.idle_s.get(s.seq_id, 0.0) + draft_s + verify_s
+                state.idle_s += draft_s + verify_s
         self.engine_idle_s = 0.0 if any(drafted) else self.engine_idle_s + draft_s + verify_s
         deepest = max(drafted, default=0)  # a round drafts as deep as its longest proposal
         step = step_s if self.steps_measured else draft_s / deepest if deepest else None
@@ -317,6 +326,14 @@ class AutoK(FixedK):
                 self.catchup_token + TIME_EMA * (per - self.catchup_token)
         self.verify.observe(sum(drafted) + len(rounds), verify_s)
 
-    def release(self, seq: Sequence) -> None:
-        for table in (self.seqs, self.seen, self.idle_s, self.backoff, self.explore_wait):
-            table.pop(seq.seq_id, None)
+    def _state(self, seq: Sequence) -> SeqState:
+        return self.seqs.setdefault(seq.seq_id, SeqState())
+
+    def release(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self.probing.discard(seq_id)
+        if self.engine_probe == seq_id:
+            self.engine_probe = None
+
+    def held(self) -> dict[str, int]:
+        return {"sequences": len(self.seqs), "probing": len(self.probing)}

@@ -20,17 +20,25 @@ from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import round_k
 from ssd.speculative.options import DraftConfig
-from ssd.speculative.vocab import DraftHead
+from ssd.speculative.spec_cache import SpeculationCache
+from ssd.speculative.vocab import DraftHead, ExtraTokens
 
 
 @dataclass
 class DraftSeq:
+    """Everything the draft side holds of one sequence, so that releasing it frees all of it
+    (DraftEngine.release): its tokens as the draft knows them, its K/V in the draft's cache
+    (under its seq_id, and SSD's tree branches under tree_owner), its own tokens outside a
+    reduced head, and SSD's speculation cache for the round in flight."""
+
     seq_id: int
     params: SamplingParams
     generator: torch.Generator | None
     tokens: list[int] = field(default_factory=list)  # confirmed tokens, then the current speculation
     confirmed: int = 0
     cached: int = 0  # leading tokens whose K/V are in the draft's cache
+    extra: ExtraTokens = field(default_factory=ExtraTokens)
+    cache: SpeculationCache = field(default_factory=SpeculationCache)  # SSD
     # SSD: whether the current speculation came from the cache, and the fork candidates of
     # the tree built from it (per depth, most likely first).
     after_hit: bool = False
@@ -39,6 +47,19 @@ class DraftSeq:
     @property
     def spec(self) -> list[int]:
         return self.tokens[self.confirmed:]
+
+    @property
+    def tree_owner(self) -> int:
+        """The KV cache owner of its tree's branch slots (its main slots are owned by seq_id)."""
+        return -1 - self.seq_id
+
+    def outcome(self, num_valid: int, new_tokens: list[int]) -> tuple[int, int] | None:
+        """The outcome (k, t) of its round, as its next request tells it (before sync applies
+        it): the first num_valid tokens stand, then new_tokens. None: a first request, or one
+        after the draft's context was cut short."""
+        if not (self.spec and self.confirmed <= num_valid and len(new_tokens) == 1):
+            return None
+        return num_valid - self.confirmed, new_tokens[0]
 
 
 class DraftEngine:
@@ -90,18 +111,22 @@ class DraftEngine:
         if not 0 <= k <= round_k(self.k_max, len(s.tokens), self.max_len):
             raise SSDError(f"draft protocol: sequence {seq_id} of {len(s.tokens)} tokens asks for {k} draft tokens, "
                            f"beyond K {self.k_max} or the draft's context of {self.max_len}")
-        self.head.extend(seq_id, new_tokens)
+        self.head.extend(s.extra, new_tokens)
         s.confirmed = len(s.tokens)
         s.cached = min(s.cached, num_valid)
         s.candidates = []
         self.kv.truncate(seq_id, s.cached)
         return s
 
-    def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self.seqs.pop(seq_id, None)
-            self.kv.release(seq_id)
-            self.head.release(seq_id)
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence: everything of it is in its DraftSeq and its two cache owners."""
+        s = self.seqs.pop(seq_id, None)
+        if s is not None:
+            self.kv.release(s.seq_id)
+            self.kv.release(s.tree_owner)
+
+    def held(self) -> dict[str, int]:
+        return {"draft sequences": len(self.seqs), **{f"draft KV {k}": n for k, n in self.kv.held().items()}}
 
     def _generator(self, params: SamplingParams) -> torch.Generator | None:
         if params.greedy_decoding:
@@ -163,7 +188,7 @@ class DraftEngine:
             chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, len(s.spec) + 1))
             s.cached = len(s.tokens)
         rows = [len(s.spec) + 1 for s in seqs]
-        logits, extra_ids = self.head(self.runner.forward(chunks, head=False), [s.seq_id for s in seqs], rows)
+        logits, extra_ids = self.head(self.runner.forward(chunks, head=False), [s.extra for s in seqs], rows)
         return list(zip(logits.split(rows), extra_ids.split(rows) if extra_ids is not None else [None] * len(seqs)))
 
     def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int]
@@ -171,7 +196,7 @@ class DraftEngine:
         """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows.
         Returns the tokens and, per sequence, the distributions drawn from over the whole
         vocabulary (None for greedy rows)."""
-        logits, extra_ids = self.head(hidden, [s.seq_id for s in seqs], rows)
+        logits, extra_ids = self.head(hidden, [s.extra for s in seqs], rows)
         out, qs, start = [], [], 0
         greedy = self.head.token_ids(logits.argmax(-1), extra_ids).tolist()
         for s, n in zip(seqs, rows):

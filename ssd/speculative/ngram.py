@@ -29,12 +29,13 @@ class NgramSpeculator(Speculator):
         self.indexes: dict[int, _Index] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        for seq_id in self.take_released():
-            self.indexes.pop(seq_id, None)
-        return [Proposal(self.lookup(seq, k), None) for seq, k in zip(seqs, ks)]
+        return [Proposal(self.lookup(seq, k)) for seq, k in zip(seqs, ks)]
 
-    def release(self, seq: Sequence) -> None:
-        self.indexes.pop(seq.seq_id, None)
+    def release(self, seq_id: int) -> None:
+        self.indexes.pop(seq_id, None)
+
+    def held(self) -> dict[str, int]:
+        return {"n-gram indexes": len(self.indexes)}
 
     def lookup(self, seq: Sequence, k: int) -> list[int]:
         tokens = seq.token_ids

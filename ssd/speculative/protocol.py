@@ -19,6 +19,8 @@ The conversation:
                        new_tokens, k, params or null], ...]}
     worker -> target  {"type": "reply", "replies": [[tokens, hit, q_rows, tree_s, backup_s, idle_s], ...]}
                       + q rows stacked
+    target -> worker  {"type": "held", "release": [ids]}      what the worker holds per sequence
+    worker -> target  {"type": "held", "held": {structure: count}}
     target -> worker  {"type": "close"}
 After each reply the worker builds the speculation cache for the speculations it just sent,
 while the target verifies them; a reply's timings are the previous build's share of each
@@ -229,9 +231,17 @@ def decode_requests(msg: dict) -> tuple[list[SpecRequest], list[int]]:
         requests = [SpecRequest(int(i), int(n), [int(t) for t in new], int(k),
                                 None if p is None else SamplingParams(**{name: p[name] for name in DRAFT_PARAMS}))
                     for i, n, new, k, p in msg["requests"]]
-        return requests, [int(i) for i in msg["release"]]
+        return requests, decode_release(msg)
     except (KeyError, TypeError, ValueError) as e:  # SSDError (bad sampling values) is a ValueError
         raise LinkError(f"the target sent a malformed step: {type(e).__name__}: {e}") from None
+
+
+def decode_release(msg: dict) -> list[int]:
+    """The sequences a step or held message tells the worker to forget."""
+    try:
+        return [int(i) for i in msg["release"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise LinkError(f"the target sent a malformed release list: {type(e).__name__}: {e}") from None
 
 
 def encode_replies(replies: list[Proposal]) -> tuple[dict, torch.Tensor | None]:

@@ -51,6 +51,7 @@ class RemoteSpeculator(Speculator):
         self.local: DraftEngine | None = None  # the in-process SD fallback, once needed
         self.ar_only = False  # not even the fallback could load
         self.restart = False  # an interrupt ended the worker: start another for the next round
+        self.released: list[int] = []  # sequences the worker may forget, told with the next message
         self._connect()
 
     def _connect(self) -> None:
@@ -132,11 +133,39 @@ class RemoteSpeculator(Speculator):
     def _exchange(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         requests = [SpecRequest(seq.seq_id, num_valid, new, k, params)
                     for seq, k in zip(seqs, ks) for num_valid, new, params in [self.news(seq)]]
-        self.channel.send(encode_requests(requests, self.take_released()))
+        self.channel.send(encode_requests(requests, self._take_released()))
         msg, floats = self.channel.recv()
         if msg["type"] != "reply":
             raise LinkError(f"the draft worker failed: {msg.get('message', msg)}")
         return decode_replies(msg, floats, self.vocab, requests)
+
+    def release(self, seq_id: int) -> None:
+        """The worker is told with the next message; the fallback in this process at once."""
+        if self.known.pop(seq_id, None) is None:
+            return
+        if self.channel is not None:
+            self.released.append(seq_id)
+        elif self.local is not None:
+            self.local.release(seq_id)
+
+    def _take_released(self) -> list[int]:
+        released, self.released = self.released, []
+        return released
+
+    def held(self) -> dict[str, int]:
+        """What is held per sequence here, in the fallback, and in the worker (asked over the
+        link, which also tells it the sequences released since the last message)."""
+        held = {"sequences": len(self.known), **(self.local.held() if self.local else {})}
+        if self.channel is not None:
+            try:
+                self.channel.send({"type": "held", "release": self._take_released()})
+                msg, _ = self.channel.recv()
+                if msg["type"] != "held":
+                    raise LinkError(f"the draft worker failed: {msg.get('message', msg)}")
+                held.update({f"worker's {what}": int(n) for what, n in msg["held"].items()})
+            except (LinkError, KeyError, TypeError, ValueError, AttributeError) as e:
+                self._fail_over(e if isinstance(e, LinkError) else LinkError(f"a bad held message: {e}"))
+        return held
 
     def _propose_locally(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         if self.local is None and not self.ar_only:
@@ -164,7 +193,7 @@ class RemoteSpeculator(Speculator):
     def _drop_link(self) -> None:
         self.channel = None
         self._shutdown(grace=0.0)
-        self.known, self.released = {}, []
+        self.known, self.released = {}, []  # the worker's state is gone with it
 
     def _alive(self) -> bool:
         return self.proc is None or self.proc.poll() is None

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.speculative.draft_engine import DraftSeq
-
 
 @dataclass
 class Branch:
@@ -32,37 +30,23 @@ class Lookup:
     same_depth: list[Branch]  # the entries forked at the outcome's depth, most likely first
 
 
-def outcome(s: DraftSeq, num_valid: int, new_tokens: list[int]) -> tuple[int, int] | None:
-    """The outcome (k, t) of the round of sequence s, as its next request tells it (before the
-    draft engine applies it): the first num_valid tokens stand, then new_tokens. None: a first
-    request, or one after the draft's context was cut short."""
-    if not (s.spec and s.confirmed <= num_valid and len(new_tokens) == 1):
-        return None
-    return num_valid - s.confirmed, new_tokens[0]
-
-
 class SpeculationCache:
+    """One sequence's entries for the round in flight (its DraftSeq holds it), keyed (k, t),
+    the most likely fork first at each depth."""
+
     def __init__(self) -> None:
-        self._entries: dict[int, dict[tuple[int, int], Branch]] = {}
+        self.entries: dict[tuple[int, int], Branch] = {}
 
-    def put(self, seq_id: int, k: int, t: int, branch: Branch) -> None:
-        self._entries.setdefault(seq_id, {})[(k, t)] = branch
+    def put(self, k: int, t: int, branch: Branch) -> None:
+        self.entries[(k, t)] = branch
 
-    def lookup(self, seq_id: int, end: tuple[int, int] | None) -> Lookup:
-        """The entry for the round's outcome `end` (k, t), and those forked at its depth. Takes
-        the sequence's entries of the round: the cache keeps nothing of it after this."""
-        entries = self._entries.pop(seq_id, {})
+    def lookup(self, end: tuple[int, int] | None) -> Lookup:
+        """The entry for the round's outcome `end` (k, t; None: no outcome to look up), and
+        those forked at its depth. Takes the round's entries: none is kept after this."""
+        entries, self.entries = self.entries, {}
         if end is None:
             return Lookup(None, [])
         return Lookup(entries.get(end), [b for (j, _), b in entries.items() if j == end[0]])
 
-    def entries(self, seq_id: int) -> dict[tuple[int, int], Branch]:
-        """The sequence's entries of the round in flight, keyed (k, t), most likely fork first
-        at each depth (a look, not a lookup)."""
-        return dict(self._entries.get(seq_id, {}))
-
-    def drop(self, seq_id: int) -> None:
-        self._entries.pop(seq_id, None)
-
     def __len__(self) -> int:
-        return sum(map(len, self._entries.values()))
+        return len(self.entries)

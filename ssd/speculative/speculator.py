@@ -17,7 +17,6 @@ from ssd.speculative.round import Proposal
 class Speculator:
     def __init__(self) -> None:
         self.known: dict[int, int] = {}  # seq_id -> leading tokens the draft holds that are right
-        self.released: list[int] = []  # sequences the draft may forget, told with the next round
         self.failures = 0  # SSD: how often the draft worker failed and SD took over
         self.draft_weights: str | None = None  # how a draft model's weights are held, "auto" resolved
         self.context: int | None = None  # positions the draft model holds (None: no model, no limit)
@@ -67,13 +66,14 @@ class Speculator:
         """After verification: the sequence's first num_valid tokens are what the draft holds."""
         self.known[seq.seq_id] = num_valid
 
-    def release(self, seq: Sequence) -> None:
-        if self.known.pop(seq.seq_id, None) is not None:
-            self.released.append(seq.seq_id)
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence here and on the draft's side (registered with the engine's
+        registry, ssd/engine/registry.py)."""
+        self.known.pop(seq_id, None)
 
-    def take_released(self) -> list[int]:
-        released, self.released = self.released, []
-        return released
+    def held(self) -> dict[str, int]:
+        """Sequences known here, and what the draft side holds per sequence."""
+        return {"sequences": len(self.known)}
 
     def close(self) -> None:
         pass
@@ -100,9 +100,12 @@ class LocalSpeculator(Speculator):
     def last_catchup(self) -> tuple[float, int] | None:
         return self.engine.catchup
 
-    def release(self, seq: Sequence) -> None:
-        super().release(seq)
-        self.engine.release(self.take_released())  # in process: the draft's blocks are freed at once
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        self.engine.release(seq_id)
+
+    def held(self) -> dict[str, int]:
+        return {**super().held(), **self.engine.held()}
 
     def kv_blocks_in_use(self) -> int | None:
         return self.engine.kv.blocks_in_use
@@ -111,6 +114,5 @@ class LocalSpeculator(Speculator):
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]
                     ) -> list[Proposal]:
     """SD's proposals: tell the draft what the target kept, then draft K tokens for each."""
-    engine.release(speculator.take_released())
     drafts = [engine.sync(seq.seq_id, *speculator.news(seq), k) for seq, k in zip(seqs, ks)]
     return [Proposal(tokens, q) for tokens, q in engine.draft(drafts, ks)]

@@ -22,14 +22,13 @@ from ssd.speculative.fanout import MAX_RANK, FanOut
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.protocol import SpecRequest
 from ssd.speculative.round import Proposal
-from ssd.speculative.spec_cache import Branch, SpeculationCache, outcome
-from ssd.speculative.tree import DraftTree, Fork, tree_owner
+from ssd.speculative.spec_cache import Branch, Lookup
+from ssd.speculative.tree import DraftTree, Fork
 
 
 class SSDDraft:
     def __init__(self, engine: DraftEngine, fan_out: FanOut, backup: str = "jit", fit_tree: bool = True):
         self.engine, self.fan_out, self.backup, self.fit_tree = engine, fan_out, backup, fit_tree
-        self.cache = SpeculationCache()
         self._pending: list[int] = []  # sequences whose speculation build() forks from
         self._built: tuple[int, float] | None = None  # the last build's branches and seconds
 
@@ -46,12 +45,12 @@ class SSDDraft:
         misses: list[tuple[int, DraftSeq, int, list[Branch]]] = []
         for i, r in enumerate(requests):
             known = engine.seqs.get(r.seq_id)
-            end = outcome(known, r.num_valid, r.new_tokens) if known else None
+            end = known.outcome(r.num_valid, r.new_tokens) if known else None
             if end is not None and known.candidates:
                 self._observe(known, *end)
-            found = self.cache.lookup(r.seq_id, end)
+            found = known.cache.lookup(end) if known else Lookup(None, [])
             s = engine.sync(r.seq_id, r.num_valid, r.new_tokens, r.params, r.k)
-            engine.kv.release(tree_owner(r.seq_id))  # last round's branches
+            engine.kv.release(s.tree_owner)  # last round's branches
             k = r.k
             if k == 0:
                 replies.append(Proposal([]))
@@ -90,12 +89,13 @@ class SSDDraft:
         if built is not None and self.fit_tree:
             self.fan_out.fit(*built, seconds)
 
-    def release(self, seq_ids: list[int]) -> None:
-        for seq_id in seq_ids:
-            self.cache.drop(seq_id)
-            self.engine.kv.release(tree_owner(seq_id))
-        self.engine.release(seq_ids)
-        self._pending = [i for i in self._pending if i in self.engine.seqs]
+    def release(self, seq_id: int) -> None:
+        self.engine.release(seq_id)
+        self._pending = [i for i in self._pending if i != seq_id]
+
+    def held(self) -> dict[str, int]:
+        """What the worker holds per sequence (the worker link's "held" message)."""
+        return {**self.engine.held(), "tree builds pending": len(self._pending)}
 
     @staticmethod
     def _placeholders(s: DraftSeq, k: int, same_depth: list[Branch]) -> tuple[list[int], None]:
@@ -145,7 +145,7 @@ class SSDDraft:
                         qs[b].append(q_group[r])
                 row += n
         for b, f in enumerate(forks):
-            self.cache.put(f.seq.seq_id, f.depth, f.token, Branch(tokens[b], qs[b] or None))
+            f.seq.cache.put(f.depth, f.token, Branch(tokens[b], qs[b] or None))
         seconds = time.perf_counter() - start
         self._built = (len(forks), seconds)
         counts = Counter(f.seq.seq_id for f in forks)

@@ -5,7 +5,7 @@ B branches fork off one or more sequences. Fork (s, j, t) is the outcome "j draf
 s's speculation accepted, then the target's token t": its branch continues that text. It
 sees the shared prefix (the sequence's confirmed tokens and the glue tokens d_1..d_j, all in
 the sequence's main cache) and, after that, only its own tokens, which live in K slots of
-its own (owned in the draft's cache by `tree_owner(sequence)`). Step i (0-based) feeds each
+its own (owned in the draft's cache by the sequence's `tree_owner`). Step i (0-based) feeds each
 branch's i-th token at position fork_position + i; the token sees its prefix and its own
 slots 0..i:
 
@@ -31,20 +31,16 @@ class Fork:
     token: int  # t: the target's token it assumes next
 
 
-def tree_owner(seq_id: int) -> int:
-    """The KV-cache owner id of a sequence's tree slots (its main slots use the sequence id)."""
-    return -1 - seq_id
-
-
 class DraftTree:
     def __init__(self, kv: PagedKVCache, forks: list[Fork], steps: int, device: torch.device):
         """Reserves `steps` slots per branch in the draft's cache, each sequence's branches
         under its tree owner (freed by the next round's sync), and lays out the rows."""
         counts = Counter(f.seq.seq_id for f in forks)
+        owners = {f.seq.seq_id: f.seq.tree_owner for f in forks}
         own_of: dict[int, torch.Tensor] = {}
         for seq_id, n in counts.items():
-            kv.reserve(tree_owner(seq_id), n * steps)
-            own_of[seq_id] = kv.slots(tree_owner(seq_id), 0, n * steps).view(n, steps)
+            kv.reserve(owners[seq_id], n * steps)
+            own_of[seq_id] = kv.slots(owners[seq_id], 0, n * steps).view(n, steps)
         used = Counter()
         own = []
         for f in forks:

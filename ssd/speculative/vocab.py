@@ -98,8 +98,9 @@ def check_same_vocabulary(target_tok, draft_tok, target_cfg: ModelConfig, draft_
 
 
 @dataclass
-class _Extra:
-    """A sequence's own tokens outside the reduced head, and their output-layer rows."""
+class ExtraTokens:
+    """A sequence's own tokens outside the reduced head, and their output-layer rows (each
+    sequence's own: ssd/speculative/draft_engine.py DraftSeq)."""
 
     known: set[int] = field(default_factory=set)
     ids: torch.Tensor | None = None  # [E] token ids
@@ -118,13 +119,11 @@ class DraftHead:
         self.ids = None if vocab_ids is None else torch.tensor(vocab_ids, dtype=torch.long, device=device)
         self.extends = self.ids is not None and model.full_head is not None
         self.in_head = set(vocab_ids or ())
-        self.extra: dict[int, _Extra] = {}
 
-    def extend(self, seq_id: int, tokens: list[int]) -> None:
-        """The sequence's new tokens (a prompt, the target's tokens) join its head."""
+    def extend(self, e: ExtraTokens, tokens: list[int]) -> None:
+        """A sequence's new tokens (a prompt, the target's tokens) join its extra tokens `e`."""
         if not self.extends:
             return
-        e = self.extra.setdefault(seq_id, _Extra())
         new = [t for t in dict.fromkeys(tokens) if t not in self.in_head and t not in e.known and 0 <= t < self.vocab]
         if new:
             ids = torch.tensor(new, device=self.ids.device)
@@ -133,16 +132,13 @@ class DraftHead:
             e.weight = rows if e.weight is None else torch.cat([e.weight, rows])
             e.known.update(new)
 
-    def release(self, seq_id: int) -> None:
-        self.extra.pop(seq_id, None)
-
-    def __call__(self, hidden: torch.Tensor, seq_ids: list[int], rows: list[int]
+    def __call__(self, hidden: torch.Tensor, extras: list[ExtraTokens], rows: list[int]
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits for final hidden states; seq_ids[i] owns the next rows[i] rows. Returns the
-        logits [R, V' + E] and the extra columns' token ids [R, E] (None: no extra columns)."""
+        """Logits for final hidden states; the sequence of extras[i] owns the next rows[i] rows.
+        Returns the logits [R, V' + E] and the extra columns' token ids [R, E] (None: no extra
+        columns)."""
         logits = self.model.lm_head(hidden)
-        extras = [self.extra.get(i) for i in seq_ids]
-        width = max((len(e.known) for e in extras if e is not None), default=0)
+        width = max((len(e.known) for e in extras), default=0)
         if not width:
             return logits, None
         extra = logits.new_full((hidden.shape[0], width), float("-inf"))
@@ -150,7 +146,7 @@ class DraftHead:
         extra_ids = torch.zeros(hidden.shape[0], width, dtype=torch.long, device=hidden.device)
         start = 0
         for e, n in zip(extras, rows):
-            if e is not None and e.known:
+            if e.known:
                 m = len(e.known)
                 extra[start:start + n, :m] = (hidden[start:start + n].float() @ e.weight.T).to(logits.dtype)
                 extra_ids[start:start + n, :m] = e.ids

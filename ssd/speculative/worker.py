@@ -20,7 +20,7 @@ import torch
 from ssd.engine.placement import Placement, parse_placement, pin
 from ssd.errors import SSDError
 from ssd.speculative.options import SECRET_ENV, DraftConfig
-from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, connect, decode_requests,
+from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, connect, decode_release, decode_requests,
                                       encode_replies, parse_address)
 from ssd.speculative.ssd_draft import SSDDraft
 
@@ -45,9 +45,15 @@ def serve(channel: Channel, device: torch.device) -> None:
             start = time.perf_counter()
             if msg["type"] == "close":
                 return
+            if msg["type"] == "held":  # between rounds: not a request the build is timed against
+                for seq_id in decode_release(msg):
+                    draft.release(seq_id)
+                channel.send({"type": "held", "held": draft.held()})
+                continue
             requests, release = decode_requests(msg)
             draft.waited(start - idle_from)
-            draft.release(release)
+            for seq_id in release:
+                draft.release(seq_id)
             try:
                 replies = draft.step(requests)
             except SSDError as e:  # the target broke the protocol

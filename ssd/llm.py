@@ -119,7 +119,7 @@ class LLM:
             while not seq.finished:
                 for s, new, from_draft in self.step():
                     if s is seq:
-                        text = seq.text.take(final=seq.finished)
+                        text = seq.detokenizer.take(final=seq.finished)
                         yield StreamChunk(text, new, from_draft,
                                           seq.finish_reason, seq.metrics() if seq.finished else None)
         finally:
@@ -133,7 +133,7 @@ class LLM:
         prompt (OpenAI's chat default)."""
         if not isinstance(params, SamplingParams):
             raise SSDError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        ids = self.encode(prompt)
+        text, ids = self._encode(prompt)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
         if fill_context:
@@ -148,8 +148,7 @@ class LLM:
         if params.seed is not None:
             gen = torch.Generator(self.config.device)
             gen.manual_seed(params.seed)
-        label = prompt if isinstance(prompt, str) else prompt[-1]["content"]
-        return Sequence(label, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
+        return Sequence(text, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a request from new_request(); it joins the running batch at a later step."""
@@ -225,15 +224,20 @@ class LLM:
 
     # ---- internals --------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids."""
+        return self._encode(prompt)[1]
+
+    def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
+        """The text the model reads (a chat rendered with the model's chat template), and its ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError("the prompt is empty")
-            return self.tokenizer(prompt).input_ids
+            return prompt, self.tokenizer(prompt).input_ids
         self._check_chat(prompt)
         if not self.tokenizer.chat_template:
             raise PromptError(f"model {self.folder.name} has no chat template; pass a plain string")
         text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False).input_ids
+        return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     @staticmethod
     def _check_chat(chat) -> None:
@@ -255,5 +259,5 @@ class LLM:
                                   "content must be a string")
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.prompt, seq.text.text, list(seq.output_ids),
+        return RequestOutput(seq.prompt, seq.output_text, list(seq.output_ids),
                              seq.finish_reason or "length", seq.metrics(), list(seq.from_draft))

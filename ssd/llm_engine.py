@@ -125,11 +125,11 @@ class LLMEngine:
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)
             seq.from_draft.append(from_draft[i])
-            seq.text.push([token])
+            seq.detokenizer.push([token])
             seq.first_token_at = seq.first_token_at or now
             seq.last_token_at = now
             p = seq.params
-            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or seq.text.stopped:
+            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or seq.detokenizer.stopped:
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 seq.finish_reason = "length"

@@ -105,7 +105,7 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    prompt: str
+    prompt: str  # the text the model read (a chat rendered with the model's chat template)
     text: str
     token_ids: list[int]
     finish_reason: str  # "stop" or "length"

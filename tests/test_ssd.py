@@ -140,7 +140,7 @@ def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
     draft.step([SpecRequest(0, 0, ids, k, SamplingParams.greedy())])
     draft.build()
     assert _branches(draft) == 9
-    draft.waited(0.0)
+    draft.fit_tree_to(0.0)
     assert draft.fan_out.cap == 7
     # The target accepted the whole speculation and then the draft's likeliest bonus token.
     bonus = max(draft.engine.seqs[0].cache.entries.items(), key=lambda e: e[0][0])[0][1]
@@ -154,7 +154,7 @@ def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
         logits = _alone(model, context[:len(context) - k + j] + [t] + branch.tokens[:-1], k)
         assert branch.tokens == logits.argmax(-1).tolist()
     draft.fit_tree = False  # fit_tree=False: late or not, the fan-out stays as given
-    draft.waited(0.0)
+    draft.fit_tree_to(0.0)
     assert draft.fan_out.cap == 7
 
 

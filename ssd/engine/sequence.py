@@ -17,10 +17,10 @@ class Sequence:
     """One request: its tokens and its progress (how many of its tokens the target's KV cache
     holds is the cache's to say: PagedKVCache.cached)."""
 
-    prompt: str
+    prompt: str  # the text the model reads (a chat rendered with the model's chat template)
     token_ids: list[int]  # prompt followed by the output so far
     params: SamplingParams
-    text: TextStream = field(repr=False)
+    detokenizer: TextStream = field(repr=False)  # the output's text
     generator: torch.Generator | None = field(default=None, repr=False)
     num_prompt_tokens: int = 0
     finish_reason: str | None = None
@@ -37,6 +37,10 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def output_text(self) -> str:
+        return self.detokenizer.text
 
     @property
     def num_tokens(self) -> int:

@@ -155,7 +155,7 @@ class EngineLoop:
             sink = self._sinks.get(seq.seq_id)
             if sink is None:
                 continue
-            text = seq.text.take(final=seq.finished)
+            text = seq.detokenizer.take(final=seq.finished)
             if seq.finished:
                 del self._sinks[seq.seq_id]
                 sink(Event(text, tokens, from_draft, seq.finish_reason, seq.metrics()))

@@ -132,7 +132,7 @@ class RemoteSpeculator(Speculator):
 
     def _exchange(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         requests = [SpecRequest(seq.seq_id, num_valid, new, k, params)
-                    for seq, k in zip(seqs, ks) for num_valid, new, params in [self.news(seq)]]
+                    for seq, k in zip(seqs, ks) for num_valid, new, params in [self.next_update(seq)]]
         self.channel.send(encode_requests(requests, self._take_released()))
         msg, floats = self.channel.recv()
         if msg["type"] != "reply":

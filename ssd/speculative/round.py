@@ -92,7 +92,7 @@ def speculative_round(speculator: "Speculator", target: ModelRunner, cache: Page
             verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         cache.truncate(seq.seq_id, valid)
-        speculator.accepted(seq, valid)
+        speculator.kept(seq, valid)
         rounds.append(Round(seq, k, prop, verdict.accepted, prop.tokens[:verdict.accepted] + [verdict.token],
                             t1 - t0, t2 - t1, step_s, catchup))
     return rounds

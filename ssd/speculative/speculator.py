@@ -55,15 +55,17 @@ class Speculator:
         """Up to ks[i] draft tokens for each sequence (fewer where the draft's context ends)."""
         raise NotImplementedError
 
-    def news(self, seq: Sequence) -> tuple[int, list[int], SamplingParams | None]:
-        """What the draft must be told of seq this round: how many of the tokens it holds are
-        right, the target's tokens after those, and the sampling params the first time."""
+    def next_update(self, seq: Sequence) -> tuple[int, list[int], SamplingParams | None]:
+        """What the draft must be told of seq this round, from then on taken as known: how many
+        of the tokens it holds are right, the target's tokens after those, and the sampling
+        params the first time."""
         n = self.known.get(seq.seq_id)
         self.known[seq.seq_id] = seq.num_tokens
         return n or 0, seq.token_ids[n or 0:], seq.params if n is None else None
 
-    def accepted(self, seq: Sequence, num_valid: int) -> None:
-        """After verification: the sequence's first num_valid tokens are what the draft holds."""
+    def kept(self, seq: Sequence, num_valid: int) -> None:
+        """After verification the target kept the sequence's first num_valid tokens: that much
+        of what the draft holds is right."""
         self.known[seq.seq_id] = num_valid
 
     def release(self, seq_id: int) -> None:
@@ -114,5 +116,5 @@ class LocalSpeculator(Speculator):
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]
                     ) -> list[Proposal]:
     """SD's proposals: tell the draft what the target kept, then draft K tokens for each."""
-    drafts = [engine.sync(seq.seq_id, *speculator.news(seq), k) for seq, k in zip(seqs, ks)]
+    drafts = [engine.sync(seq.seq_id, *speculator.next_update(seq), k) for seq, k in zip(seqs, ks)]
     return [Proposal(tokens, q) for tokens, q in engine.draft(drafts, ks)]

@@ -82,12 +82,12 @@ class SSDDraft:
         candidates = s.candidates[depth]
         self.fan_out.observe(s.after_hit, depth, candidates.index(token) if token in candidates else None)
 
-    def waited(self, seconds: float) -> None:
-        """The target's request came `seconds` after the last build ended (about 0: it had
-        to wait for the build): the fan-out fits the next trees to the target's verification."""
+    def fit_tree_to(self, wait_s: float) -> None:
+        """The target's request came wait_s after the last build ended (about 0: the target had
+        waited for the build): the fan-out fits the next trees to the target's verification."""
         built, self._built = self._built, None
         if built is not None and self.fit_tree:
-            self.fan_out.fit(*built, seconds)
+            self.fan_out.fit(*built, wait_s)
 
     def release(self, seq_id: int) -> None:
         self.engine.release(seq_id)

@@ -51,7 +51,7 @@ def serve(channel: Channel, device: torch.device) -> None:
                 channel.send({"type": "held", "held": draft.held()})
                 continue
             requests, release = decode_requests(msg)
-            draft.waited(start - idle_from)
+            draft.fit_tree_to(start - idle_from)
             for seq_id in release:
                 draft.release(seq_id)
             try:

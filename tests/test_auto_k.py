@@ -228,7 +228,7 @@ def test_auto_k_target_as_its_own_draft_accepts_everything_it_drafts(smollm_dir,
     with LLM(smollm_dir, draft=smollm_dir, mode="sd", speculate_k="auto", draft_quantization="gguf") as llm:
         outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
-    assert all(o.metrics.accepted == o.metrics.drafted for o in outs)
+    assert all(o.metrics.accepted == o.metrics.drafted > 0 for o in outs)
 
 
 class _FixedCosts(AutoK):

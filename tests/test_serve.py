@@ -201,11 +201,14 @@ def test_disconnect_mid_stream_cancels(server):
 
 
 def test_disconnect_while_waiting_for_a_whole_answer(server):
+    before = server.metrics().get('ssd_request_finish_total{reason="cancelled"}', 0)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.base_url + "/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                    timeout=1.5)
-    server.wait_idle(timeout=20)
+    # Cancelled, not run to its 2000 tokens (which could also end before the wait does).
+    m = server.wait_idle(timeout=20)
+    assert m['ssd_request_finish_total{reason="cancelled"}'] == before + 1
 
 
 def test_full_queue_answers_429_and_sigterm_finishes_in_flight(tmp_path, smollm):

@@ -1,7 +1,7 @@
 """The engine's configuration: what LLM(...) is asked for, checked once, before any model
 loads or worker starts, and resolved against this machine and the model (its folder, device,
 dtype, weights, context). The draft side's configuration derives from it
-(ssd/speculative/launch.py)."""
+(ssd/llm_engine.py)."""
 import os
 from dataclasses import dataclass, field, fields
 

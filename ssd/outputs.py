@@ -1,9 +1,5 @@
 """What the engine hands back: finished outputs, stream chunks, and their metrics."""
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from ssd.speculative.round import Round
 
 
 @dataclass
@@ -65,8 +61,9 @@ class RequestMetrics:
     def tokens_per_round_miss(self) -> float:
         return self.tokens_on_miss / self.misses if self.misses else 0.0
 
-    def record(self, r: "Round") -> None:
-        """One round of the request (ssd/speculative/round.py)."""
+    def record(self, r) -> None:
+        """One round of the request: r is its record, a Round (ssd/speculative/round.py; not
+        imported here, since every layer imports this module)."""
         p, asked, drafted, accepted = r.proposal, r.k, r.drafted, r.accepted
         self.rounds += 1
         self.k_hist.extend([0] * (asked + 1 - len(self.k_hist)))

@@ -1,4 +1,5 @@
-"""Layers point one way: serving -> llm -> speculative -> engine -> store -> models -> layers -> kernels
+"""Layers point one way: serving -> llm -> llm_engine -> config -> speculative -> engine -> store -> models ->
+layers -> kernels
 (README.md, "Layout"). A module may import its own package, a lower layer, and the plain-data
 modules every layer shares; never a higher layer (that is how import cycles start)."""
 import ast
@@ -6,8 +7,9 @@ from pathlib import Path
 
 import ssd
 
-ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "llm", "serving", "bench", "cli"]
-SHARED = {"errors", "outputs", "sampling_params"}  # plain data and exceptions, no imports of the engine
+ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "config", "llm_engine", "llm", "serving",
+         "bench", "cli"]
+SHARED = {"errors", "checks", "outputs", "sampling_params"}  # plain data, checks and exceptions: no imports of the engine
 
 
 def _layer(module: str) -> str:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.speculative.protocol import TARGET, WORKER, Channel, LinkError, connect, listen_socket, watch
+from ssd.speculative.protocol import TARGET, WORKER, Channel, LinkError, Watcher, connect, listen_socket
 
 # A worker side that sends one good message, then headers announcing ~1 TiB of JSON and
 # ~4 TiB of floats (neither body follows), and stays connected until its stdin closes.
@@ -35,7 +35,7 @@ def test_recv_refuses_a_header_beyond_the_limits_before_allocating():
         channel = Channel(pg, WORKER, torch.device("cpu"))
         # Watched: a receive that waited for a body that never comes fails on the deadline,
         # and an allocation of 1 TiB that failed is a different LinkError ("the link ... broke").
-        recv = lambda: watch(channel.recv, lambda: peer.poll() is None, 20)  # noqa: E731
+        recv = lambda: Watcher(lambda: peer.poll() is None, 20)(channel.recv)  # noqa: E731
         assert recv() == ({"type": "ping"}, None)
         for size, floats in ((2**40, 0), (16, 2**40)):
             with pytest.raises(LinkError, match=f"a message header of {size} bytes and {floats} floats, "
@@ -64,7 +64,7 @@ def test_a_worker_with_the_wrong_secret_is_refused():
     thread.start()
     # Watched: a target that took the worker would wait for it in gloo's set-up for good.
     with pytest.raises(LinkError, match="the draft worker did not prove it knows this run's secret"):
-        watch(lambda: connect("127.0.0.1", port, TARGET, 5, "a", listener=listener), lambda: True, 20)
+        Watcher(lambda: True, 20)(lambda: connect("127.0.0.1", port, TARGET, 5, "a", listener=listener))
     thread.join(timeout=30)
     assert not thread.is_alive() and len(worker_errors) == 1
 

@@ -335,29 +335,35 @@ def _workers_of(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_ctrl_c_ends_generation_and_the_worker(smollm_dir, truncated_draft):
-    """Ctrl-C in a terminal reaches the whole process group: the CLI stops with one line
-    and exit code 130, and its draft worker is gone with it."""
-    proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "generate", "--model", str(smollm_dir),
-                             "--draft", str(truncated_draft), "--mode", "ssd", "--prompt", "Count to a thousand:",
-                             "--max-tokens", "2000", "--ignore-eos", "--temperature", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                            # As a terminal's shell starts it: a shell without job control starts
-                            # background jobs (a CI run under `cmd &`) with SIGINT ignored, and a
-                            # Python started so keeps ignoring it, as it should.
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    try:
-        assert proc.stdout.read(20), "no text streamed"
-        assert _workers_of(proc.pid), "the SSD worker should be running"
-        os.killpg(proc.pid, signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130 and b"interrupted" in err and b"Traceback" not in err, err
-    deadline = time.monotonic() + 10
-    while _workers_of(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _workers_of(proc.pid)
+@pytest.mark.parametrize("runs", [6, pytest.param(30, marks=pytest.mark.stress)])
+def test_ctrl_c_ends_generation_and_the_worker(smollm_dir, truncated_draft, runs):
+    """Ctrl-C in a terminal reaches the whole process group: the CLI stops with one line and
+    exit code 130, and its draft worker is gone with it; `runs` times, at moments spread over
+    1.7 s of rounds, so that no order of the link's teardown aborts the process (a C++ thread
+    still inside gloo at exit does: "terminate called without an active exception")."""
+    for i in range(runs):
+        proc = subprocess.Popen([sys.executable, "-m", "ssd.cli", "generate", "--model", str(smollm_dir),
+                                 "--draft", str(truncated_draft), "--mode", "ssd", "--prompt", "Count to a thousand:",
+                                 "--max-tokens", "2000", "--ignore-eos", "--temperature", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                # As a terminal's shell starts it: a shell without job control starts
+                                # background jobs (a CI run under `cmd &`) with SIGINT ignored, and a
+                                # Python started so keeps ignoring it, as it should.
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            assert proc.stdout.read(20), "no text streamed"
+            assert _workers_of(proc.pid), "the SSD worker should be running"
+            time.sleep(1.7 * i / (runs - 1))
+            os.killpg(proc.pid, signal.SIGINT)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        assert proc.returncode == 130 and b"interrupted" in err, (i, proc.returncode, err)
+        assert b"Traceback" not in err and b"terminate called" not in err, (i, err)
+        deadline = time.monotonic() + 10
+        while _workers_of(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _workers_of(proc.pid), i
 
 
 # ---- the same through the GGUF-block kernels ---------------------------------------------

@@ -176,40 +176,66 @@ class Channel:
         return t
 
 
-def watch(fn: Callable[[], T], alive: Callable[[], bool], timeout: float) -> T:
-    """fn() in a helper thread, watched: gives up when the peer process is gone or `timeout`
-    seconds pass, and Ctrl-C interrupts it. gloo's waits block in C++ until done, and a
-    timed-out gloo wait closes the link for good, so they cannot be sliced."""
-    done, out, error = threading.Event(), [], []
+class Watcher:
+    """Runs blocking calls of the link (gloo's waits, connecting) in helper threads, watched: a
+    call gives up when the peer process is gone or `timeout` seconds pass, and Ctrl-C
+    interrupts it. gloo's waits block in C++ until done, and a timed-out gloo wait closes the
+    link for good, so they cannot be sliced.
 
-    def run() -> None:
+    A call given up on leaves its thread blocked in gloo until the peer dies or answers; gloo
+    does not let it go otherwise (aborting the process group does not). The link's owner
+    ends the peer, then `join`s those threads, before the process exits: one still inside
+    gloo at exit kills the process ("terminate called without an active exception")."""
+
+    def __init__(self, alive: Callable[[], bool], timeout: float):
+        self.alive, self.timeout = alive, timeout
+        self._left: list[threading.Thread] = []
+
+    def __call__(self, fn: Callable[[], T]) -> T:
+        done, out, error = threading.Event(), [], []
+
+        def run() -> None:
+            try:
+                out.append(fn())
+            except Exception as e:  # the peer closed the connection, the store timed out, a bad proof, ...
+                error.append(e)
+            done.set()
+
+        thread = threading.Thread(target=run, daemon=True, name="ssd-draft-wait")
+        thread.start()
+        deadline = time.monotonic() + self.timeout
         try:
-            out.append(fn())
-        except Exception as e:  # the peer closed the connection, the store timed out, a bad proof, ...
-            error.append(e)
-        done.set()
+            while not done.wait(0.05):
+                if not self.alive():
+                    raise LinkError("the draft worker died")
+                if time.monotonic() > deadline:
+                    raise LinkError(f"the draft worker did not answer within {self.timeout:.0f} s")
+        except BaseException:  # given up on, or Ctrl-C: the thread is still in the call
+            self._left.append(thread)
+            raise
+        if error:
+            if isinstance(error[0], LinkError):
+                raise error[0]
+            # A dead worker shows up as a reset connection, often before the process is reaped.
+            for _ in range(10):
+                if not self.alive():
+                    raise LinkError("the draft worker died")
+                time.sleep(0.05)
+            raise LinkError(f"the link to the draft worker broke: {error[0]}")
+        return out[0]
 
-    threading.Thread(target=run, daemon=True, name="ssd-draft-wait").start()
-    deadline = time.monotonic() + timeout
-    while not done.wait(0.05):
-        if not alive():
-            raise LinkError("the draft worker died")
-        if time.monotonic() > deadline:
-            raise LinkError(f"the draft worker did not answer within {timeout:.0f} s")
-    if error:
-        if isinstance(error[0], LinkError):
-            raise error[0]
-        # A dead worker shows up as a reset connection, often before the process is reaped.
-        for _ in range(10):
-            if not alive():
-                raise LinkError("the draft worker died")
-            time.sleep(0.05)
-        raise LinkError(f"the link to the draft worker broke: {error[0]}")
-    return out[0]
+    def wait(self, work: dist.Work) -> None:
+        """Channel.wait, watched."""
+        self(work.wait)
 
-
-def watched_wait(alive: Callable[[], bool], timeout: float) -> Callable[[dist.Work], None]:
-    return lambda work: watch(work.wait, alive, timeout)
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds in all for the threads of calls given up on (their peer
+        ended or about to answer); whether none is left."""
+        deadline = time.monotonic() + timeout
+        for thread in self._left:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        self._left = [t for t in self._left if t.is_alive()]
+        return not self._left
 
 
 # ---- step messages ----------------------------------------------------------------------------

@@ -8,6 +8,11 @@ it, counts it in the metrics, and goes on with SD in its own process (or with pl
 even the draft cannot be loaded there): the outputs stay exact, only the speed changes.
 Ctrl-C while waiting for the worker is not a failure: the worker is ended, the interrupt goes
 on to the caller, and the next round starts a fresh worker.
+
+The link is ended in one order whatever ends it (close, a failure, Ctrl-C): the worker goes
+(one this engine started is killed, which fails a wait on it at once; one started by hand
+answers the wait in flight), the helper threads left in gloo's waits are joined, and the
+process group is aborted, so that nothing of the link runs on when the process exits.
 """
 import logging
 import os
@@ -24,9 +29,8 @@ from ssd.engine.placement import Placement, pinned
 from ssd.engine.sequence import Sequence
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.options import SECRET_ENV, DraftConfig
-from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, LinkError, SpecRequest, connect,
-                                      decode_replies, encode_requests, listen_socket, new_secret,
-                                      parse_address, watch, watched_wait)
+from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, LinkError, SpecRequest, Watcher, connect,
+                                      decode_replies, encode_requests, listen_socket, new_secret, parse_address)
 from ssd.speculative.round import Proposal
 from ssd.speculative.speculator import Speculator, propose_locally
 
@@ -47,6 +51,7 @@ class RemoteSpeculator(Speculator):
         self.proc: subprocess.Popen | None = None
         self.listener: socket.socket | None = None
         self.channel: Channel | None = None
+        self.watcher = Watcher(self._alive, startup_timeout)  # every blocking call on the link
         self.vocab = 0
         self.local: DraftEngine | None = None  # the in-process SD fallback, once needed
         self.ar_only = False  # not even the fallback could load
@@ -74,11 +79,11 @@ class RemoteSpeculator(Speculator):
         else:
             (host, port), secret = parse_address(self.address), self.secret
             self.listener = listen_socket(host, port)
-        pg = watch(lambda: connect(host, port, TARGET, self.startup_timeout, secret,
-                                   backend="nccl" if nccl else "gloo", listener=self.listener),
-                   self._alive, self.startup_timeout)
+        self.watcher.timeout = self.startup_timeout
+        pg = self.watcher(lambda: connect(host, port, TARGET, self.startup_timeout, secret,
+                                          backend="nccl" if nccl else "gloo", listener=self.listener))
         self.channel = Channel(pg, WORKER, self.target.device if nccl else torch.device("cpu"))
-        self.channel.wait = watched_wait(self._alive, self.startup_timeout)
+        self.channel.wait = self.watcher.wait
         self.channel.send({"type": "hello", "config": self.config.as_dict()})
 
     def wait_ready(self) -> None:
@@ -92,7 +97,7 @@ class RemoteSpeculator(Speculator):
             self.vocab = int(msg["vocab_size"])
             cfg = self.config
             self.channel.limits = Limits.for_config(cfg.max_num_seqs, cfg.max_model_len, cfg.k_max, self.vocab)
-            self.channel.wait = watched_wait(self._alive, self.timeout)
+            self.watcher.timeout = self.timeout
         except (LinkError, KeyError, TypeError, ValueError) as e:
             self._fail_over(e if isinstance(e, LinkError) else LinkError(f"a bad ready message: {e}"))
         except KeyboardInterrupt:
@@ -191,8 +196,7 @@ class RemoteSpeculator(Speculator):
         self.restart = True
 
     def _drop_link(self) -> None:
-        self.channel = None
-        self._shutdown(grace=0.0)
+        self._end_link(grace=0.0)
         self.known, self.released = {}, []  # the worker's state is gone with it
 
     def _alive(self) -> bool:
@@ -201,20 +205,27 @@ class RemoteSpeculator(Speculator):
     def close(self) -> None:
         if self.channel is not None:
             try:
-                self.channel.wait = watched_wait(self._alive, 2.0)
+                self.watcher.timeout = 2.0
                 self.channel.send({"type": "close"})
             except (LinkError, KeyboardInterrupt):
                 pass
-            self.channel = None
         self.restart = False
-        self._shutdown(grace=5.0)
+        self._end_link(grace=5.0)
 
-    def _shutdown(self, grace: float) -> None:
+    def _end_link(self, grace: float) -> None:
+        """End the link in order (module doc): the worker (waited for `grace` seconds if it was
+        told to close), the helper threads, the process group."""
+        channel, self.channel = self.channel, None
         if self.proc is not None:
             _kill(self.proc, grace)
         if self.listener is not None:
             self.listener.close()
             self.listener = None
+        # A killed worker fails the wait in flight at once; one started by hand answers it soon.
+        if not self.watcher.join(5.0):
+            log.warning("ssd: a wait on the draft worker's link is still blocked")
+        if channel is not None:
+            channel.pg.abort()
 
 
 def _kill(proc: subprocess.Popen, grace: float = 0.0) -> None:

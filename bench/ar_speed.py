@@ -48,7 +48,7 @@ def main() -> None:
     args = ap.parse_args()
 
     llm = LLM(args.model)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(llm.folder, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(llm.config.model, dtype=torch.float32).eval()
     ids = llm.tokenizer(PROMPT, return_tensors="pt").input_ids
     params = SamplingParams.greedy(max_tokens=args.tokens, ignore_eos=True)
 

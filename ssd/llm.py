@@ -1,7 +1,6 @@
 import dataclasses
 import os
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -45,28 +44,6 @@ class LLM:
         self.generator = torch.Generator(self.config.device)  # for requests without a seed of their own
         seed = self.config.seed
         self.generator.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
-
-    @property
-    def mode(self) -> str:
-        return self.config.mode
-
-    @property
-    def folder(self) -> Path:
-        """The target model's folder."""
-        return self.config.model
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len
-
-    @property
-    def threads(self) -> int:
-        return self.config.threads
-
-    @property
-    def weights(self) -> str:
-        """How the target's weights are held ("auto" decided)."""
-        return self.config.weights
 
     @property
     def eos_ids(self) -> set[int]:
@@ -136,14 +113,14 @@ class LLM:
         text, ids = self._encode(prompt)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
+        context = self.config.max_model_len
         if fill_context:
-            params = dataclasses.replace(params, max_tokens=max(1, self.max_model_len - len(ids)))
-        if len(ids) + params.max_tokens > self.max_model_len:
+            params = dataclasses.replace(params, max_tokens=max(1, context - len(ids)))
+        if len(ids) + params.max_tokens > context:
             raise ContextLengthError(
                 f"context length exceeded: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                f"{len(ids) + params.max_tokens} in all, but the context holds {self.max_model_len} tokens; "
-                + (f"lower max_tokens to at most {self.max_model_len - len(ids)}" if len(ids) < self.max_model_len
-                   else "shorten the prompt"))
+                f"{len(ids) + params.max_tokens} in all, but the context holds {context} tokens; "
+                + (f"lower max_tokens to at most {context - len(ids)}" if len(ids) < context else "shorten the prompt"))
         gen = None
         if params.seed is not None:
             gen = torch.Generator(self.config.device)
@@ -235,7 +212,7 @@ class LLM:
             return prompt, self.tokenizer(prompt).input_ids
         self._check_chat(prompt)
         if not self.tokenizer.chat_template:
-            raise PromptError(f"model {self.folder.name} has no chat template; pass a plain string")
+            raise PromptError(f"model {self.config.model.name} has no chat template; pass a plain string")
         text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 

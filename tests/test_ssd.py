@@ -405,7 +405,7 @@ def test_sampling_follows_the_target_on_gguf_blocks(tiny_gguf_pair, mode):
     params = SamplingParams(temperature=temperature, max_tokens=new, ignore_eos=True)
     extra = dict(fan_out=2) if mode == "ssd" else {}
     with LLM(target, draft=draft, mode=mode, speculate_k=2, max_num_seqs=500, seed=2, **extra) as llm:
-        assert llm.weights == "gguf"
+        assert llm.config.weights == "gguf"
         outs = llm.generate([PROMPT] * n, params)
         prompt_ids = llm.encode(PROMPT)
     tokens = torch.tensor([o.token_ids for o in outs])

@@ -41,7 +41,7 @@ def count_outputs(model: str, sets: list[str], per_set: int, skip: int, max_toke
                 counts.update(ids)
                 prompt_tokens += len(ids)
             prompts_used += len(prompts)
-        path = counts_path(llm.folder)
+        path = counts_path(llm.config.model)
     result = {"model": model, "sets": sets, "skip": skip, "prompts": prompts_used, "max_tokens": max_tokens,
               "tokens": sum(counts.values()), "prompt_tokens": prompt_tokens, "distinct": len(counts),
               "counts": {str(t): n for t, n in counts.most_common()}}

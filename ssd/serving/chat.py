@@ -47,7 +47,7 @@ class Chat:
         dropped = 0
         while True:
             n = len(self.llm.encode(self.messages()))
-            room = self.llm.max_model_len - n
+            room = self.llm.config.max_model_len - n
             if room >= self.params.max_tokens or len(self.turns) == 1:
                 break
             self.turns = self.turns[2:] if self.turns[0]["role"] == "user" and len(self.turns) > 2 else self.turns[1:]
@@ -55,7 +55,7 @@ class Chat:
         if dropped:
             self.note(f"[the context is full: dropped the {dropped} oldest message(s)]")
         if room < 1:
-            self.note(f"[the message is too long: {n} tokens, the context holds {self.llm.max_model_len}]")
+            self.note(f"[the message is too long: {n} tokens, the context holds {self.llm.config.max_model_len}]")
             return None
         return self.params if room >= self.params.max_tokens else dataclasses.replace(self.params, max_tokens=room)
 
@@ -171,7 +171,7 @@ class Chat:
         return True
 
     def mode(self, arg: str) -> None:
-        started = self.llm.mode
+        started = self.llm.config.mode
         plain = started != "ar" and self.llm.speculate_k == 0
         if not arg:
             k = "" if started == "ar" else f", K {self.llm.speculate_k}"
@@ -203,7 +203,7 @@ class Chat:
 def chat(llm: LLM, params: SamplingParams, system: str | None = None, show_draft: bool = False) -> None:
     """The read-reply loop on stdin/stdout; returns on Ctrl-D or /exit."""
     session = Chat(llm, params, system, show_draft)
-    session.note(f"ssd chat: {llm.folder.name} ({llm.mode}). /help lists the commands; Ctrl-C stops a reply, "
+    session.note(f"ssd chat: {llm.config.model.name} ({llm.config.mode}). /help lists the commands; Ctrl-C stops a reply, "
                  "Ctrl-D or /exit leaves.")
     while True:
         try:

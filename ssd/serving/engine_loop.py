@@ -114,7 +114,7 @@ class EngineLoop:
         """Step the engine until stop() is called or keep_going() turns False (checked at
         least twice a second); then fail what is left and close the LLM (and with it the SSD
         draft worker)."""
-        torch.set_num_threads(self.llm.threads)
+        torch.set_num_threads(self.llm.config.threads)
         self._running = True
         try:
             while True:

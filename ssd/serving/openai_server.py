@@ -96,7 +96,7 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
     async def health():
         if not engine.alive:
             return JSONResponse({"status": "stopping"}, status_code=503)
-        return {"status": "ok", "mode": llm.mode, "running": engine.running(), "waiting": engine.queued()}
+        return {"status": "ok", "mode": llm.config.mode, "running": engine.running(), "waiting": engine.queued()}
 
     @app.get("/metrics")
     async def prometheus():
@@ -105,7 +105,7 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
     @app.get("/v1/models", dependencies=[Depends(authorized)])
     async def models():
         return {"object": "list", "data": [{"id": served_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "ssd-engine", "max_model_len": llm.max_model_len}]}
+                                            "owned_by": "ssd-engine", "max_model_len": llm.config.max_model_len}]}
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request):
@@ -140,7 +140,7 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
         if last.error:
             raise APIError(500, last.error, type="server_error")
         return JSONResponse(completion(chat, rid, served_name, "".join(text), last.finish_reason, last.metrics,
-                                       llm.mode))
+                                       llm.config.mode))
 
     def submit(req, sink) -> Sequence:
         """The engine's checks, in a worker thread (tokenizing a long prompt must not hold up
@@ -205,7 +205,7 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
                     yield data(chunk(chat, rid, served_name, ev.text, None))
                 if ev.finish_reason:
                     final = chunk(chat, rid, served_name, None, ev.finish_reason)
-                    final["ssd_metrics"] = speculation(ev.metrics, llm.mode)
+                    final["ssd_metrics"] = speculation(ev.metrics, llm.config.mode)
                     yield data(final)
                     if include_usage:
                         yield data({**chunk(chat, rid, served_name, None, None, choices=False),
@@ -232,7 +232,7 @@ def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api
     engine = EngineLoop(llm, max_queue)
     engine.on_step = lambda llm: metrics.engine_state(llm, engine.queued())
     metrics.engine_state(llm, 0)
-    app = build_app(engine, name, api_key, metrics, aliases=(llm.folder.name,))
+    app = build_app(engine, name, api_key, metrics, aliases=(llm.config.model.name,))
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
@@ -247,7 +247,7 @@ def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api
     while not server.started and http.is_alive():
         time.sleep(0.05)
     if server.started:
-        print(f"ssd serve: {name} ({llm.mode}) on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
+        print(f"ssd serve: {name} ({llm.config.mode}) on http://{host}:{port}/v1" + (" (API key required)" if api_key else ""),
               file=sys.stderr, flush=True)
     try:
         engine.run(keep_going=http.is_alive)  # returns when the lifespan ends or uvicorn could not start

@@ -1,7 +1,7 @@
 """Cost of one forward pass of a model as a function of the tokens it scores: T(M) for
 M = K+1 (a verify pass) against T(1) (a decode step), on 1 or more threads, in one run.
-These are the inputs of the speed model in ssd-algorithm.md §7 (T_target(K+1)/T_target(1),
-c = T_draft(1)/T_target(1), the draft tree's T(B)).
+These are the inputs of the speed-up model in docs/cost-model.md, "The speed-up model"
+(T_target(K+1)/T_target(1), c = T_draft(1)/T_target(1), the draft tree's T(B)).
 
     python bench/pass_cost.py --model qwen2.5-coder-1.5b-instruct --m 1,2,3,4,5,6,7,8,9,16 --threads 2,1
     python bench/pass_cost.py --model qwen2.5-coder-0.5b-instruct --weights int8 --m 1,5,10,15,20 --threads 2,1

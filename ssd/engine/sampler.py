@@ -32,10 +32,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def saguaro(probs: torch.Tensor, c: float, n: int) -> torch.Tensor:
-    """Saguaro sampling's draft distribution (SSD §5): the n most likely tokens of each row
-    scaled by c in (0, 1), renormalised. Drafting from it and using it as q in the ratio test
-    keeps verification exact, and pushes the residual max(0, p - q) onto those tokens, which
-    are the ones the speculation cache forks on."""
+    """Saguaro sampling's draft distribution (docs/algorithm.md, "Saguaro sampling"): the n
+    most likely tokens of each row scaled by c in (0, 1), renormalised. Drafting from it and
+    using it as q in the ratio test keeps verification exact, and pushes the residual
+    max(0, p - q) onto those tokens, which are the ones the speculation cache forks on."""
     top = probs.topk(min(n, probs.shape[-1]), dim=-1).indices
     scaled = probs.scatter(-1, top, probs.gather(-1, top) * c)
     return scaled / scaled.sum(-1, keepdim=True)

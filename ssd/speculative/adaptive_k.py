@@ -1,8 +1,8 @@
 """How many tokens to draft: a fixed K, or K chosen each round from measured costs (auto).
 
-Auto-K applies the speed-up model of ssd-algorithm.md §7 round by round. For a sequence whose
-draft token i is accepted with probability a_i once the tokens before it were (its acceptance
-by position), drafting K tokens gains on average
+Auto-K applies the speed-up model of docs/cost-model.md, "The speed-up model", round by
+round. For a sequence whose draft token i is accepted with probability a_i once the tokens
+before it were (its acceptance by position), drafting K tokens gains on average
 
     E(K) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_K     tokens (the target always adds one),
 

@@ -12,7 +12,7 @@ from ssd.engine.placement import engine_threads, parse_placement
 from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
-from ssd.speculative.options import SpecOptions
+from ssd.speculative.options import NGRAM, SpecOptions
 from ssd.store import resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -67,6 +67,8 @@ class EngineConfig:
         if (self.draft is None) != (self.mode == "ar"):
             raise SSDError(f"mode {self.mode!r} needs a draft model" if self.draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {self.mode!r}")
+        if self.draft == NGRAM and self.mode != "sd":
+            raise SSDError(f"draft='{NGRAM}' (prompt lookup) runs in mode 'sd', not {self.mode!r}")
         if self.threads is not None:
             check_int("threads", self.threads, 1)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

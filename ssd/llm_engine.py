@@ -155,8 +155,6 @@ def start_speculator(config: EngineConfig, tokenizer) -> Speculator:
     caller can load the target meanwhile."""
     opts = config.speculation
     if config.draft == NGRAM:
-        if config.mode != "sd":
-            raise SSDError(f"draft='{NGRAM}' (prompt lookup) runs in mode 'sd', not {config.mode!r}")
         return NgramSpeculator(opts.ngram_min, opts.ngram_max)
     folder = resolve_model(config.draft)
     draft_model = ModelConfig.from_folder(folder)

@@ -174,7 +174,7 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
     wrap = (lambda text: [{"role": "user", "content": text}]) if spec.chat_template else (lambda text: text)
     first = next(iter(llms.values()))
     result.device, result.dtype = str(first.config.device), str(first.config.dtype).removeprefix("torch.")
-    result.threads = first.threads
+    result.threads = first.config.threads
     result.draft_weights = next((llm.engine.speculator.draft_weights for llm in llms.values()
                                  if llm.engine.speculator and llm.engine.speculator.draft_weights), None)
     inputs = {name: [wrap(p.text) for p in ps] for name, ps in result.prompt_sets.items()}

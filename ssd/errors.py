@@ -33,3 +33,7 @@ class SamplingParamsError(SSDError):
 
 class VocabularyMismatchError(SSDError):
     """A draft model whose vocabulary differs from the target's."""
+
+
+class GrammarError(SamplingParamsError):
+    """A JSON schema, regex or grammar that is malformed or cannot be compiled."""

@@ -97,8 +97,9 @@ class LLM:
                 for s, new, from_draft in self.step():
                     if s is seq:
                         text = seq.detokenizer.take(final=seq.finished)
-                        yield StreamChunk(text, new, from_draft,
-                                          seq.finish_reason, seq.metrics() if seq.finished else None)
+                        lps = None if seq.params.logprobs is None else seq.logprobs[-len(new):]
+                        yield StreamChunk(text, new, from_draft, seq.finish_reason,
+                                          seq.metrics() if seq.finished else None, lps)
         finally:
             self.abort([seq])
 
@@ -125,7 +126,9 @@ class LLM:
         if params.seed is not None:
             gen = torch.Generator(self.config.device)
             gen.manual_seed(params.seed)
-        return Sequence(text, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator)
+        processor = self.engine.processor(params, len(ids))
+        return Sequence(text, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator,
+                        processor=processor)
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a request from new_request(); it joins the running batch at a later step."""
@@ -236,5 +239,6 @@ class LLM:
                                   "content must be a string")
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.prompt, seq.output_text, list(seq.output_ids),
-                             seq.finish_reason or "length", seq.metrics(), list(seq.from_draft))
+        return RequestOutput(seq.prompt, seq.output_text, list(seq.output_ids), seq.finish_reason or "length",
+                             seq.metrics(), list(seq.from_draft),
+                             None if seq.params.logprobs is None else list(seq.logprobs))

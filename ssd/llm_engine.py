@@ -15,15 +15,18 @@ from pathlib import Path
 
 from ssd.checks import check_int
 from ssd.config import EngineConfig
+from ssd.engine.constraint import Grammars
 from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.logits_process import LogitsProcessor
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.registry import Registry
-from ssd.engine.sampler import next_tokens
+from ssd.engine.sampler import next_tokens, token_logprobs
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
-from ssd.errors import SSDError
+from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, shared_model
+from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.fanout import FanOut
@@ -42,6 +45,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, tokenizer):
         self.config = config
         self.eos_ids = config.model_config.end_ids(tokenizer)
+        self.grammars = Grammars(tokenizer, config.model_config.vocab_size, self.eos_ids)
         self.speculator: Speculator | None = None if config.draft is None else start_speculator(config, tokenizer)
         # The target loads while an SSD worker loads the draft.
         model = shared_model(config.model, config.device, config.dtype, config.weights)
@@ -75,7 +79,7 @@ class LLMEngine:
         with self.speculator.placement(drafting=bool(decoding)) if self.speculator else nullcontext():
             drawn = self._forward(plain) if plain else []
             now = time.perf_counter()
-            events = [self._append(seq, [token], [False], now) for seq, token in drawn]
+            events = [self._append(seq, [token], [False], now, lps) for seq, token, lps in drawn]
             return events + (self._speculate(decoding) if decoding else [])
 
     def set_speculate_k(self, k: int | str) -> None:
@@ -91,6 +95,17 @@ class LLMEngine:
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 
+    def processor(self, params: SamplingParams, num_prompt_tokens: int) -> LogitsProcessor | None:
+        """What the request changes about the logits (None: nothing), checked against this
+        model: token ids in its vocabulary, a constraint that compiles (GrammarError)."""
+        if not params.adjusts_logits:
+            return None
+        vocab = self.config.model_config.vocab_size
+        outside = [t for t in params.logit_bias if t >= vocab]
+        if outside:
+            raise SamplingParamsError(f"logit_bias: token id {outside[0]} is outside the vocabulary of {vocab} tokens")
+        return LogitsProcessor(params, num_prompt_tokens, self.eos_ids, self.grammars.compile(params))
+
     def finish(self, seq: Sequence) -> None:
         """End a sequence, finished or not, and free what it holds."""
         self.scheduler.finish(seq)
@@ -101,14 +116,21 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.close()
 
-    def _forward(self, work: list[Work]) -> list[tuple[Sequence, int]]:
+    def _forward(self, work: list[Work]) -> list[tuple[Sequence, int, list | None]]:
         """Prompt chunks and plain decoding steps in one pass; a token is drawn for each chunk
-        that ends at its sequence's newest token."""
+        that ends at its sequence's newest token, from the request's processed logits. Returns
+        (sequence, token, its logprobs or None)."""
         logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start,
                                             int(w.samples)) for w in work])
-        drawn = [w.seq for w in work if w.samples]
-        return [(seq, int(next_tokens(logits[row:row + 1], seq.params, seq.generator)[0]))
-                for row, seq in enumerate(drawn)]
+        out = []
+        for row, seq in enumerate(w.seq for w in work if w.samples):
+            rows = logits[row:row + 1]
+            if seq.processor is not None:
+                rows = seq.processor.process(rows, seq.token_ids)
+            token = int(next_tokens(rows, seq.params, seq.generator)[0])
+            lps = None if seq.params.logprobs is None else token_logprobs(rows, [token], seq.params.logprobs)
+            out.append((seq, token, lps))
+        return out
 
     def _speculate(self, seqs: list[Sequence]) -> list[Event]:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding;
@@ -121,25 +143,32 @@ class LLMEngine:
             start = time.perf_counter()
             drawn = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
             verify_s = time.perf_counter() - start
-            rounds = [Round(seq, 0, Proposal([]), tokens=[token], verify_s=verify_s) for seq, token in drawn]
+            rounds = [Round(seq, 0, Proposal([]), tokens=[token], verify_s=verify_s, logprobs=lps)
+                      for seq, token, lps in drawn]
         self.k_policy.observe(rounds)
         now = time.perf_counter()
         events = []
         for r in rounds:
             r.seq.stats.record(r)
-            events.append(self._append(r.seq, r.tokens, [True] * r.accepted + [False], now))
+            events.append(self._append(r.seq, r.tokens, [True] * r.accepted + [False], now, r.logprobs))
         return events
 
-    def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float) -> Event:
-        """Add tokens up to the first that finishes the sequence; return what was added."""
+    def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float,
+                logprobs: list | None = None) -> Event:
+        """Add tokens up to the first that finishes the sequence; return what was added. A
+        sequence stops at an end token, a stop token or string, or where its constraint is
+        complete."""
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)
             seq.from_draft.append(from_draft[i])
+            if logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             seq.detokenizer.push([token])
             seq.first_token_at = seq.first_token_at or now
             seq.last_token_at = now
             p = seq.params
-            if (token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or seq.detokenizer.stopped:
+            if ((token in self.eos_ids and not p.ignore_eos) or token in p.stop_token_ids or seq.detokenizer.stopped
+                    or (seq.processor is not None and seq.processor.complete(seq.token_ids))):
                 seq.finish_reason = "stop"
             elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 seq.finish_reason = "length"

@@ -3,6 +3,17 @@ from dataclasses import asdict, dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    """An output token's log-probability and the likeliest alternatives at its position
+    (SamplingParams.logprobs of them, most likely first), from the model's logits after the
+    request's penalties, bias and constraint, before temperature and the top-k/p cuts."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestMetrics:
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -108,13 +119,17 @@ class RequestOutput:
     finish_reason: str  # "stop" or "length"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     from_draft: list[bool] = field(default_factory=list)  # per token: an accepted draft proposal?
+    logprobs: list[TokenLogprob] | None = None  # per token, where SamplingParams.logprobs asked for them
 
     def __getitem__(self, key: str):  # out["text"], as the reference engine's dicts allow
         return getattr(self, key)
 
     def as_dict(self) -> dict:
-        return {"text": self.text, "token_ids": self.token_ids,
-                "finish_reason": self.finish_reason, "metrics": self.metrics.as_dict()}
+        out = {"text": self.text, "token_ids": self.token_ids,
+               "finish_reason": self.finish_reason, "metrics": self.metrics.as_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [asdict(lp) for lp in self.logprobs]
+        return out
 
 
 @dataclass
@@ -128,3 +143,4 @@ class StreamChunk:
     from_draft: list[bool]
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
+    logprobs: list[TokenLogprob] | None = None  # per token, where SamplingParams.logprobs asked for them

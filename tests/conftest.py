@@ -95,3 +95,10 @@ def tiny_tied_pair(tmp_path_factory):
     from tiny_pair import make_tiny_pair
     return make_tiny_pair(tmp_path_factory, tied=True)
 
+
+
+@pytest.fixture(scope="session")
+def tiny_chars_pair(tmp_path_factory):
+    """The same over the letters a..h, whose tokenizer constraints can read."""
+    from tiny_pair import make_tiny_pair
+    return make_tiny_pair(tmp_path_factory, chars=True)

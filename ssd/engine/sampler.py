@@ -5,11 +5,13 @@ the verifier applies the same function to the target's and the draft's logits.
 """
 import torch
 
+from ssd.outputs import TokenLogprob
 from ssd.sampling_params import SamplingParams
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Rows of logits [N, V] → probabilities after temperature, top-k and top-p (float32).
+    """Rows of logits [N, V] (after the request's own changes, logits_process.py) ->
+    probabilities after temperature, top-k, min-p and top-p, in that order (float32).
 
     Greedy (temperature 0) gives a one-hot row on the argmax."""
     logits = logits.float()
@@ -20,6 +22,10 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(-1)
+    if params.min_p > 0:
+        # Drop what is less likely than min_p times the likeliest token (which always stays).
+        probs = probs.masked_fill(probs < params.min_p * probs.amax(-1, keepdim=True), 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
     if params.top_p < 1.0:
         sorted_p, order = probs.sort(-1, descending=True)
         # Keep the smallest prefix whose mass reaches top_p: drop a token if the mass
@@ -54,3 +60,16 @@ def next_tokens(logits: torch.Tensor, params: SamplingParams,
     if params.greedy_decoding:
         return logits.argmax(-1)
     return sample(probs_from_logits(logits, params), generator)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """Each row's token's log-probability under the log-softmax of the row (logits [n, V], the
+    request's processed logits), with the `top` likeliest alternatives."""
+    logp = logits[:len(tokens)].float().log_softmax(-1)
+    chosen = logp.gather(-1, torch.tensor(tokens, device=logp.device).unsqueeze(-1)).squeeze(-1).tolist()
+    if top:
+        values, ids = logp.topk(top, dim=-1)
+        alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alts = [[] for _ in tokens]
+    return [TokenLogprob(t, lp, alt) for t, lp, alt in zip(tokens, chosen, alts)]

@@ -6,7 +6,8 @@ from itertools import count
 import torch
 
 from ssd.engine.detokenizer import TextStream
-from ssd.outputs import RequestMetrics
+from ssd.engine.logits_process import LogitsProcessor
+from ssd.outputs import RequestMetrics, TokenLogprob
 from ssd.sampling_params import SamplingParams
 
 _ids = count()
@@ -22,9 +23,12 @@ class Sequence:
     params: SamplingParams
     detokenizer: TextStream = field(repr=False)  # the output's text
     generator: torch.Generator | None = field(default=None, repr=False)
+    # Penalties, bias, min_tokens and a constraint (None: the model's logits as they are).
+    processor: LogitsProcessor | None = field(default=None, repr=False)
     num_prompt_tokens: int = 0
     finish_reason: str | None = None
     from_draft: list[bool] = field(default_factory=list)  # per output token
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if params.logprobs is set
     stats: RequestMetrics = field(default_factory=RequestMetrics)  # speculation counters
     seq_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)

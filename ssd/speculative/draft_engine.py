@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.logits_process import LogitsProcessor
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits, sample, saguaro
 from ssd.errors import SSDError
@@ -34,6 +35,7 @@ class DraftSeq:
     seq_id: int
     params: SamplingParams
     generator: torch.Generator | None
+    processor: LogitsProcessor | None = None  # SD: the request's penalties and constraint, the draft's copy
     tokens: list[int] = field(default_factory=list)  # confirmed tokens, then the current speculation
     confirmed: int = 0
     cached: int = 0  # leading tokens whose K/V are in the draft's cache
@@ -94,15 +96,16 @@ class DraftEngine:
                    seed=cfg.seed, saguaro=saguaro, vocab_ids=ids)
 
     def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None,
-             k: int) -> DraftSeq:
+             k: int, processor: LogitsProcessor | None = None) -> DraftSeq:
         """Apply the target's outcome: keep the first num_valid tokens the draft holds, append
         new_tokens (a prompt the first time, then the target's own token). k: the round's K,
-        which the target decided (round_k) and the draft checks."""
+        which the target decided (round_k) and the draft checks. processor: the first time,
+        the draft's copy of what the request changes about the logits (SD)."""
         s = self.seqs.get(seq_id)
         if s is None:
             if params is None:
                 raise SSDError(f"draft protocol: first request for sequence {seq_id} carries no params")
-            s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params))
+            s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params), processor)
         if not 0 <= num_valid <= len(s.tokens) or not (new_tokens or num_valid):
             raise SSDError(f"draft protocol: sequence {seq_id} keeps {num_valid} of {len(s.tokens)} "
                            f"tokens and adds {len(new_tokens)}")
@@ -148,9 +151,12 @@ class DraftEngine:
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         steps: list[float] = []  # times of the steps that fed one or two tokens per sequence
         catchup_s, catchup_tokens = 0.0, 0
-        for step in range(max(ks, default=0)):
+        while True:
+            self._forced(seqs, ks, tokens, qs)
+            live = [b for b, k in enumerate(ks) if len(tokens[b]) < k]
+            if not live:
+                break
             start = time.perf_counter()
-            live = [b for b, k in enumerate(ks) if k > step]
             chunks = []
             for b in live:
                 s = seqs[b]
@@ -174,6 +180,20 @@ class DraftEngine:
         self.step_s = sum(steps) / len(steps) if steps else None
         self.catchup = (catchup_s, catchup_tokens) if catchup_tokens else None
         return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+    def _forced(self, seqs: list[DraftSeq], ks: list[int], tokens: list[list[int]],
+                qs: list[list[torch.Tensor]]) -> None:
+        """Tokens a sequence's constraint forces (the only one it allows) join its draft without
+        a forward pass (the target scores them in its verify pass anyway); q is one-hot there."""
+        for b, s in enumerate(seqs):
+            while s.processor is not None and len(tokens[b]) < ks[b]:
+                token = s.processor.forced(s.tokens)
+                if token is None:
+                    break
+                s.tokens.append(token)
+                tokens[b].append(token)
+                if not s.params.greedy_decoding:
+                    qs[b].append(torch.nn.functional.one_hot(torch.tensor(token), self.head.vocab).float())
 
     @torch.inference_mode()
     def score_speculations(self, seqs: list[DraftSeq]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
@@ -200,7 +220,17 @@ class DraftEngine:
         out, qs, start = [], [], 0
         greedy = self.head.token_ids(logits.argmax(-1), extra_ids).tolist()
         for s, n in zip(seqs, rows):
-            if s.params.greedy_decoding:
+            if s.processor is not None:  # SD, one row: the request's changes over the whole vocabulary
+                ids = None if extra_ids is None else extra_ids[start:start + n]
+                row = s.processor.process(self.head.whole(logits[start:start + n], ids), s.tokens)
+                if s.params.greedy_decoding:
+                    out += row.argmax(-1).tolist()
+                    qs.append(None)
+                else:
+                    q = probs_from_logits(row, s.params)
+                    out += sample(q, s.generator).tolist()
+                    qs.append(q)
+            elif s.params.greedy_decoding:
                 out += greedy[start:start + n]
                 qs.append(None)
             else:

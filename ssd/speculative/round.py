@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import probs_from_logits
+from ssd.engine.sampler import probs_from_logits, token_logprobs
 from ssd.engine.sequence import Sequence
 from ssd.speculative.verifier import verify, verify_greedy
 
@@ -62,6 +62,7 @@ class Round:
     # (None: no such step), and its catch-up (seconds, tokens it read that it had not seen).
     step_s: float | None = None
     catchup: tuple[float, int] | None = None
+    logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
 
     @property
     def drafted(self) -> int:
@@ -83,6 +84,8 @@ def speculative_round(speculator: "Speculator", target: ModelRunner, cache: Page
     for seq, k, prop in zip(seqs, ks, proposals):
         n = len(prop.tokens)
         rows, row = logits[row:row + n + 1], row + n + 1
+        if seq.processor is not None:  # row i after the draft tokens before it, as AR would have it
+            rows = seq.processor.process(rows, seq.token_ids, prop.tokens)
         if seq.params.greedy_decoding:
             verdict = verify_greedy(rows, prop.tokens)
         else:
@@ -93,6 +96,7 @@ def speculative_round(speculator: "Speculator", target: ModelRunner, cache: Page
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         cache.truncate(seq.seq_id, valid)
         speculator.kept(seq, valid)
-        rounds.append(Round(seq, k, prop, verdict.accepted, prop.tokens[:verdict.accepted] + [verdict.token],
-                            t1 - t0, t2 - t1, step_s, catchup))
+        tokens = prop.tokens[:verdict.accepted] + [verdict.token]
+        lps = None if seq.params.logprobs is None else token_logprobs(rows, tokens, seq.params.logprobs)
+        rounds.append(Round(seq, k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, step_s, catchup, lps))
     return rounds

@@ -115,6 +115,12 @@ class LocalSpeculator(Speculator):
 
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]
                     ) -> list[Proposal]:
-    """SD's proposals: tell the draft what the target kept, then draft K tokens for each."""
-    drafts = [engine.sync(seq.seq_id, *speculator.next_update(seq), k) for seq, k in zip(seqs, ks)]
+    """SD's proposals: tell the draft what the target kept, then draft K tokens for each. A
+    request that changes its logits (penalties, a constraint) has the draft propose under
+    the same changes, from a copy of its own."""
+    drafts = []
+    for seq, k in zip(seqs, ks):
+        num_valid, tokens, params = speculator.next_update(seq)
+        fork = seq.processor.fork() if params is not None and seq.processor is not None else None
+        drafts.append(engine.sync(seq.seq_id, num_valid, tokens, params, k, fork))
     return [Proposal(tokens, q) for tokens, q in engine.draft(drafts, ks)]

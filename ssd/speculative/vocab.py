@@ -165,6 +165,15 @@ class DraftHead:
         ext = extra_ids.gather(1, (flat - v).clamp(min=0))
         return torch.where(index < v, out, ext.view_as(index))
 
+    def whole(self, logits: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:
+        """Logits over the columns as logits over the whole vocabulary (-inf elsewhere)."""
+        if self.ids is None:
+            return logits
+        v = self.ids.numel()
+        out = logits.new_full((logits.shape[0], self.vocab), float("-inf")).index_copy_(1, self.ids, logits[:, :v])
+        # Pads in the extra columns are -inf on token 0: the larger value wins.
+        return out if extra_ids is None else out.scatter_reduce_(1, extra_ids, logits[:, v:], "amax")
+
     def over_vocabulary(self, q: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:
         """A distribution over the logits' columns as one over the whole vocabulary (0 elsewhere)."""
         if self.ids is None:

@@ -115,10 +115,27 @@ def test_models_and_health(client, server):
     (dict(top_p=0), 400, "top_p", None),
     (dict(max_tokens=0), 400, "max_tokens", None),
     (dict(stop=[""]), 400, "stop", None),
-    (dict(n=2), 400, "n", None),
-    (dict(logprobs=True), 400, "logprobs", None),
-    (dict(presence_penalty=0.5), 400, "presence_penalty", None),
-    (dict(response_format={"type": "json_object"}), 400, "response_format", None),
+    (dict(n=0), 400, "n", None),
+    (dict(n=17), 400, "n", None),
+    (dict(logprobs=True, top_logprobs=21), 400, "top_logprobs", None),
+    (dict(top_logprobs=2), 400, "top_logprobs", None),
+    (dict(logprobs=1), 400, "logprobs", None),
+    (dict(presence_penalty=2.5), 400, "presence_penalty", None),
+    (dict(frequency_penalty="a lot"), 400, "frequency_penalty", None),
+    (dict(logit_bias={"99999999": 1}), 400, "logit_bias", None),
+    (dict(logit_bias={"5": 1e9}), 400, "logit_bias", None),
+    (dict(logit_bias={"five": 1}), 400, "logit_bias", None),
+    (dict(extra_body={"min_tokens": 9}), 400, "min_tokens", None),
+    (dict(extra_body={"repetition_penalty": 0}), 400, "repetition_penalty", None),
+    (dict(extra_body={"min_p": 2}), 400, "min_p", None),
+    (dict(response_format={"type": "xml"}), 400, "response_format", None),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}),
+     400, "response_format", None),
+    (dict(response_format={"type": "json_schema", "json_schema": "x"}), 400, "response_format", None),
+    (dict(response_format={"type": "json_object"}, extra_body={"regex": "a+"}), 400, "response_format", None),
+    (dict(extra_body={"regex": "(("}), 400, "regex", None),
+    (dict(extra_body={"grammar": 'start: "a" b'}), 400, "grammar", None),
+    (dict(extra_body={"json_schema": {"type": "integer", "minimum": 3, "maximum": 1}}), 400, "json_schema", None),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools", None),
     (dict(extra_body={"mirostat": 2}), 400, "mirostat", None),
     (dict(max_tokens=10_000), 400, "max_tokens", "context_length_exceeded"),
@@ -136,6 +153,93 @@ def test_errors_in_openai_shape(client, kwargs, status, param, code):
     assert e.status_code == status
     assert e.body["param"] == param and e.body["code"] == code and e.body["message"]
     assert e.body["type"] == "invalid_request_error"
+
+
+# ---- what apps send: schemas, logprobs, penalties, n -----------------------------------
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}}}
+ABOUT_BOB = chat("Describe Bob, who is 42 and lives in Paris, as JSON.")
+
+
+def test_json_schema_equals_generate_and_validates(client, smollm):
+    import jsonschema
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=MODEL, messages=ABOUT_BOB, temperature=0, max_tokens=60,
+                                       response_format=fmt)
+    text = r.choices[0].message.content
+    jsonschema.validate(json.loads(text), PERSON)
+    assert r.choices[0].finish_reason == "stop"
+    assert text == smollm.generate(ABOUT_BOB, SamplingParams.greedy(max_tokens=60, json_schema=PERSON))[0].text
+    r = client.chat.completions.create(model=MODEL, messages=ABOUT_BOB, temperature=0, max_tokens=60,
+                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+    cut = client.chat.completions.create(model=MODEL, messages=ABOUT_BOB, temperature=0, max_tokens=5,
+                                         response_format=fmt)
+    assert cut.choices[0].finish_reason == "length"
+
+
+def test_parse_into_a_pydantic_model(client):
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        name: str
+        age: int
+        city: str
+    r = client.chat.completions.parse(model=MODEL, messages=ABOUT_BOB, temperature=0, max_tokens=60,
+                                      response_format=Person)
+    person = r.choices[0].message.parsed
+    assert isinstance(person, Person) and person.name
+
+
+def test_logprobs_streamed_and_not(client, smollm):
+    want = smollm.generate(chat(QUESTIONS[1]), SamplingParams.greedy(max_tokens=12, logprobs=3))[0]
+    r = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[1]), temperature=0, max_tokens=12,
+                                       logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [c.logprob for c in content] == [x.logprob for x in want.logprobs]
+    assert "".join(c.token for c in content) == want.text
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob for c in content)
+    streamed = [c for part in client.chat.completions.create(
+        model=MODEL, messages=chat(QUESTIONS[1]), temperature=0, max_tokens=12, logprobs=True, top_logprobs=3,
+        stream=True) for ch in part.choices if ch.logprobs for c in ch.logprobs.content]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=6,
+                                      logprobs=2)
+    lp = plain.choices[0].logprobs
+    assert "".join(lp.tokens) == plain.choices[0].text and len(lp.token_logprobs) == 6
+    assert lp.text_offset[0] == 0 and all(len(t) == 2 for t in lp.top_logprobs)
+
+
+def test_penalties_and_bias_equal_generate(client, smollm):
+    kw = dict(presence_penalty=1.0, frequency_penalty=0.5, logit_bias={"28": 3.0})
+    r = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[2]), temperature=0, max_tokens=24,
+                                       extra_body={"min_tokens": 20, "repetition_penalty": 1.2}, **kw)
+    want = smollm.generate(chat(QUESTIONS[2]), SamplingParams.greedy(
+        max_tokens=24, min_tokens=20, repetition_penalty=1.2, presence_penalty=1.0, frequency_penalty=0.5,
+        logit_bias={28: 3.0}))[0]
+    assert r.choices[0].message.content == want.text
+
+
+def test_n_choices_with_a_seed(client, smollm):
+    def ask(stream=False):
+        kw = dict(model=MODEL, messages=chat(QUESTIONS[3]), temperature=1.0, max_tokens=16, n=3, seed=7)
+        if not stream:
+            return [c.message.content for c in sorted(client.chat.completions.create(**kw).choices,
+                                                      key=lambda c: c.index)]
+        texts = ["", "", ""]
+        for part in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+            for c in part.choices:
+                texts[c.index] += c.delta.content or ""
+        return texts
+    texts = ask()
+    assert len(texts) == 3 and len(set(texts)) > 1
+    assert ask() == texts and ask(stream=True) == texts
+    for i, text in enumerate(texts):  # choice i is the request with seed 7 + i
+        assert text == smollm.generate(chat(QUESTIONS[3]), SamplingParams(max_tokens=16, seed=7 + i))[0].text
+    one = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[3]), max_tokens=5, n=1)
+    two = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[3]), max_tokens=5, n=2,
+                                         extra_body={"ignore_eos": True})
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens and two.usage.completion_tokens == 10
 
 
 def test_prompt_longer_than_the_context(client):

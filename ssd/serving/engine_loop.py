@@ -21,7 +21,7 @@ import torch
 from ssd.engine.sequence import Sequence
 from ssd.errors import SSDError
 from ssd.llm import LLM
-from ssd.outputs import RequestMetrics
+from ssd.outputs import RequestMetrics, TokenLogprob
 from ssd.sampling_params import SamplingParams
 
 log = logging.getLogger("ssd.serving")
@@ -46,6 +46,7 @@ class Event:
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # per token, where the request asked for them
 
 
 Sink = Callable[[Event], None]
@@ -156,11 +157,12 @@ class EngineLoop:
             if sink is None:
                 continue
             text = seq.detokenizer.take(final=seq.finished)
+            lps = None if seq.params.logprobs is None else seq.logprobs[len(seq.logprobs) - len(tokens):]
             if seq.finished:
                 del self._sinks[seq.seq_id]
-                sink(Event(text, tokens, from_draft, seq.finish_reason, seq.metrics()))
+                sink(Event(text, tokens, from_draft, seq.finish_reason, seq.metrics(), logprobs=lps))
             else:
-                sink(Event(text, tokens, from_draft))
+                sink(Event(text, tokens, from_draft, logprobs=lps))
         self.on_step(self.llm)
 
     def _drop(self, seqs: list[Sequence]) -> None:

@@ -2,16 +2,19 @@
 and the JSON the server answers with.
 
 Every field of a request is either used, accepted because it cannot change the result
-(`user`, `metadata`, ...), accepted only at its neutral value (`n: 1`, `logprobs: false`,
-`presence_penalty: 0`, ...), or refused with a 400 that names it. None is ignored silently.
+(`user`, `metadata`, ...), accepted only at its neutral value (`best_of: 1`, `echo: false`,
+...), or refused with a 400 that names it. None is ignored silently. Extensions, as vLLM and
+llama-server name them: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, and a
+constraint as `json_schema` (a schema), `regex` or `grammar` (Lark or GBNF) beside OpenAI's
+`response_format`.
 """
 import json
 import time
 import uuid
 from dataclasses import dataclass
 
-from ssd.errors import ContextLengthError, SSDError
-from ssd.outputs import RequestMetrics
+from ssd.errors import ContextLengthError, GrammarError, SamplingParamsError, SSDError
+from ssd.outputs import RequestMetrics, TokenLogprob
 from ssd.sampling_params import SamplingParams
 
 
@@ -27,24 +30,29 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def api_error(e: SSDError) -> APIError:
-    """A user's mistake found by the engine, as a 400."""
+def api_error(e: SSDError, constraint_field: str | None = None) -> APIError:
+    """A user's mistake found by the engine, as a 400 naming the field (constraint_field: the
+    field that carried the request's constraint)."""
     if isinstance(e, ContextLengthError):
         return APIError(400, str(e), param="max_tokens", code="context_length_exceeded")
+    if isinstance(e, GrammarError):
+        return APIError(400, str(e), param=constraint_field)
+    if isinstance(e, SamplingParamsError):
+        return APIError(400, str(e), param=_param(str(e)))
     return APIError(400, str(e))
 
 
-# Fields used by both routes; top_k and ignore_eos are extensions (vLLM has them too).
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-          "ignore_eos", "n", "user", "metadata", "store", "service_tier"}
-CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls"}
+# Fields used by both routes.
+COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "stream", "stream_options",
+          "ignore_eos", "n", "user", "metadata", "store", "service_tier", "presence_penalty", "frequency_penalty",
+          "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "response_format", "json_schema", "regex",
+          "grammar"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls", "top_logprobs"}
 COMPLETION = COMMON | {"prompt"}
 # Accepted only at the value that leaves the output as it is.
-NEUTRAL = {"n": (1,), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0), "repetition_penalty": (1, 1.0),
-           "logprobs": (False, 0), "top_logprobs": (0,), "logit_bias": ({},), "tools": ([],),
-           "tool_choice": ("none", "auto"), "response_format": ({"type": "text"},), "echo": (False,),
-           "best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none", "auto"),
-           "min_tokens": (0,)}
+NEUTRAL = {"tools": ([],), "tool_choice": ("none", "auto"), "echo": (False,), "best_of": (1,), "suffix": ("",),
+           "functions": ([],), "function_call": ("none", "auto")}
+MAX_N = 16  # choices per request
 
 
 @dataclass
@@ -54,6 +62,9 @@ class ParsedRequest:
     stream: bool
     include_usage: bool
     fill_context: bool  # max_tokens is what the context leaves (a chat request without max_tokens)
+    n: int = 1  # choices, each its own sequence (choice i of a seeded request uses seed + i)
+    logprobs: bool = False  # whether the answer carries logprobs (params.logprobs: how many alternatives)
+    constraint_field: str | None = None  # the field that carried a constraint, for errors found later
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None):
@@ -143,15 +154,71 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise APIError(400, "stream_options.include_usage must be a boolean", param="stream_options")
+    n = _get(body, "n", (int,), 1)
+    if not 1 <= n <= MAX_N:
+        raise APIError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
+    logprobs, top = _logprobs(body, chat)
+    number = (int, float)
     try:
         params = SamplingParams(
-            temperature=_get(body, "temperature", (int, float), 1.0), top_p=_get(body, "top_p", (int, float), 1.0),
-            top_k=_get(body, "top_k", (int,), 0), stop=_get(body, "stop", (str, list)),
-            seed=_get(body, "seed", (int,)), ignore_eos=_get(body, "ignore_eos", (bool,), False),
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens)
+            temperature=_get(body, "temperature", number, 1.0), top_p=_get(body, "top_p", number, 1.0),
+            top_k=_get(body, "top_k", (int,), 0), min_p=_get(body, "min_p", number, 0.0),
+            stop=_get(body, "stop", (str, list)), seed=_get(body, "seed", (int,)),
+            ignore_eos=_get(body, "ignore_eos", (bool,), False),
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            min_tokens=_get(body, "min_tokens", (int,), 0),
+            presence_penalty=_get(body, "presence_penalty", number, 0.0),
+            frequency_penalty=_get(body, "frequency_penalty", number, 0.0),
+            repetition_penalty=_get(body, "repetition_penalty", number, 1.0),
+            logit_bias=_get(body, "logit_bias", (dict,)), logprobs=top if logprobs else None, **_constraint(body))
     except SSDError as e:
-        raise APIError(400, str(e), param=str(e).split()[0]) from None
-    return ParsedRequest(prompt, params, stream, include_usage, chat and max_tokens is None)
+        raise APIError(400, str(e), param=_param(str(e))) from None
+    field = next((f for f in ("response_format", "json_schema", "regex", "grammar")
+                  if body.get(f) is not None and body[f] != {"type": "text"}), None)
+    return ParsedRequest(prompt, params, stream, include_usage, chat and max_tokens is None, n, logprobs, field)
+
+
+def _param(message: str) -> str:
+    """The field a SamplingParams message names (its first word, or before a colon)."""
+    first = message.split()[0].rstrip(":")
+    return {"logprobs": "top_logprobs"}.get(first, first)
+
+
+def _logprobs(body: dict, chat: bool) -> tuple[bool, int]:
+    """(whether to answer with logprobs, how many alternatives): chat's `logprobs` (bool) and
+    `top_logprobs` (0..20), completions' `logprobs` (an int, the alternatives)."""
+    if chat:
+        wanted = _get(body, "logprobs", (bool,), False)
+        top = _get(body, "top_logprobs", (int,))
+        if top is not None and not wanted:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        return wanted, top or 0
+    top = _get(body, "logprobs", (int,))
+    return top is not None, top or 0
+
+
+def _constraint(body: dict) -> dict:
+    """The request's constraint: OpenAI's response_format, or the extension fields json_schema,
+    regex, grammar (at most one, as SamplingParams checks)."""
+    out = {name: body[name] for name in ("json_schema", "regex", "grammar") if body.get(name) is not None}
+    fmt = _get(body, "response_format", (dict,))
+    if fmt is None or fmt.get("type") == "text":
+        return out
+    if out:
+        raise APIError(400, f"'response_format' and '{next(iter(out))}' both constrain the output: send one",
+                       param="response_format")
+    kind = fmt.get("type")
+    if kind == "json_object":
+        return {"json_schema": {"type": "object"}}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise APIError(400, "response_format.json_schema must be an object with a 'schema' object",
+                           param="response_format")
+        # No schema: any JSON value of OpenAI's strict mode, which wants an object at the top.
+        return {"json_schema": spec.get("schema") or {"type": "object"}}
+    raise APIError(400, f"response_format type {kind!r} is not supported: use 'text', 'json_object' or "
+                        "'json_schema'", param="response_format")
 
 
 # ---- responses ------------------------------------------------------------------------------
@@ -159,9 +226,10 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(m: RequestMetrics) -> dict:
-    return {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.output_tokens,
-            "total_tokens": m.prompt_tokens + m.output_tokens}
+def usage(metrics: list[RequestMetrics]) -> dict:
+    """Token counts of a request's choices: the prompt once, every choice's output."""
+    prompt, out = metrics[0].prompt_tokens, sum(m.output_tokens for m in metrics)
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
 
 
 def speculation(m: RequestMetrics, mode: str) -> dict:
@@ -175,21 +243,52 @@ def speculation(m: RequestMetrics, mode: str) -> dict:
     return out
 
 
-def completion(chat: bool, rid: str, model: str, text: str, finish: str, m: RequestMetrics, mode: str) -> dict:
-    choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-               "finish_reason": finish} if chat else
-              {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+@dataclass
+class Choice:
+    """What one choice of a request got."""
+
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+    logprobs: list[TokenLogprob] | None = None
+
+
+def completion(chat: bool, rid: str, model: str, choices: list[Choice], mode: str, tokenizer) -> dict:
+    """The whole answer; `ssd_metrics` describes the first choice."""
+    out = []
+    for i, c in enumerate(choices):
+        lps = logprobs_json(chat, tokenizer, c.logprobs)
+        out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lps,
+                    "finish_reason": c.finish_reason} if chat else
+                   {"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(m), "ssd_metrics": speculation(m, mode)}
+            "model": model, "choices": out, "usage": usage([c.metrics for c in choices]),
+            "ssd_metrics": speculation(choices[0].metrics, mode)}
 
 
-def chunk(chat: bool, rid: str, model: str, text: str | None, finish: str | None, *, role: bool = False,
-          choices: bool = True) -> dict:
+def chunk(chat: bool, rid: str, model: str, text: str | None, finish: str | None, *, index: int = 0,
+          role: bool = False, choices: bool = True, logprobs: dict | None = None) -> dict:
     """One streamed chunk; choices=False: the usage chunk (its fields are added by the caller)."""
     if chat:
         delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice] if choices else []}
+
+
+def logprobs_json(chat: bool, tokenizer, lps: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """Logprobs in OpenAI's shape: chat's {"content": [{token, logprob, bytes, top_logprobs}]},
+    completions' {tokens, token_logprobs, top_logprobs, text_offset} (offset: the text before)."""
+    if lps is None:
+        return None
+    text = lambda t: tokenizer.decode([t])  # noqa: E731  a token alone (a partial character shows as U+FFFD)
+    if chat:
+        entry = lambda t, lp: {"token": text(t), "logprob": lp, "bytes": list(text(t).encode())}  # noqa: E731
+        return {"content": [{**entry(x.token_id, x.logprob), "top_logprobs": [entry(t, lp) for t, lp in x.top]}
+                            for x in lps]}
+    tokens = [text(x.token_id) for x in lps]
+    offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
+            "top_logprobs": [{text(t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}

@@ -7,6 +7,8 @@ lets requests in flight finish (for up to --shutdown-timeout seconds, then cance
 then the engine stops and the SSD draft worker with it.
 """
 import asyncio
+import dataclasses
+import functools
 import hmac
 import json
 import logging
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ssd.engine.sequence import Sequence
@@ -27,8 +29,9 @@ from ssd.errors import SSDError
 from ssd.llm import LLM
 from ssd.serving.engine_loop import EngineLoop, Event, QueueFullError, ShuttingDownError
 from ssd.serving.metrics import ServerMetrics
-from ssd.serving.openai_protocol import (APIError, api_error, chunk, completion, new_id, parse_request,
-                                         speculation, usage)
+from ssd.sampling_params import MAX_SEED
+from ssd.serving.openai_protocol import (APIError, Choice, api_error, chunk, completion, logprobs_json, new_id,
+                                         parse_request, speculation, usage)
 
 API_KEY_ENV = "SSD_API_KEY"
 log = logging.getLogger("ssd.serving")
@@ -121,98 +124,118 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
         req = parse_request(body, chat, served, default_max_tokens=16)  # OpenAI's default for completions
-        queue: asyncio.Queue[Event] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         aloop = asyncio.get_running_loop()
-        seq = await asyncio.to_thread(submit, req, lambda ev: aloop.call_soon_threadsafe(queue.put_nowait, ev))
+        seqs = await asyncio.to_thread(submit, req, lambda i, ev: aloop.call_soon_threadsafe(queue.put_nowait, (i, ev)))
         rid = new_id(chat)
         if req.stream:
-            return StreamingResponse(stream(chat, rid, req.include_usage, seq, queue),
+            return StreamingResponse(stream(chat, rid, req, seqs, queue),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        text, last = [], None
+        texts, lps, last = [[] for _ in seqs], [[] for _ in seqs], [None] * len(seqs)
         try:
-            async for ev in events(queue, request):
-                text.append(ev.text)
-                last = ev
+            async for i, ev in events(queue, len(seqs), request):
+                texts[i].append(ev.text)
+                lps[i] += ev.logprobs or []
+                last[i] = ev
         finally:
-            settle(seq, last)
-        if last is None or not last.finish_reason:  # the client went away; nobody reads this
+            settle(seqs, last)
+        if any(ev is None or not ev.finish_reason for ev in last):  # the client went away; nobody reads this
             return Response(status_code=499)
-        if last.error:
-            raise APIError(500, last.error, type="server_error")
-        return JSONResponse(completion(chat, rid, served_name, "".join(text), last.finish_reason, last.metrics,
-                                       llm.config.mode))
+        failed = next((ev for ev in last if ev.error), None)
+        if failed:
+            raise APIError(500, failed.error, type="server_error")
+        choices = [Choice("".join(t), ev.finish_reason, ev.metrics, lp if req.logprobs else None)
+                   for t, lp, ev in zip(texts, lps, last)]
+        return JSONResponse(completion(chat, rid, served_name, choices, llm.config.mode, llm.tokenizer))
 
-    def submit(req, sink) -> Sequence:
+    def submit(req, sink) -> list[Sequence]:
         """The engine's checks, in a worker thread (tokenizing a long prompt must not hold up
-        the event loop)."""
+        the event loop): one sequence per choice, each seeded apart when the request has a
+        seed; a choice that cannot be queued cancels those before it."""
+        seqs: list[Sequence] = []
         try:
-            return engine.submit(req.prompt, req.params, sink, req.fill_context)
+            for i in range(req.n):
+                params = req.params
+                if req.n > 1 and params.seed is not None:
+                    params = dataclasses.replace(params, seed=(params.seed + i) % MAX_SEED)
+                seqs.append(engine.submit(req.prompt, params, functools.partial(sink, i), req.fill_context))
+            return seqs
         except QueueFullError as e:
             raise APIError(429, str(e), type="requests", code="rate_limit_exceeded") from None
         except ShuttingDownError as e:
             raise APIError(503, str(e), type="server_error", code="shutting_down") from None
         except SSDError as e:
-            raise api_error(e) from None
+            raise api_error(e, req.constraint_field) from None
+        finally:
+            if len(seqs) < req.n:
+                for seq in seqs:
+                    engine.cancel(seq)
 
-    async def events(queue: asyncio.Queue, request: Request | None = None
-                     ) -> AsyncIterator[Event]:
-        """A request's events until its last; the token gaps go to the metrics. A non-streamed
-        request polls for its client going away (a streamed one is cancelled by Starlette)."""
-        previous, checked = None, time.perf_counter()
-        while True:
+    async def events(queue: asyncio.Queue, n: int, request: Request | None = None
+                     ) -> AsyncIterator[tuple[int, Event]]:
+        """A request's (choice, event) pairs until each of its n choices has had its last; the
+        token gaps go to the metrics. A non-streamed request polls for its client going away
+        (a streamed one is cancelled by Starlette)."""
+        previous, checked, open_choices = [None] * n, time.perf_counter(), n
+        while open_choices:
             if request is None:
-                ev = await queue.get()
+                item = await queue.get()
             else:
                 try:
-                    ev = await asyncio.wait_for(queue.get(), timeout=0.5)
+                    item = await asyncio.wait_for(queue.get(), timeout=0.5)
                 except TimeoutError:
-                    ev = None
+                    item = None
                 if time.perf_counter() - checked > 0.5:
                     checked = time.perf_counter()
                     if await request.is_disconnected():
                         return
-                if ev is None:
+                if item is None:
                     continue
+            i, ev = item
             now = time.perf_counter()
-            if ev.token_ids and previous is not None:
-                metrics.tokens_arrived(now - previous, len(ev.token_ids))
-            previous = now if ev.token_ids else previous
-            yield ev
-            if ev.finish_reason:
-                return
+            if ev.token_ids and previous[i] is not None:
+                metrics.tokens_arrived(now - previous[i], len(ev.token_ids))
+            previous[i] = now if ev.token_ids else previous[i]
+            open_choices -= bool(ev.finish_reason)
+            yield i, ev
 
-    def settle(seq: Sequence, last: Event | None) -> None:
-        """Count a request that ended, or cancel one whose client went away."""
-        if last is not None and last.finish_reason:
-            metrics.request_done(last.metrics, last.finish_reason)
-        else:
-            engine.cancel(seq)
-            metrics.request_done(seq.metrics(), "cancelled")
+    def settle(seqs: list[Sequence], last: list[Event | None]) -> None:
+        """Count the choices that ended, and cancel those whose client went away."""
+        for seq, ev in zip(seqs, last):
+            if ev is not None and ev.finish_reason:
+                metrics.request_done(ev.metrics, ev.finish_reason)
+            else:
+                engine.cancel(seq)
+                metrics.request_done(seq.metrics(), "cancelled")
 
-    async def stream(chat: bool, rid: str, include_usage: bool, seq: Sequence, queue: asyncio.Queue
-                     ) -> AsyncIterator[str]:
+    async def stream(chat: bool, rid: str, req, seqs: list[Sequence], queue: asyncio.Queue) -> AsyncIterator[str]:
         data = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
-        last = None
+        last: list[Event | None] = [None] * len(seqs)
+        offsets = [0] * len(seqs)  # completions' text_offset
         try:
             if chat:
-                yield data(chunk(True, rid, served_name, None, None, role=True))
-            async for ev in events(queue):
-                last = ev
+                for i in range(len(seqs)):
+                    yield data(chunk(True, rid, served_name, None, None, index=i, role=True))
+            async for i, ev in events(queue, len(seqs)):
+                last[i] = ev
                 if ev.error:
                     yield data(APIError(500, ev.error, type="server_error").body())
                     break
-                if ev.text:
-                    yield data(chunk(chat, rid, served_name, ev.text, None))
+                if ev.text or (req.logprobs and ev.logprobs):
+                    lps = logprobs_json(chat, llm.tokenizer, ev.logprobs, offsets[i]) if req.logprobs else None
+                    offsets[i] += len(ev.text)
+                    yield data(chunk(chat, rid, served_name, ev.text, None, index=i, logprobs=lps))
                 if ev.finish_reason:
-                    final = chunk(chat, rid, served_name, None, ev.finish_reason)
+                    final = chunk(chat, rid, served_name, None, ev.finish_reason, index=i)
                     final["ssd_metrics"] = speculation(ev.metrics, llm.config.mode)
                     yield data(final)
-                    if include_usage:
-                        yield data({**chunk(chat, rid, served_name, None, None, choices=False),
-                                    "usage": usage(ev.metrics)})
+            else:
+                if req.include_usage:
+                    yield data({**chunk(chat, rid, served_name, None, None, choices=False),
+                                "usage": usage([ev.metrics for ev in last])})
             yield "data: [DONE]\n\n"
         finally:
-            settle(seq, last)
+            settle(seqs, last)
 
     app.add_middleware(_StatusCounter, metrics=metrics)
     return app

@@ -2,7 +2,8 @@
 import argparse
 import json
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
+from pathlib import Path
 
 from ssd.errors import SSDError
 
@@ -87,13 +88,46 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="seed for reproducible sampling")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min-p x the likeliest's probability")
+    p.add_argument("--min-tokens", type=int, default=0, help="no end-of-sequence token before this many tokens")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (default: 0)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages tokens already in the prompt or output (default: 1)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="TOKEN=BIAS",
+                   help="add BIAS (-100..100) to a token id's logit (repeatable)")
+    c = p.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", metavar="FILE", help="the output follows this JSON schema (a .json file)")
+    c.add_argument("--regex", help="the output matches this regular expression")
+    c.add_argument("--grammar", metavar="FILE", help="the output follows this grammar (Lark or GBNF file)")
 
 
 def sampling_params(args: argparse.Namespace):
     from ssd import SamplingParams
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos,
-                          seed=args.seed)
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          max_tokens=args.max_tokens, min_tokens=args.min_tokens, stop=args.stop,
+                          ignore_eos=args.ignore_eos, seed=args.seed, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                          logit_bias=dict(_bias(b) for b in args.logit_bias),
+                          json_schema=_read(args.json_schema, "--json-schema"), regex=args.regex,
+                          grammar=_read(args.grammar, "--grammar"), logprobs=getattr(args, "logprobs", None))
+
+
+def _bias(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise SSDError(f"--logit-bias takes TOKEN=BIAS (a token id and a number), got {text!r}") from None
+
+
+def _read(path: str | None, flag: str) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as e:
+        raise SSDError(f"{flag}: cannot read {path}: {e.strerror}") from None
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -103,17 +137,20 @@ def cmd_generate(args: argparse.Namespace) -> None:
     if args.chat:
         prompt = [{"role": "user", "content": prompt}]
     with LLM(args.model, **llm_kwargs(args)) as llm:
-        text, ids, last = [], [], None
+        text, ids, lps, last = [], [], [], None
         for chunk in llm.stream(prompt, params):
             text.append(chunk.text)
             ids += chunk.token_ids
+            lps += chunk.logprobs or []
             last = chunk
             if not args.json:
                 print(chunk.text, end="", flush=True)
     m = last.metrics
     if args.json:
-        print(json.dumps({"text": "".join(text), "token_ids": ids,
-                          "finish_reason": last.finish_reason, "metrics": m.as_dict()}))
+        out = {"text": "".join(text), "token_ids": ids, "finish_reason": last.finish_reason, "metrics": m.as_dict()}
+        if params.logprobs is not None:
+            out["logprobs"] = [asdict(lp) for lp in lps]
+        print(json.dumps(out))
     else:
         print()
         print(f"[{m.output_tokens} tokens, finish {last.finish_reason}, prompt {m.prompt_tokens} tokens, "
@@ -162,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g)
     g.add_argument("--json", action="store_true",
                    help='print only {"text", "token_ids", "finish_reason", "metrics"} as JSON on stdout')
+    g.add_argument("--logprobs", type=int, metavar="N",
+                   help="with --json: each token's log-probability and its N likeliest alternatives (0..20)")
     g.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("pull", help="download, check and convert models into the store",

@@ -20,6 +20,21 @@ def test_generate_json_prints_exactly_one_object():
     assert out["metrics"]["output_tokens"] == len(out["token_ids"])
 
 
+def test_generate_under_a_json_schema_file(tmp_path):
+    schema = {"type": "object", "properties": {"answer": {"type": "integer"}}, "required": ["answer"],
+              "additionalProperties": False}
+    (tmp_path / "answer.json").write_text(json.dumps(schema))
+    r = ssd("generate", "--model", "smollm2-135m-instruct", "--prompt", "What is 6 times 7? Answer in JSON.",
+            "--chat", "--temperature", "0", "--max-tokens", "24", "--json", "--json-schema",
+            str(tmp_path / "answer.json"), "--logprobs", "1", "--presence-penalty", "0.5")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert isinstance(json.loads(out["text"])["answer"], int) and out["finish_reason"] == "stop"
+    assert len(out["logprobs"]) == len(out["token_ids"]) and len(out["logprobs"][0]["top"]) == 1
+    r = ssd("generate", "--model", "smollm2-135m-instruct", "--prompt", "x", "--json-schema", str(tmp_path / "no"))
+    assert r.returncode == 2 and "--json-schema: cannot read" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_generate_streams_text_then_metrics_line():
     r = ssd("generate", "--model", "smollm2-135m-instruct", "--prompt", "Once upon a time",
             "--temperature", "0", "--max-tokens", "8", "--ignore-eos")

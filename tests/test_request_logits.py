@@ -76,6 +76,15 @@ def test_forced_tokens_cost_the_draft_no_pass(smollm_dir):
     assert m.accepted == m.drafted and m.drafted > 2 * len(passes), (m.drafted, len(passes))
 
 
+def test_a_grammar_spelling_a_special_token_ends_its_request(smollm):
+    """llguidance's mask allows <|im_start|> where the grammar's text spells it, then refuses
+    to consume it: the token is dropped from the mask and the request ends, alone."""
+    outs = smollm.generate(["Hi", "Hello"], [SamplingParams.greedy(regex=r"<\|im_start\|>x", max_tokens=8),
+                                             SamplingParams.greedy(max_tokens=8, ignore_eos=True)])
+    assert outs[0].finish_reason == "stop" and outs[0].token_ids[-1] in smollm.eos_ids
+    assert len(outs[1].token_ids) == 8
+
+
 def test_rows_see_the_draft_tokens_before_them():
     """process() over K+1 rows gives, row by row, what one row after tokens + drafts[:i] gives."""
     params = SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.5,

@@ -27,6 +27,10 @@ class Grammars:
 
     def __init__(self, tokenizer, vocab_size: int, eos_ids: set[int]):
         self.hf_tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
+        # Special tokens other than the end tokens: llguidance's mask can allow one where the
+        # grammar's text spells it, and then refuses to consume it (Constraint.allowed).
+        self.special = sorted(i for i, t in tokenizer.added_tokens_decoder.items()
+                              if t.special and i < vocab_size and i not in eos_ids)
         self._tokenizer = None
         self._lock = threading.Lock()  # new_request may run in the server's threads
 
@@ -56,7 +60,7 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"{name}: {matcher.get_error().strip()}")
-        return Constraint(matcher, self.vocab_size)
+        return Constraint(matcher, self.vocab_size, self.special, self.eos_ids)
 
     @staticmethod
     def _grammar(params: SamplingParams) -> tuple[str, str]:
@@ -88,14 +92,15 @@ class Grammars:
 class Constraint:
     """One request's grammar state (an llguidance matcher) and the tokens it consumed."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, special: list[int] = (), end_ids: list[int] = ()):
         self.matcher, self.vocab_size = matcher, vocab_size
+        self.special, self.end_ids = torch.tensor(special, dtype=torch.long), torch.tensor(end_ids, dtype=torch.long)
         self.consumed: list[int] = []
         self._mask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
 
     def fork(self) -> "Constraint":
         """An independent copy in the same state (the SD draft's)."""
-        copy = Constraint(self.matcher.deep_copy(), self.vocab_size)
+        copy = Constraint(self.matcher.deep_copy(), self.vocab_size, self.special.tolist(), self.end_ids.tolist())
         copy.consumed = list(self.consumed)
         return copy
 
@@ -117,10 +122,21 @@ class Constraint:
             a.append(token)
 
     def allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows next, as a bool row [vocab_size]."""
+        """The tokens the grammar allows next, as a bool row [vocab_size]. A special token the
+        mask allows is tried, and dropped if the matcher would refuse it; a grammar left with
+        no token allows the end tokens (the request ends rather than fails)."""
         import llguidance.torch
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._mask, 0)
-        return ((self._mask.view(-1, 1) >> _BITS) & 1).view(-1)[:self.vocab_size].bool()
+        allowed = ((self._mask.view(-1, 1) >> _BITS) & 1).view(-1)[:self.vocab_size].bool()
+        if self.special.numel() and not self.matcher.is_stopped():
+            for t in self.special[allowed[self.special]].tolist():
+                if self.matcher.try_consume_tokens([t]) == 1:
+                    self.matcher.rollback(1)
+                else:
+                    allowed[t] = False
+        if not allowed.any():
+            allowed[self.end_ids] = True
+        return allowed
 
     def advance(self, token: int) -> None:
         """Consume a token the last allowed() row allows (a draft token under test)."""

@@ -1,4 +1,5 @@
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 
@@ -13,6 +14,7 @@ from ssd.llm_engine import Event, LLMEngine
 from ssd.models.loader import load_tokenizer
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.sampling_params import SamplingParams
+from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, template_messages
 
 Prompt = str | list[dict]
 
@@ -57,11 +59,14 @@ class LLM:
     # ---- public API -------------------------------------------------------------------
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
+                 use_tqdm: bool = False, tools: Tools | list[dict] | None = None) -> list[RequestOutput]:
         """One output per prompt. A prompt is a string or a chat: a list of {"role": "system" |
-        "user" | "assistant", "content": str} messages, rendered with the model's chat template.
-        sampling_params: one for all prompts, or a list of one per prompt. Every prompt is
-        checked (PromptError, ContextLengthError) before any is run."""
+        "user" | "assistant" | "tool", "content": str} messages (an assistant's may carry
+        OpenAI's "tool_calls"), rendered with the model's chat template.
+        sampling_params: one for all prompts, or a list of one per prompt. tools: OpenAI's
+        function definitions, or Tools(definitions, choice, parallel) (ssd/tools.py), for chats
+        with a model whose template renders tools; the outputs then carry tool_calls. Every
+        prompt is checked (PromptError, ContextLengthError, ToolError) before any is run."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], dict)):
             prompts = [prompts]
@@ -73,7 +78,7 @@ class LLM:
         if len(sampling_params) != len(prompts):
             raise SSDError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params: "
                            "pass one SamplingParams for all prompts or a list of one per prompt")
-        seqs = [self.new_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        seqs = [self.new_request(p, sp, tools=tools) for p, sp in zip(prompts, sampling_params)]
         bar = tqdm(total=len(seqs), desc="generate", disable=not use_tqdm)
         for seq in seqs:
             self.add_request(seq)
@@ -87,31 +92,42 @@ class LLM:
             self.abort(seqs)
         return [self._output(s) for s in seqs]
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-               ) -> Iterator[StreamChunk]:
-        """Yield StreamChunks as tokens are made; the last one has finish_reason and metrics."""
-        seq = self.new_request(prompt, sampling_params or SamplingParams())
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+               tools: Tools | list[dict] | None = None) -> Iterator[StreamChunk]:
+        """Yield StreamChunks as tokens are made; the last one has finish_reason and metrics
+        (and with tools, tool_calls: a call's text is not streamed as content)."""
+        seq = self.new_request(prompt, sampling_params or SamplingParams(), tools=tools)
+        calls = self.call_stream(seq)
         self.add_request(seq)
         try:
             while not seq.finished:
                 for s, new, from_draft in self.step():
                     if s is seq:
                         text = seq.detokenizer.take(final=seq.finished)
+                        found = None
+                        if calls is not None:
+                            text = calls.push(new)
+                            if seq.finished:
+                                rest, found = calls.finish()
+                                text += rest
                         lps = None if seq.params.logprobs is None else seq.logprobs[-len(new):]
-                        yield StreamChunk(text, new, from_draft, seq.finish_reason,
-                                          seq.metrics() if seq.finished else None, lps)
+                        yield StreamChunk(text, new, from_draft, self._finish_reason(seq, found),
+                                          seq.metrics() if seq.finished else None, lps, found or None)
         finally:
             self.abort([seq])
 
     # ---- driving the engine step by step (ssd/serving/engine_loop.py) -----------------
-    def new_request(self, prompt: Prompt, params: SamplingParams, fill_context: bool = False) -> Sequence:
-        """A checked request, not yet scheduled: PromptError, ContextLengthError or
-        SamplingParamsError here. Only tokenizes, so another thread may call it while
-        the engine steps. fill_context: max_tokens is what the context leaves after the
-        prompt (OpenAI's chat default)."""
+    def new_request(self, prompt: Prompt, params: SamplingParams, fill_context: bool = False,
+                    tools: Tools | list[dict] | None = None) -> Sequence:
+        """A checked request, not yet scheduled: PromptError, ContextLengthError,
+        SamplingParamsError or ToolError here. Only tokenizes, so another thread may call it
+        while the engine steps. fill_context: max_tokens is what the context leaves after the
+        prompt (OpenAI's chat default). tools: see generate()."""
         if not isinstance(params, SamplingParams):
             raise SSDError(f"sampling params must be SamplingParams, got {type(params).__name__}")
-        text, ids = self._encode(prompt)
+        if tools is not None:
+            tools, params = self._tools(prompt, params, tools)
+        text, ids = self._encode(prompt, tools)
         if not ids:
             raise PromptError("the prompt encodes to no tokens")
         context = self.config.max_model_len
@@ -128,7 +144,47 @@ class LLM:
             gen.manual_seed(params.seed)
         processor = self.engine.processor(params, len(ids))
         return Sequence(text, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator,
-                        processor=processor)
+                        processor=processor, tools=tools)
+
+    def tool_calls(self, seq: Sequence) -> tuple[str, list[ToolCall]] | None:
+        """A finished request's content and tool calls; None where it had no tools, or
+        tool_choice "none"."""
+        if seq.tools is None or not seq.tools.calls_parsed:
+            return None
+        return ToolFormat(self.tokenizer).parse(ToolFormat(self.tokenizer).text(seq.output_ids), self._end_texts())
+
+    def call_stream(self, seq: Sequence) -> CallStream | None:
+        """For a request with tools: what streams its content and collects its calls."""
+        if seq.tools is None or not seq.tools.calls_parsed:
+            return None
+        return CallStream(ToolFormat(self.tokenizer), self._end_texts())
+
+    def _end_texts(self) -> tuple[str, ...]:
+        return tuple(self.tokenizer.decode([t]) for t in self.eos_ids)
+
+    @staticmethod
+    def _finish_reason(seq: Sequence, calls: list[ToolCall] | None) -> str | None:
+        return "tool_calls" if calls and seq.finish_reason == "stop" else seq.finish_reason
+
+    def _tools(self, prompt: Prompt, params: SamplingParams, tools: Tools | list[dict]
+               ) -> tuple[Tools, SamplingParams]:
+        """The request's tools, checked against this model; for tool_choice "required" or a
+        named function, the params gain the grammar of valid calls."""
+        tools = tools if isinstance(tools, Tools) else Tools.check(tools)
+        if isinstance(prompt, str):
+            raise ToolError("tools need a chat (a list of messages), not a plain prompt", "tools")
+        if not ToolFormat.supported(self.tokenizer):
+            raise ToolError(f"model {self.config.model.name}'s chat template has no tool support "
+                            "(it renders no tools and no <tool_call>)", "tools")
+        if params.stop and tools.calls_parsed:
+            raise ToolError("stop strings cannot be combined with tools (a call may contain them)", "stop")
+        grammar = ToolFormat(self.tokenizer).grammar(tools)
+        if grammar is not None:
+            if params.constrained:
+                raise ToolError(f"tool_choice {tools.choice!r} makes the output a tool call; it cannot also follow "
+                                "a response_format, json_schema, regex or grammar", "tool_choice")
+            params = dataclasses.replace(params, grammar=grammar)
+        return tools, params
 
     def add_request(self, seq: Sequence) -> None:
         """Queue a request from new_request(); it joins the running batch at a later step."""
@@ -207,8 +263,9 @@ class LLM:
         """The prompt's token ids."""
         return self._encode(prompt)[1]
 
-    def _encode(self, prompt: Prompt) -> tuple[str, list[int]]:
-        """The text the model reads (a chat rendered with the model's chat template), and its ids."""
+    def _encode(self, prompt: Prompt, tools: Tools | None = None) -> tuple[str, list[int]]:
+        """The text the model reads (a chat rendered with the model's chat template, with the
+        tools), and its ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise PromptError("the prompt is empty")
@@ -216,12 +273,16 @@ class LLM:
         self._check_chat(prompt)
         if not self.tokenizer.chat_template:
             raise PromptError(f"model {self.config.model.name} has no chat template; pass a plain string")
-        text = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        if any(m["role"] == "tool" or m.get("tool_calls") for m in prompt) and not ToolFormat.supported(self.tokenizer):
+            raise PromptError(f"model {self.config.model.name}'s chat template has no tool support: the chat has "
+                              "tool calls or tool messages")
+        text = self.tokenizer.apply_chat_template(template_messages(prompt), tools=tools and tools.definitions,
+                                                  add_generation_prompt=True, tokenize=False)
         return text, self.tokenizer(text, add_special_tokens=False).input_ids
 
     @staticmethod
     def _check_chat(chat) -> None:
-        roles = ("system", "user", "assistant")
+        roles = ("system", "user", "assistant", "tool")
         if not isinstance(chat, list):
             raise PromptError(f"a prompt must be a string or a chat (a list of {{'role': ..., 'content': ...}} "
                               f"messages), got {type(chat).__name__}")
@@ -234,11 +295,31 @@ class LLM:
                 raise PromptError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
             if m["role"] not in roles:
                 raise PromptError(f"chat message {i} has role {m['role']!r}; allowed roles: {', '.join(roles)}")
-            if not isinstance(m["content"], str):
+            calls = m.get("tool_calls")
+            if calls is not None:
+                LLM._check_calls(i, m, calls)
+            if not isinstance(m["content"], str) and not (calls and m["content"] is None):
                 raise PromptError(f"chat message {i} has content of type {type(m['content']).__name__}; "
                                   "content must be a string")
 
+    @staticmethod
+    def _check_calls(i: int, m: dict, calls) -> None:
+        if m["role"] != "assistant" or not isinstance(calls, list):
+            raise PromptError(f"chat message {i}: tool_calls must be a list, on an assistant message")
+        for j, c in enumerate(calls):
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise PromptError(f"chat message {i}: tool_calls[{j}] needs a function with a name")
+            args = fn.get("arguments", "{}")
+            try:
+                if not isinstance(json.loads(args) if isinstance(args, str) else args, dict):
+                    raise ValueError
+            except ValueError:
+                raise PromptError(f"chat message {i}: tool_calls[{j}].function.arguments must be a JSON object, "
+                                  f"got {args!r}") from None
+
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(seq.prompt, seq.output_text, list(seq.output_ids), seq.finish_reason or "length",
+        text, calls = self.tool_calls(seq) or (seq.output_text, [])
+        return RequestOutput(seq.prompt, text, list(seq.output_ids), self._finish_reason(seq, calls) or "length",
                              seq.metrics(), list(seq.from_draft),
-                             None if seq.params.logprobs is None else list(seq.logprobs))
+                             None if seq.params.logprobs is None else list(seq.logprobs), calls or None)

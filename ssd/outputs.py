@@ -116,10 +116,11 @@ class RequestOutput:
     prompt: str  # the text the model read (a chat rendered with the model's chat template)
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "tool_calls" (the model called tools)
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     from_draft: list[bool] = field(default_factory=list)  # per token: an accepted draft proposal?
     logprobs: list[TokenLogprob] | None = None  # per token, where SamplingParams.logprobs asked for them
+    tool_calls: list | None = None  # ssd.tools.ToolCall, where the request had tools and the model called them
 
     def __getitem__(self, key: str):  # out["text"], as the reference engine's dicts allow
         return getattr(self, key)
@@ -129,6 +130,8 @@ class RequestOutput:
                "finish_reason": self.finish_reason, "metrics": self.metrics.as_dict()}
         if self.logprobs is not None:
             out["logprobs"] = [asdict(lp) for lp in self.logprobs]
+        if self.tool_calls:
+            out["tool_calls"] = [asdict(c) for c in self.tool_calls]
         return out
 
 
@@ -144,3 +147,4 @@ class StreamChunk:
     finish_reason: str | None = None
     metrics: RequestMetrics | None = None
     logprobs: list[TokenLogprob] | None = None  # per token, where SamplingParams.logprobs asked for them
+    tool_calls: list | None = None  # the last chunk of a request with tools: its calls (ssd.tools.ToolCall)

@@ -102,3 +102,15 @@ def tiny_chars_pair(tmp_path_factory):
     """The same over the letters a..h, whose tokenizer constraints can read."""
     from tiny_pair import make_tiny_pair
     return make_tiny_pair(tmp_path_factory, chars=True)
+
+
+@pytest.fixture(scope="session")
+def tool_model(smollm_dir, tmp_path_factory) -> Path:
+    """SmolLM2 with Qwen2.5's chat template, which renders tools and asks for <tool_call>
+    blocks (SmolLM2's own template has no tools; here <tool_call> is plain text)."""
+    folder = tmp_path_factory.mktemp("smollm-tools")
+    for f in smollm_dir.iterdir():
+        if f.name != "chat_template.jinja":
+            (folder / f.name).symlink_to(f.resolve())
+    (folder / "chat_template.jinja").write_text((Path(__file__).parent / "data" / "qwen2.5-chat-template.jinja").read_text())
+    return folder

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import ssd
 
-ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "config", "llm_engine", "llm", "serving",
+ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "config", "llm_engine", "tools", "llm", "serving",
          "bench", "cli"]
 SHARED = {"errors", "checks", "outputs", "sampling_params"}  # plain data, checks and exceptions: no imports of the engine
 

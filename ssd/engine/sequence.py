@@ -25,6 +25,7 @@ class Sequence:
     generator: torch.Generator | None = field(default=None, repr=False)
     # Penalties, bias, min_tokens and a constraint (None: the model's logits as they are).
     processor: LogitsProcessor | None = field(default=None, repr=False)
+    tools: object | None = field(default=None, repr=False)  # ssd.tools.Tools, read by the API layer (ssd/llm.py)
     num_prompt_tokens: int = 0
     finish_reason: str | None = None
     from_draft: list[bool] = field(default_factory=list)  # per output token

@@ -82,10 +82,12 @@ class EngineLoop:
     def running(self) -> int:
         return self.llm.num_running
 
-    def submit(self, prompt, params: SamplingParams, sink: Sink, fill_context: bool = False) -> Sequence:
-        """Check and queue a request; its events go to `sink` (called in the engine thread).
-        Raises the engine's SSDErrors for bad input, QueueFullError, ShuttingDownError."""
-        seq = self.llm.new_request(prompt, params, fill_context)
+    def submit(self, prompt, params: SamplingParams, sink: Sink, fill_context: bool = False,
+               tools=None) -> Sequence:
+        """Check and queue a request (tools: ssd.tools.Tools or None); its events go to `sink`
+        (called in the engine thread). Raises the engine's SSDErrors for bad input,
+        QueueFullError, ShuttingDownError."""
+        seq = self.llm.new_request(prompt, params, fill_context, tools=tools)
         with self._cond:
             if not self.alive:
                 raise ShuttingDownError("the server is shutting down and takes no new requests")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ssd.errors import ContextLengthError, GrammarError, SamplingParamsError, SSDError
 from ssd.outputs import RequestMetrics, TokenLogprob
 from ssd.sampling_params import SamplingParams
+from ssd.tools import ToolCall, ToolError, Tools
 
 
 class APIError(Exception):
@@ -35,6 +36,8 @@ def api_error(e: SSDError, constraint_field: str | None = None) -> APIError:
     field that carried the request's constraint)."""
     if isinstance(e, ContextLengthError):
         return APIError(400, str(e), param="max_tokens", code="context_length_exceeded")
+    if isinstance(e, ToolError):
+        return APIError(400, str(e), param=e.param)
     if isinstance(e, GrammarError):
         return APIError(400, str(e), param=constraint_field)
     if isinstance(e, SamplingParamsError):
@@ -47,11 +50,10 @@ COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop
           "ignore_eos", "n", "user", "metadata", "store", "service_tier", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "response_format", "json_schema", "regex",
           "grammar"}
-CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls", "top_logprobs"}
+CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls", "top_logprobs", "tools", "tool_choice"}
 COMPLETION = COMMON | {"prompt"}
 # Accepted only at the value that leaves the output as it is.
-NEUTRAL = {"tools": ([],), "tool_choice": ("none", "auto"), "echo": (False,), "best_of": (1,), "suffix": ("",),
-           "functions": ([],), "function_call": ("none", "auto")}
+NEUTRAL = {"echo": (False,), "best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none", "auto")}
 MAX_N = 16  # choices per request
 
 
@@ -65,6 +67,7 @@ class ParsedRequest:
     n: int = 1  # choices, each its own sequence (choice i of a seeded request uses seed + i)
     logprobs: bool = False  # whether the answer carries logprobs (params.logprobs: how many alternatives)
     constraint_field: str | None = None  # the field that carried a constraint, for errors found later
+    tools: Tools | None = None
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None):
@@ -116,14 +119,47 @@ def parse_messages(messages) -> list[dict]:
         role = m.get("role")
         if role == "developer":  # OpenAI's newer name for the system role
             role = "system"
-        if role not in ("system", "user", "assistant"):
+        if role not in ("system", "user", "assistant", "tool"):
             raise APIError(400, f"messages[{i}] has role {m.get('role')!r}; supported: system, developer, user, "
-                                "assistant", param=f"messages[{i}].role")
+                                "assistant, tool", param=f"messages[{i}].role")
+        allowed = {"role", "content", "name"} | ({"tool_calls"} if role == "assistant" else set()) \
+            | ({"tool_call_id"} if role == "tool" else set())
         for name in m:
-            if name not in ("role", "content", "name"):
+            if name not in allowed:
                 raise APIError(400, f"messages[{i}].{name} is not supported", param=f"messages[{i}].{name}")
-        chat.append({"role": role, "content": _content(i, m)})
+        message = {"role": role}
+        calls = m.get("tool_calls")
+        if calls:
+            message["tool_calls"] = _calls(i, calls)
+            message["content"] = None if m.get("content") is None else _content(i, m)
+        else:
+            message["content"] = _content(i, m)
+        if role == "tool" and m.get("tool_call_id") is not None:
+            message["tool_call_id"] = m["tool_call_id"]
+        chat.append(message)
     return chat
+
+
+def _calls(i: int, calls) -> list[dict]:
+    """An assistant message's tool_calls, checked: [{id, type, function: {name, arguments}}]."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise APIError(400, f"{where} must be a list", param=where)
+    out = []
+    for j, c in enumerate(calls):
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise APIError(400, f"{where}[{j}] must be {{'id', 'type': 'function', 'function': {{'name', "
+                                "'arguments': JSON text}}}}", param=f"{where}[{j}]")
+        try:
+            if not isinstance(json.loads(fn["arguments"]), dict):
+                raise ValueError
+        except ValueError:
+            raise APIError(400, f"{where}[{j}].function.arguments must be a JSON object, got {fn['arguments']!r}",
+                           param=f"{where}[{j}].function.arguments") from None
+        out.append({"id": c.get("id", ""), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+    return out
 
 
 def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -> ParsedRequest:
@@ -173,9 +209,19 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
             logit_bias=_get(body, "logit_bias", (dict,)), logprobs=top if logprobs else None, **_constraint(body))
     except SSDError as e:
         raise APIError(400, str(e), param=_param(str(e))) from None
+    tools = None
+    if chat and body.get("tools") is not None:
+        try:
+            tools = Tools.check(body["tools"], body.get("tool_choice") or "auto",
+                                _get(body, "parallel_tool_calls", (bool,), True))
+        except ToolError as e:
+            raise APIError(400, str(e), param=e.param) from None
+    elif body.get("tool_choice") not in (None, "none"):
+        raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
     field = next((f for f in ("response_format", "json_schema", "regex", "grammar")
                   if body.get(f) is not None and body[f] != {"type": "text"}), None)
-    return ParsedRequest(prompt, params, stream, include_usage, chat and max_tokens is None, n, logprobs, field)
+    return ParsedRequest(prompt, params, stream, include_usage, chat and max_tokens is None, n, logprobs, field,
+                         tools)
 
 
 def _param(message: str) -> str:
@@ -251,6 +297,13 @@ class Choice:
     finish_reason: str
     metrics: RequestMetrics
     logprobs: list[TokenLogprob] | None = None
+    tool_calls: list[ToolCall] | None = None
+
+
+def tool_calls_json(calls: list[ToolCall], delta: bool = False) -> list[dict]:
+    """Calls as OpenAI writes them (delta: with each call's index, as a streamed delta has it)."""
+    return [{**({"index": k} if delta else {}), "id": c.id, "type": "function",
+             "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]
 
 
 def completion(chat: bool, rid: str, model: str, choices: list[Choice], mode: str, tokenizer) -> dict:
@@ -258,8 +311,10 @@ def completion(chat: bool, rid: str, model: str, choices: list[Choice], mode: st
     out = []
     for i, c in enumerate(choices):
         lps = logprobs_json(chat, tokenizer, c.logprobs)
-        out.append({"index": i, "message": {"role": "assistant", "content": c.text}, "logprobs": lps,
-                    "finish_reason": c.finish_reason} if chat else
+        message = {"role": "assistant", "content": c.text}
+        if c.tool_calls:
+            message = {"role": "assistant", "content": c.text or None, "tool_calls": tool_calls_json(c.tool_calls)}
+        out.append({"index": i, "message": message, "logprobs": lps, "finish_reason": c.finish_reason} if chat else
                    {"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": out, "usage": usage([c.metrics for c in choices]),
@@ -267,10 +322,14 @@ def completion(chat: bool, rid: str, model: str, choices: list[Choice], mode: st
 
 
 def chunk(chat: bool, rid: str, model: str, text: str | None, finish: str | None, *, index: int = 0,
-          role: bool = False, choices: bool = True, logprobs: dict | None = None) -> dict:
-    """One streamed chunk; choices=False: the usage chunk (its fields are added by the caller)."""
+          role: bool = False, choices: bool = True, logprobs: dict | None = None,
+          calls: list[ToolCall] | None = None) -> dict:
+    """One streamed chunk; choices=False: the usage chunk (its fields are added by the caller);
+    calls: a delta with tool calls (each whole, with its index)."""
     if chat:
         delta = ({"role": "assistant", "content": ""} if role else {} if text is None else {"content": text})
+        if calls:
+            delta = {"tool_calls": tool_calls_json(calls, delta=True)}
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}

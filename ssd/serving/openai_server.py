@@ -144,8 +144,11 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
         failed = next((ev for ev in last if ev.error), None)
         if failed:
             raise APIError(500, failed.error, type="server_error")
-        choices = [Choice("".join(t), ev.finish_reason, ev.metrics, lp if req.logprobs else None)
-                   for t, lp, ev in zip(texts, lps, last)]
+        choices = []
+        for seq, t, lp, ev in zip(seqs, texts, lps, last):
+            text, calls = llm.tool_calls(seq) or ("".join(t), None)
+            finish = "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
+            choices.append(Choice(text, finish, ev.metrics, lp if req.logprobs else None, calls or None))
         return JSONResponse(completion(chat, rid, served_name, choices, llm.config.mode, llm.tokenizer))
 
     def submit(req, sink) -> list[Sequence]:
@@ -158,7 +161,7 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
                 params = req.params
                 if req.n > 1 and params.seed is not None:
                     params = dataclasses.replace(params, seed=(params.seed + i) % MAX_SEED)
-                seqs.append(engine.submit(req.prompt, params, functools.partial(sink, i), req.fill_context))
+                seqs.append(engine.submit(req.prompt, params, functools.partial(sink, i), req.fill_context, req.tools))
             return seqs
         except QueueFullError as e:
             raise APIError(429, str(e), type="requests", code="rate_limit_exceeded") from None
@@ -212,6 +215,7 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
         data = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
         last: list[Event | None] = [None] * len(seqs)
         offsets = [0] * len(seqs)  # completions' text_offset
+        calls = [llm.call_stream(seq) for seq in seqs]  # requests with tools: content until a call begins
         try:
             if chat:
                 for i in range(len(seqs)):
@@ -221,12 +225,21 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
                 if ev.error:
                     yield data(APIError(500, ev.error, type="server_error").body())
                     break
-                if ev.text or (req.logprobs and ev.logprobs):
+                text, found, finish = ev.text, None, ev.finish_reason
+                if calls[i] is not None:
+                    text = calls[i].push(ev.token_ids)
+                    if ev.finish_reason and not ev.error:
+                        rest, found = calls[i].finish()
+                        text += rest
+                        finish = "tool_calls" if found and finish == "stop" else finish
+                if text or (req.logprobs and ev.logprobs):
                     lps = logprobs_json(chat, llm.tokenizer, ev.logprobs, offsets[i]) if req.logprobs else None
-                    offsets[i] += len(ev.text)
-                    yield data(chunk(chat, rid, served_name, ev.text, None, index=i, logprobs=lps))
+                    offsets[i] += len(text)
+                    yield data(chunk(chat, rid, served_name, text, None, index=i, logprobs=lps))
+                if found:
+                    yield data(chunk(chat, rid, served_name, None, None, index=i, calls=found))
                 if ev.finish_reason:
-                    final = chunk(chat, rid, served_name, None, ev.finish_reason, index=i)
+                    final = chunk(chat, rid, served_name, None, finish, index=i)
                     final["ssd_metrics"] = speculation(ev.metrics, llm.config.mode)
                     yield data(final)
             else:

@@ -137,11 +137,12 @@ def test_models_and_health(client, server):
     (dict(extra_body={"grammar": 'start: "a" b'}), 400, "grammar", None),
     (dict(extra_body={"json_schema": {"type": "integer", "minimum": 3, "maximum": 1}}), 400, "json_schema", None),
     (dict(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]), 400, "tools", None),
+    (dict(tool_choice="required"), 400, "tool_choice", None),
     (dict(extra_body={"mirostat": 2}), 400, "mirostat", None),
     (dict(max_tokens=10_000), 400, "max_tokens", "context_length_exceeded"),
     (dict(model="gpt-4o"), 404, "model", "model_not_found"),
     (dict(messages=[]), 400, "messages", None),
-    (dict(messages=[{"role": "tool", "content": "x"}]), 400, "messages[0].role", None),
+    (dict(messages=[{"role": "function", "content": "x"}]), 400, "messages[0].role", None),
     (dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]), 400,
      "messages[0].content", None),
 ])
@@ -240,6 +241,74 @@ def test_n_choices_with_a_seed(client, smollm):
     two = client.chat.completions.create(model=MODEL, messages=chat(QUESTIONS[3]), max_tokens=5, n=2,
                                          extra_body={"ignore_eos": True})
     assert two.usage.prompt_tokens == one.usage.prompt_tokens and two.usage.completion_tokens == 10
+
+
+# ---- tools, on SmolLM2 with Qwen2.5's template (tests/conftest.py tool_model) --------------
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers",
+    "parameters": {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+                   "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+ASK_ADD = chat("What is 17 plus 25? Use the add tool.")
+
+
+@pytest.fixture(scope="module")
+def tool_client(tool_model, tmp_path_factory):
+    s = start_server("--model", str(tool_model), "--served-model-name", "tools", tmp_path=tmp_path_factory.mktemp("t"))
+    yield openai.OpenAI(base_url=s.base_url, api_key="none", max_retries=0, timeout=120)
+    s.stop()
+
+
+def test_a_tool_round_trip_through_the_client(tool_client):
+    import jsonschema
+    r = tool_client.chat.completions.create(model="tools", messages=ASK_ADD, tools=[ADD_TOOL], temperature=0,
+                                            max_tokens=60, tool_choice="required", parallel_tool_calls=False)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "add" and call.id.startswith("call_") and call.type == "function"
+    jsonschema.validate(json.loads(call.function.arguments), ADD_TOOL["function"]["parameters"])
+    history = ASK_ADD + [choice.message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "42"}]
+    final = tool_client.chat.completions.create(model="tools", messages=history, tools=[ADD_TOOL], temperature=0,
+                                                max_tokens=20, tool_choice="none")
+    assert final.choices[0].message.content and final.choices[0].finish_reason in ("stop", "length")
+    named = tool_client.chat.completions.create(model="tools", messages=ASK_ADD, tools=[ADD_TOOL], temperature=0,
+                                                max_tokens=60, tool_choice={"type": "function",
+                                                                            "function": {"name": "add"}})
+    assert named.choices[0].message.tool_calls[0].function.name == "add"
+
+
+def test_streamed_tool_call_deltas_assemble_to_the_call(tool_client):
+    kw = dict(model="tools", messages=ASK_ADD, tools=[ADD_TOOL], temperature=0, max_tokens=60,
+              tool_choice="required", parallel_tool_calls=False)
+    whole = tool_client.chat.completions.create(**kw).choices[0].message.tool_calls[0]
+    calls, content, finish = {}, "", None
+    for part in tool_client.chat.completions.create(stream=True, **kw):
+        for c in part.choices:
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                entry["name"] += d.function.name or ""
+                entry["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and content == ""
+    assert calls == {0: {"name": whole.function.name, "arguments": whole.function.arguments}}
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    (dict(tools=[{"type": "function", "function": {"parameters": {}}}]), "tools[0].function.name"),
+    (dict(tools=[ADD_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}), "tool_choice"),
+    (dict(tools=[ADD_TOOL, ADD_TOOL]), "tools[1].function.name"),
+    (dict(tools=[ADD_TOOL], tool_choice="required", response_format={"type": "json_object"}), "tool_choice"),
+    (dict(messages=ASK_ADD + [{"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "add", "arguments": "not json"}}]}]),
+     "messages[1].tool_calls[0].function.arguments"),
+])
+def test_bad_tool_requests(tool_client, kwargs, param):
+    request = dict(model="tools", messages=ASK_ADD, max_tokens=8) | kwargs
+    with pytest.raises(openai.BadRequestError) as info:
+        tool_client.chat.completions.create(**request)
+    assert info.value.body["param"] == param, info.value.body
 
 
 def test_prompt_longer_than_the_context(client):

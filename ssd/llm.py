@@ -151,13 +151,14 @@ class LLM:
         tool_choice "none"."""
         if seq.tools is None or not seq.tools.calls_parsed:
             return None
-        return ToolFormat(self.tokenizer).parse(ToolFormat(self.tokenizer).text(seq.output_ids), self._end_texts())
+        fmt = ToolFormat(self.tokenizer)
+        return fmt.parse(fmt.text(seq.output_ids), self._end_texts(), seq.tools.names)
 
     def call_stream(self, seq: Sequence) -> CallStream | None:
         """For a request with tools: what streams its content and collects its calls."""
         if seq.tools is None or not seq.tools.calls_parsed:
             return None
-        return CallStream(ToolFormat(self.tokenizer), self._end_texts())
+        return CallStream(ToolFormat(self.tokenizer), self._end_texts(), seq.tools.names)
 
     def _end_texts(self) -> tuple[str, ...]:
         return tuple(self.tokenizer.decode([t]) for t in self.eos_ids)

@@ -90,6 +90,10 @@ class Tools:
         return cls([{"type": "function", "function": t["function"]} for t in tools], choice, parallel)
 
     @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(t["function"]["name"] for t in self.definitions)
+
+    @property
     def calls_parsed(self) -> bool:
         """Whether the output is read for calls ("none": the model answers in text)."""
         return self.choice != "none"
@@ -131,15 +135,20 @@ class ToolFormat:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     @staticmethod
-    def parse(text: str, end_texts: tuple[str, ...] = ()) -> tuple[str, list[ToolCall]]:
+    def parse(text: str, end_texts: tuple[str, ...] = (), names: tuple[str, ...] = ()
+              ) -> tuple[str, list[ToolCall]]:
         """The content before the first call and the calls. A call whose JSON does not parse,
         or has no name, leaves the whole output as content (no calls), as other servers do;
-        only a last call cut short (by max_tokens) is dropped while the calls before it stand."""
+        only a last call cut short (by max_tokens) is dropped while the calls before it stand.
+        names: the request's functions; an output that is nothing but {"name": one of them,
+        "arguments": {...}} (bare or in a ```json fence, as Qwen2.5-Coder often answers) is
+        that call too."""
         for end in end_texts:
             text = text.removesuffix(end)
         start = text.find(OPEN)
         if start < 0:
-            return text, []
+            bare = _bare_call(text, names)
+            return ("", [bare]) if bare else (text, [])
         calls = []
         pattern = re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)"
         for block, closed in re.findall(pattern, text[start:], re.S):
@@ -156,12 +165,31 @@ class ToolFormat:
         return text[:start].rstrip(), calls
 
 
+def _bare_call(text: str, names: tuple[str, ...]) -> ToolCall | None:
+    body = re.fullmatch(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", text, re.S)
+    if not names or body is None:
+        return None
+    try:
+        call = json.loads(body.group(1))
+    except json.JSONDecodeError:
+        return None
+    if set(call) != {"name", "arguments"} or call["name"] not in names or not isinstance(call["arguments"], dict):
+        return None
+    return ToolCall(call["name"], json.dumps(call["arguments"]))
+
+
+def _may_be_bare_call(text: str) -> bool:
+    """Whether streamed text could still turn out to be a bare call (held back until the end)."""
+    head = text.lstrip()
+    return head.startswith(("{", "```")) or "```".startswith(head)
+
+
 class CallStream:
     """A tool request's output as it streams: content is handed out until a call begins
     (text that could be the start of one is held back); the calls come at the end."""
 
-    def __init__(self, fmt: ToolFormat, end_texts: tuple[str, ...]):
-        self.fmt, self.end_texts = fmt, end_texts
+    def __init__(self, fmt: ToolFormat, end_texts: tuple[str, ...], names: tuple[str, ...] = ()):
+        self.fmt, self.end_texts, self.names = fmt, end_texts, names
         self.ids: list[int] = []
         self.sent = 0  # characters of content handed out
         self.in_call = False
@@ -182,6 +210,8 @@ class CallStream:
         self.in_call = start >= 0
         if self.in_call:
             upto = start
+        elif self.names and _may_be_bare_call(text):
+            upto = 0
         else:
             upto = len(text) - next((k for k in range(len(OPEN) - 1, 0, -1) if text.endswith(OPEN[:k])), 0)
             upto -= text[:upto].endswith("\ufffd")  # a character still incomplete
@@ -191,7 +221,7 @@ class CallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not handed out yet, and the calls."""
-        content, calls = self.fmt.parse(self._text())
+        content, calls = self.fmt.parse(self._text(), names=self.names)
         return content[self.sent:], calls
 
 

@@ -60,6 +60,10 @@ def test_calls_are_parsed_from_the_models_format():
     assert ToolFormat.parse("<tool_call>\n{not json}\n</tool_call>") == ("<tool_call>\n{not json}\n</tool_call>", [])
     cut = text.split("<tool_call>\n{\"name\": \"add\"")[0] + '<tool_call>\n{"name": "ad'
     assert [c.name for c in ToolFormat.parse(cut)[1]] == ["get_weather"]  # a last call cut short is dropped
+    bare = '```json\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n```'
+    assert ToolFormat.parse(bare, names=("add",))[1][0].arguments == '{"a": 1, "b": 2}'
+    assert ToolFormat.parse(bare, names=("sub",)) == (bare, [])  # only a function of the request
+    assert ToolFormat.parse('{"name": "add", "arguments": 3}', names=("add",))[1] == []
 
 
 class _Tok:  # what CallStream needs of a tokenizer: decode of ids that are characters here
@@ -75,6 +79,12 @@ def test_streamed_content_stops_where_a_call_begins():
     out = "".join(stream.push([ord(ch)]) for ch in text)
     rest, calls = stream.finish()
     assert out + rest == "Sure. " and "<" not in out and [c.name for c in calls] == ["add"]
+    stream = CallStream(fmt, (), ("add",))
+    text = '```json\n{"name": "add", "arguments": {"a": 1}}\n```'
+    assert "".join(stream.push([ord(ch)]) for ch in text) == ""  # held back: it may be a bare call
+    assert stream.finish()[0] == "" and stream.finish()[1][0].name == "add"
+    stream = CallStream(fmt, (), ("add",))
+    assert "".join(stream.push([ord(ch)]) for ch in "Hello there") == "Hello there"
 
 
 def test_required_and_named_calls_always_validate(llm):

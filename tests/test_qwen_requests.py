@@ -1,0 +1,66 @@
+"""What apps send, on the default Qwen pair: tool calls with tool_choice "auto" and "required",
+and JSON schemas, with SD giving AR's tokens. Slow (minutes on 2 CPU cores): run by hand with
+`python -m pytest -m slow tests/test_qwen_requests.py`."""
+import json
+
+import jsonschema
+import pytest
+
+from ssd import LLM, SamplingParams
+from ssd.tools import Tools
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
+pytestmark = pytest.mark.slow
+
+
+def fn(name: str, description: str, properties: dict) -> dict:
+    return {"type": "function", "function": {"name": name, "description": description, "parameters": {
+        "type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}}}
+
+
+TOOLS = [fn("get_weather", "The current weather in a city", {"city": {"type": "string"}}),
+         fn("add", "Add two numbers", {"a": {"type": "number"}, "b": {"type": "number"}}),
+         fn("search_web", "Search the web", {"query": {"type": "string"}}),
+         fn("send_email", "Send an email", {"to": {"type": "string"}, "subject": {"type": "string"},
+                                            "body": {"type": "string"}})]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASKS = ["What's the weather in Tokyo right now?", "Add 1234 and 5678 with the add tool.",
+        "Search the web for the latest Python release.", "Email bob@example.com that the meeting moved to 3pm.",
+        "Is it raining in London?", "What is 3.5 plus 7.25? Use the tool.", "Look up who won the 2022 World Cup.",
+        "Send an email to alice@example.com with subject Hi and body Hello Alice.",
+        "How warm is it in Cairo today?", "Use the add tool to add 19 and 23."]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "languages"],
+          "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                         "languages": {"type": "array", "items": {"type": "string"}, "maxItems": 3}}}
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(TARGET, draft=DRAFT, mode="sd") as llm:
+        yield llm
+
+
+def test_auto_and_required_tool_calls(llm):
+    chats = [[{"role": "user", "content": a}] for a in ASKS]
+    auto = llm.generate(chats, SamplingParams.greedy(max_tokens=96), tools=TOOLS)
+    called = [o for o in auto if o.tool_calls]
+    # Every call the model wrote is parsed (a call left in the text would show its name there).
+    assert all(not any(f'"{n}"' in o.text for n in SCHEMAS) for o in auto if not o.tool_calls), \
+        [o.text for o in auto]
+    assert len(called) >= 8, [o.text for o in auto]
+    required = llm.generate(chats, SamplingParams.greedy(max_tokens=96), tools=Tools.check(TOOLS, "required", False))
+    for o in required:
+        assert o.finish_reason == "tool_calls" and len(o.tool_calls) == 1
+        c = o.tool_calls[0]
+        jsonschema.validate(json.loads(c.arguments), SCHEMAS[c.name])
+
+
+def test_schema_sd_equals_ar(llm):
+    chat = [{"role": "user", "content": "Describe a programmer named Ada, 36, who knows three languages, as JSON."}]
+    params = SamplingParams.greedy(max_tokens=80, json_schema=PERSON, logprobs=1)
+    sd = llm.generate(chat, params)[0]
+    with LLM(TARGET) as ar:
+        want = ar.generate(chat, params)[0]
+    assert sd.token_ids == want.token_ids and sd.logprobs == want.logprobs
+    jsonschema.validate(json.loads(sd.text), PERSON)
+    assert sd.metrics.acceptance_rate > 0.5

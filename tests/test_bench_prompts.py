@@ -10,6 +10,8 @@ FIRST_IDS = {
     "gsm8k": ["gsm8k/0", "gsm8k/1", "gsm8k/2"],
     "mtbench": ["mtbench/81", "mtbench/91", "mtbench/101"],
     "aclsum": ["aclsum/E09-1056", "aclsum/N19-1362", "aclsum/P01-1040"],
+    "json-math": ["json-math/0", "json-math/1", "json-math/2"],
+    "json-code": ["json-code/0", "json-code/1", "json-code/2"],
 }
 
 
@@ -23,13 +25,16 @@ def test_prompt_set_fixed_selection(name):
 
 
 def test_set_sizes_and_texts():
-    assert [len(load_prompt_set(n)) for n in PROMPT_SETS] == [164, 1319, 80, 100]
+    assert [len(load_prompt_set(n)) for n in PROMPT_SETS] == [164, 1319, 80, 100, 1319, 164]
     assert load_prompt_set("humaneval", 1)[0].text.startswith("from typing import List\n")
     assert load_prompt_set("gsm8k", 1)[0].text.startswith("Janet’s ducks lay 16 eggs per day.")
     assert load_prompt_set("mtbench", 1)[0].text.startswith("Compose an engaging travel blog post")
     long = load_prompt_set("aclsum", 1)[0].text
     assert long.startswith("Summarize the following paper introduction in a few sentences:\n\nIf machine")
     assert len(long) > 1000
+    math, code = load_prompt_set("json-math", 1)[0], load_prompt_set("json-code", 1)[0]
+    assert "Janet’s ducks" in math.text and len(math.schema["required"]) == 6
+    assert "from typing import List" in code.text and len(code.schema["required"]) == 7
 
 
 def test_mtbench_spreads_over_categories():
@@ -57,6 +62,11 @@ def test_prompts_file(tmp_path):
     assert load_prompts_file(path) == [
         BenchPrompt("file", "file/0", "a"), BenchPrompt("file", "mine", "b", "c"),
         BenchPrompt("file", "file/2", "m"), BenchPrompt("file", "file/3", "t1")]
+    path.write_text(json.dumps({"prompt": "a", "schema": {"type": "object"}}) + "\n")
+    assert load_prompts_file(path)[0].schema == {"type": "object"}
+    path.write_text(json.dumps({"prompt": "a", "schema": "object"}) + "\n")
+    with pytest.raises(SSDError, match="schema"):
+        load_prompts_file(path)
 
 
 @pytest.mark.parametrize("content, match", [

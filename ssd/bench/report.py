@@ -42,7 +42,7 @@ class Row:
     tokens_per_miss: float | None = None  # SSD: tokens gained per round on a miss
     speedup: float | None = None  # tok_s_agg / AR's tok_s_agg, same set, same run
     same_as_ar: str = "n.a."  # "yes" | "no (d/n)": d of n prompts differ | "ref" | "n.a."
-    valid: str = "-"  # answers that parse and follow their schema, "v/n" ("-": no schema)
+    valid: str = "-"  # finished answers that parse and follow their schema, "v/n (c cut)" ("-": no schema)
     skipped: str | None = None  # why the configuration did not run
 
 
@@ -91,8 +91,12 @@ def _row(name: str, c: RunConfig, records: list[PromptRecord], threads: int) -> 
 
 
 def _valid(records: list[PromptRecord]) -> str:
-    checked = [r.valid for r in records if r.valid is not None]
-    return f"{sum(checked)}/{len(checked)}" if checked else "-"
+    """Answers under a schema that ended by themselves and validate / those that ended by
+    themselves; answers cut by max_tokens are counted apart (a cut answer is unfinished JSON)."""
+    schema = [r for r in records if r.valid is not None]
+    ended = [r.valid for r in schema if r.finish_reason != "length"]
+    cut = len(schema) - len(ended)
+    return f"{sum(ended)}/{len(ended)}" + (f" ({cut} cut)" if cut else "") if schema else "-"
 
 
 def summarise(result: BenchResult) -> list[Row]:

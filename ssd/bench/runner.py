@@ -120,6 +120,7 @@ class PromptRecord:
     metrics: dict  # RequestMetrics.as_dict(), or the subset of its keys a peer measures
     same_as_ar: bool | None = None  # token-identical to AR; None for AR itself, at T > 0, or without AR
     valid: bool | None = None  # the answer parses and follows the prompt's schema; None: no schema
+    finish_reason: str | None = None  # the engine's ("stop", "length"); None for peers
 
 
 @dataclass
@@ -203,7 +204,8 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
                     wall = time.perf_counter() - start
                     for p, o in zip(batch, outs):
                         result.records.append(PromptRecord(name, p.id, label, b, wall, o.token_ids,
-                                                           o.metrics.as_dict(), valid=follows(o.text, p.schema)))
+                                                           o.metrics.as_dict(), valid=follows(o.text, p.schema),
+                                                           finish_reason=o.finish_reason))
                         totals[label][0] += max(0, o.metrics.output_tokens - 1)
                         totals[label][1] += o.metrics.decode_s
                     bar.update(len(outs))

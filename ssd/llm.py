@@ -1,4 +1,5 @@
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator
@@ -151,14 +152,19 @@ class LLM:
         tool_choice "none"."""
         if seq.tools is None or not seq.tools.calls_parsed:
             return None
-        fmt = ToolFormat(self.tokenizer)
+        fmt = self.tool_format
         return fmt.parse(fmt.text(seq.output_ids), self._end_texts(), seq.tools.names)
 
     def call_stream(self, seq: Sequence) -> CallStream | None:
         """For a request with tools: what streams its content and collects its calls."""
         if seq.tools is None or not seq.tools.calls_parsed:
             return None
-        return CallStream(ToolFormat(self.tokenizer), self._end_texts(), seq.tools.names)
+        return CallStream(self.tool_format, self._end_texts(), seq.tools.names)
+
+    @functools.cached_property
+    def tool_format(self) -> ToolFormat:
+        """How this model writes tool calls (read from its tokenizer once)."""
+        return ToolFormat(self.tokenizer)
 
     def _end_texts(self) -> tuple[str, ...]:
         return tuple(self.tokenizer.decode([t]) for t in self.eos_ids)
@@ -179,7 +185,7 @@ class LLM:
                             "(it renders no tools and no <tool_call>)", "tools")
         if params.stop and tools.calls_parsed:
             raise ToolError("stop strings cannot be combined with tools (a call may contain them)", "stop")
-        grammar = ToolFormat(self.tokenizer).grammar(tools)
+        grammar = self.tool_format.grammar(tools)
         if grammar is not None:
             if params.constrained:
                 raise ToolError(f"tool_choice {tools.choice!r} makes the output a tool call; it cannot also follow "

@@ -34,10 +34,10 @@ class LogitsProcessor:
         probability is 0), so they are never used."""
         p, out = self.params, logits.float().clone()
         n, V = out.shape
-        history = torch.tensor(list(tokens) + list(drafts[:n - 1]), dtype=torch.long, device=out.device)
-        ends = len(tokens) + torch.arange(n, device=out.device)  # row i sees history[:ends[i]]
+        ends = len(tokens) + torch.arange(n, device=out.device)  # row i sees the history before ends[i]
         start = self.num_prompt_tokens
         if p.repetition_penalty != 1 or p.presence_penalty or p.frequency_penalty:
+            history = torch.tensor(list(tokens) + list(drafts[:n - 1]), dtype=torch.long, device=out.device)
             pos = torch.arange(len(history), device=out.device)
             rows = (pos.unsqueeze(0) < ends.unsqueeze(1)) & (history < V)  # [n, len]: in row i's history
             index = history.clamp(max=V - 1).expand(n, -1)
@@ -53,7 +53,7 @@ class LogitsProcessor:
             keep = ids < V
             out[:, ids[keep]] += values[keep]
         # min_tokens: the rows whose token would come before the min_tokens-th ban the end tokens.
-        short = ((ends - start) < p.min_tokens).tolist()
+        short = ((ends - start) < p.min_tokens).tolist() if p.min_tokens else [False] * n
         end_ids = torch.tensor([t for t in self.end_ids if t < V], dtype=torch.long, device=out.device)
         if self.constraint is not None:
             self._constrain(out, tokens, drafts, short, end_ids)
@@ -64,7 +64,7 @@ class LogitsProcessor:
     def _constrain(self, out: torch.Tensor, tokens: list[int], drafts: list[int], short: list[bool],
                    end_ids: torch.Tensor) -> None:
         c, V = self.constraint, out.shape[1]
-        c.follow(list(tokens[self.num_prompt_tokens:]))
+        c.follow(self._output(tokens))
         for i in range(out.shape[0]):
             allowed = c.allowed()[:V]
             if short[i]:
@@ -86,7 +86,7 @@ class LogitsProcessor:
         draft emits it without a forward pass); None otherwise or without a constraint."""
         if self.constraint is None:
             return None
-        self.constraint.follow(list(tokens[self.num_prompt_tokens:]))
+        self.constraint.follow(self._output(tokens))
         allowed = self.constraint.allowed()
         if int(allowed.sum()) != 1:
             return None
@@ -97,8 +97,11 @@ class LogitsProcessor:
         request then stops, as at an end token)."""
         if self.constraint is None:
             return False
-        self.constraint.follow(list(tokens[self.num_prompt_tokens:]))
+        self.constraint.follow(self._output(tokens))
         return self.constraint.stopped
+
+    def _output(self, tokens: list[int]) -> list[int]:
+        return list(tokens[self.num_prompt_tokens:])
 
     def _bias_tensors(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self._bias is None:

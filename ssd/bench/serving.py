@@ -3,8 +3,11 @@ llama.cpp's OpenAI servers on the same GGUF at the same threads.
 
 Each engine runs as its users run it: `ssd serve`; `python -m llama_cpp.server` (one request
 at a time, as llama-cpp-python serves); `llama-server` (llama.cpp's own server, with as many
-parallel slots as there are clients: its continuous batching). Every client streams chat
-completions, greedy, one prompt after another from a shared list. Per run: requests/s,
+parallel slots as there are clients: its continuous batching), and `llama-server-spec` (the
+same with the draft GGUF as its speculative draft, `-md`, at its default draft settings).
+Every client streams chat completions, greedy, one prompt after another from a shared list;
+a prompt set with a schema (json-math, json-code) sends it as `response_format` json_schema
+to every server, and the table counts the answers that parse and validate. Per run: requests/s,
 output tok/s (completion tokens over the run's wall time), TTFT and time per output token
 (a request's (last - first token) / (tokens - 1)) at p50/p90/p99, and whether each output
 equals ssd's AR output at concurrency 1.
@@ -27,11 +30,12 @@ import numpy as np
 from ssd.bench.cli import DEFAULT_DRAFT, DEFAULT_TARGET
 from ssd.bench.prompts import PROMPT_SETS, load_prompt_set
 from ssd.bench.report import check_out, machine_info
+from ssd.bench.runner import follows
 from ssd.engine.placement import engine_threads
 from ssd.errors import SSDError
 from ssd.store import gguf_path
 
-PEERS = ("llamacpp", "llama-server")
+PEERS = ("llamacpp", "llama-server", "llama-server-spec")
 
 
 @dataclass
@@ -42,6 +46,8 @@ class RequestResult:
     ttft_s: float
     tpot_s: float | None  # None for a one-token answer
     error: str | None = None
+    valid: bool | None = None  # the answer parses and follows the prompt's schema; None: no schema
+    drafted: tuple[int, int] | None = None  # llama-server's timings: (draft tokens, accepted)
 
 
 @dataclass
@@ -53,6 +59,7 @@ class Run:
     requests: list[RequestResult] = field(default_factory=list)
     same_as_ar: int | None = None  # outputs equal to ssd AR's at concurrency 1
     in_process: float | None = None  # ssd: LLM.generate's mean decode tok/s on the same prompts, one at a time
+    drafted: tuple[int, int] | None = None  # ssd sd/ssd: the run's (draft tokens, accepted) from /metrics
 
     def summary(self) -> dict:
         ok = [r for r in self.requests if r.error is None]
@@ -60,13 +67,31 @@ class Run:
         pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
         ttft = [r.ttft_s for r in ok]
         tpot = [r.tpot_s for r in ok if r.tpot_s is not None]
+        checked = [r.valid for r in ok if r.valid is not None]
+        drafted = [r.drafted for r in ok if r.drafted is not None and r.drafted[0]]
+        if self.drafted is not None and self.drafted[0]:
+            drafted.append(self.drafted)
         return {"engine": self.engine, "concurrency": self.concurrency, "threads": self.threads,
                 "requests": len(self.requests), "errors": len(self.requests) - len(ok),
                 "req_per_s": len(ok) / self.wall_s, "output_tok_per_s": tokens / self.wall_s,
                 "ttft_p50": pct(ttft, 50), "ttft_p90": pct(ttft, 90), "ttft_p99": pct(ttft, 99),
                 "tpot_p50": pct(tpot, 50), "tpot_p90": pct(tpot, 90), "tpot_p99": pct(tpot, 99),
                 "decode_tok_per_s": float(np.mean([1 / t for t in tpot])) if tpot else None,
-                "in_process_decode_tok_per_s": self.in_process, "same_as_ar": self.same_as_ar}
+                "in_process_decode_tok_per_s": self.in_process, "same_as_ar": self.same_as_ar,
+                "valid": sum(checked) if checked else None,
+                "acceptance": sum(a for _, a in drafted) / sum(d for d, _ in drafted) if drafted else None}
+
+
+def spec_counts(url: str) -> tuple[int, int] | None:
+    """ssd serve's draft tokens and accepted tokens since it started (Prometheus counters)."""
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return None
+    values = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    if "ssd_spec_draft_tokens_total" not in values:
+        return None
+    return int(float(values["ssd_spec_draft_tokens_total"])), int(float(values["ssd_spec_accepted_tokens_total"]))
 
 
 def _free_port() -> int:
@@ -108,10 +133,18 @@ class ServerProcess:
                 self.proc.wait()
 
 
-async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: dict, max_tokens: int) -> RequestResult:
+def request_body(model: str, prompt: dict, max_tokens: int) -> dict:
     body = {"model": model, "messages": [{"role": "user", "content": prompt["text"]}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    start, first, last, pieces, tokens = time.perf_counter(), None, None, [], 0
+    if prompt.get("schema") is not None:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "answer", "schema": prompt["schema"], "strict": True}}
+    return body
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: dict, max_tokens: int) -> RequestResult:
+    body = request_body(model, prompt, max_tokens)
+    start, first, last, pieces, tokens, drafted = time.perf_counter(), None, None, [], 0, None
     try:
         async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -122,6 +155,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: dict, ma
                 msg = json.loads(line[6:])
                 if msg.get("usage"):
                     tokens = msg["usage"]["completion_tokens"]
+                if "draft_n" in (msg.get("timings") or {}):  # llama-server's own count
+                    drafted = (msg["timings"]["draft_n"], msg["timings"]["draft_n_accepted"])
                 for choice in msg.get("choices") or []:
                     text = (choice.get("delta") or {}).get("content")
                     if text:
@@ -134,7 +169,9 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, prompt: dict, ma
     tokens = tokens or len(pieces)  # a server without usage in streams: one token per chunk
     ttft = (first or time.perf_counter()) - start
     tpot = (last - first) / (tokens - 1) if first is not None and tokens > 1 else None
-    return RequestResult(prompt["id"], "".join(pieces), tokens, ttft, tpot)
+    text = "".join(pieces)
+    return RequestResult(prompt["id"], text, tokens, ttft, tpot, valid=follows(text, prompt.get("schema")),
+                         drafted=drafted)
 
 
 async def _drive(url: str, model: str, prompts: list[dict], concurrency: int, max_tokens: int
@@ -148,11 +185,15 @@ async def _drive(url: str, model: str, prompts: list[dict], concurrency: int, ma
             results[i] = await _one(client, url, model, p, max_tokens)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=concurrency)) as c:
-        await _one(c, url, model, prompts[0], 8)  # warm-up, not counted
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(c) for _ in range(concurrency)))
         wall = time.perf_counter() - start
     return results, wall
+
+
+async def _warm_up(url: str, model: str, prompt: dict) -> None:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as c:
+        await _one(c, url, model, prompt, 8)
 
 
 def in_process_decode(model: str, mode: str, draft: str, k: str, threads: int, prompts: list[dict],
@@ -185,7 +226,7 @@ def run_serving_bench(args: argparse.Namespace) -> list[Run]:
         out.mkdir(parents=True, exist_ok=True)
     logs = out or Path(os.environ.get("TMPDIR", "/tmp"))
     threads = engine_threads(args.threads)
-    prompts = [{"id": p.id, "text": p.text} for p in load_prompt_set(args.set, args.num_prompts)]
+    prompts = [{"id": p.id, "text": p.text, "schema": p.schema} for p in load_prompt_set(args.set, args.num_prompts)]
     levels = sorted({int(x) for x in args.concurrency.split(",")})
     gguf = gguf_path(args.model) if args.peers else None
     servers: list[tuple[str, list[str], str, dict]] = []
@@ -202,14 +243,17 @@ def run_serving_bench(args: argparse.Namespace) -> list[Run]:
                 sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--model_alias", "m",
                 "--interrupt_requests", "False",
                 "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", "4096"], "/v1/models", {}))
-        elif peer == "llama-server":
+        elif peer in ("llama-server", "llama-server-spec"):
             binary = Path(args.llama_bin) / "llama-server"
             if not binary.exists():
                 raise SSDError(f"no llama-server in {args.llama_bin}: build it with bench/llamacpp.sh")
-            servers.append((f"llama.cpp (llama-server -np {max(levels)})", [
-                str(binary), "-m", str(gguf), "-a", "m", "-t", str(threads), "-tb", str(threads),
-                "-np", str(max(levels)), "-c", str(4096 * max(levels)), "--jinja"], "/health",
-                {"LD_LIBRARY_PATH": str(Path(args.llama_bin))}))
+            argv = [str(binary), "-m", str(gguf), "-a", "m", "-t", str(threads), "-tb", str(threads),
+                    "-np", str(max(levels)), "-c", str(4096 * max(levels)), "--jinja"]
+            name = f"llama.cpp (llama-server -np {max(levels)})"
+            if peer == "llama-server-spec":
+                argv += ["-md", str(gguf_path(args.draft)), "-td", str(threads), "-tbd", str(threads)]
+                name = f"llama.cpp (llama-server -np {max(levels)} -md draft)"
+            servers.append((name, argv, "/health", {"LD_LIBRARY_PATH": str(Path(args.llama_bin))}))
         else:
             raise SSDError(f"unknown peer {peer!r}: choose from {', '.join(PEERS)}")
     runs: list[Run] = []
@@ -226,8 +270,13 @@ def run_serving_bench(args: argparse.Namespace) -> list[Run]:
         server = ServerProcess(name, argv, port, logs / f"server-{name.split()[0]}-{port}.log", ready, env)
         try:
             for c in levels:
+                asyncio.run(_warm_up(server.url, "m", prompts[0]))
+                before = spec_counts(server.url) if name.startswith("ssd ") else None
                 results, wall = asyncio.run(_drive(server.url, "m", prompts, c, args.max_tokens))
                 run = Run(name, c, threads, wall, results, in_process=reference_rate if c == 1 else None)
+                after = spec_counts(server.url) if before is not None else None
+                if after is not None:
+                    run.drafted = (after[0] - before[0], after[1] - before[1])
                 if name == "ssd ar" and c == levels[0]:
                     reference = {r.prompt_id: r.text for r in results}
                 if reference is not None:
@@ -253,6 +302,8 @@ def run_serving_bench(args: argparse.Namespace) -> list[Run]:
 def format_serving_table(runs: list[Run], markdown: bool = False) -> str:
     head = ["engine", "clients", "threads", "req/s", "output tok/s", "decode tok/s (in process)",
             "TTFT p50/p90/p99 s", "TPOT p50/p90/p99 ms", "errors", "same text as ssd AR"]
+    schema = any(r.summary()["valid"] is not None for r in runs)
+    head += ["JSON ok", "acceptance"] if schema else ["acceptance"]
     fmt = lambda x, scale=1.0, d=2: "-" if x is None else f"{x * scale:.{d}f}"  # noqa: E731
     rows = []
     for r in runs:
@@ -262,7 +313,9 @@ def format_serving_table(runs: list[Run], markdown: bool = False) -> str:
                      + ("" if s["in_process_decode_tok_per_s"] is None else f" ({s['in_process_decode_tok_per_s']:.1f})"),
                      "/".join(fmt(s[f"ttft_p{q}"]) for q in (50, 90, 99)),
                      "/".join(fmt(s[f"tpot_p{q}"], 1000, 0) for q in (50, 90, 99)), str(s["errors"]),
-                     "-" if s["same_as_ar"] is None else f"{s['same_as_ar']}/{s['requests']}"])
+                     "-" if s["same_as_ar"] is None else f"{s['same_as_ar']}/{s['requests']}"]
+                    + ([fmt(s["valid"], d=0) + f"/{s['requests']}"] if schema else [])
+                    + [fmt(s["acceptance"], 100, 0) + ("" if s["acceptance"] is None else " %")])
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])

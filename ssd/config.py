@@ -59,6 +59,7 @@ class EngineConfig:
     block_size: int = 16
     seed: int | None = None
     weights: str = "auto"
+    enable_prefix_caching: bool = True  # full blocks of shared prompt prefixes computed once (kv_cache.py)
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -77,6 +78,8 @@ class EngineConfig:
             check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         if self.seed is not None:
             check_int("seed", self.seed, 0, 2**64 - 1)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise SSDError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         # SSD pins the target to its cores around each step (the speculator's placement()).
         self.threads = engine_threads(self.threads)
         target_device = spec.target_device if self.mode == "ssd" else None
@@ -91,6 +94,11 @@ class EngineConfig:
         elif not (is_int(self.max_model_len) and 1 < self.max_model_len <= limit):
             raise SSDError(f"max_model_len must be in 2..{limit} for this model, got {self.max_model_len}")
         self.kv_cache_tokens = self.kv_cache_tokens or max(self.max_model_len, MIN_CACHE_TOKENS)
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What names the target's cached blocks besides their tokens (None: no prefix caching)."""
+        return f"{self.model}|{self.dtype}|{self.weights}" if self.enable_prefix_caching else None
 
     @classmethod
     def from_options(cls, model: str | os.PathLike, options: dict) -> "EngineConfig":

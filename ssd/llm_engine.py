@@ -52,7 +52,7 @@ class LLMEngine:
         if self.speculator:
             self.speculator.wait_ready()
         self.cache = PagedKVCache(config.model_config, config.kv_cache_tokens, config.block_size, config.device,
-                                  config.dtype)
+                                  config.dtype, config.prefix_salt)
         self.registry = Registry()  # everything held per sequence: one release reaches it all
         self.registry.register("target KV cache", self.cache)
         if self.speculator:
@@ -80,7 +80,11 @@ class LLMEngine:
             drawn = self._forward(plain) if plain else []
             now = time.perf_counter()
             events = [self._append(seq, [token], [False], now, lps) for seq, token, lps in drawn]
-            return events + (self._speculate(decoding) if decoding else [])
+            events += self._speculate(decoding) if decoding else []
+        for w in work:  # name the newly full blocks of confirmed tokens (prefix caching)
+            if not w.seq.finished:
+                self.cache.commit(w.seq.seq_id, w.seq.token_ids)
+        return events
 
     def set_speculate_k(self, k: int | str) -> None:
         """K for the next rounds: 0 (plain decoding) up to k_max, or "auto"."""
@@ -216,4 +220,5 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
         cache_tokens=config.kv_cache_tokens + config.max_num_seqs * per_seq, block_size=config.block_size,
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
         fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,
-        backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head))
+        backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head),
+        prefix_caching=config.enable_prefix_caching)

@@ -16,6 +16,7 @@ class TokenLogprob:
 @dataclass
 class RequestMetrics:
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (not computed)
     output_tokens: int = 0
     ttft_s: float = 0.0  # request arrival to first output token
     decode_s: float = 0.0  # first output token to last

@@ -6,9 +6,16 @@ leading positions of each owner hold K/V (`cached`): a forward pass writes them
 (ModelRunner), and rolling back rejected tokens is only a length change: `truncate` frees
 whole blocks past the new length and the stale slots inside the last block are overwritten
 by the next write.
+
+With prefix caching (prefix_cache.py), full blocks of confirmed tokens are named
+(`commit`), a new owner starts from the longest run of named blocks its tokens begin with
+(`match`), and blocks are reference-counted: shared blocks are read-only, and a write into
+one (`writable`) copies it first, so neither rollback nor speculation changes a block that
+another sequence or the cache still reads.
 """
 import torch
 
+from ssd.engine.prefix_cache import PrefixCache
 from ssd.models.config import ModelConfig
 
 
@@ -18,15 +25,20 @@ class CacheFullError(RuntimeError):
 
 class PagedKVCache:
     def __init__(self, cfg: ModelConfig, num_tokens: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, prefix_salt: str | None = None):
+        """prefix_salt: turns prefix caching on; what else than tokens sets a block's K/V
+        (the model, its dtype and weights)."""
         self.block_size = block_size
         self.num_blocks = -(-num_tokens // block_size)
         # torch.empty: pages of memory are committed only when first written.
         self.kv = torch.empty(cfg.num_layers, 2, self.num_blocks * block_size, cfg.num_kv_heads,
                               cfg.head_dim, device=device, dtype=dtype)
         self.free_blocks = list(range(self.num_blocks - 1, -1, -1))
+        self.refs = [0] * self.num_blocks  # owners holding each block
         self.tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}  # owner -> leading positions whose K/V are written
+        self.prefix = None if prefix_salt is None else PrefixCache(block_size, prefix_salt)
+        self.names: dict[int, list[bytes]] = {}  # owner -> names of its leading full blocks
 
     def cached(self, owner: int) -> int:
         """Leading positions of `owner` whose K/V are in the cache."""
@@ -37,23 +49,33 @@ class PagedKVCache:
         self.lengths[owner] = end
 
     @property
+    def available(self) -> int:
+        """Blocks a reservation can take: free ones, and cached ones no owner holds."""
+        return len(self.free_blocks) + (len(self.prefix.unused) if self.prefix else 0)
+
+    @property
     def blocks_in_use(self) -> int:
-        return self.num_blocks - len(self.free_blocks)
+        return self.num_blocks - self.available
+
+    @property
+    def cached_blocks(self) -> int:
+        """Named blocks (prefix caching), held or not."""
+        return len(self.prefix.name_of) if self.prefix else 0
 
     def blocks_needed(self, owner: int, num_tokens: int) -> int:
         have = len(self.tables.get(owner, ()))
         return max(0, -(-num_tokens // self.block_size) - have)
 
     def can_reserve(self, owner: int, num_tokens: int) -> bool:
-        return self.blocks_needed(owner, num_tokens) <= len(self.free_blocks)
+        return self.blocks_needed(owner, num_tokens) <= self.available
 
     def reserve(self, owner: int, num_tokens: int) -> None:
         """Make sure `owner` has slots for positions 0..num_tokens-1."""
         need = self.blocks_needed(owner, num_tokens)
-        if need > len(self.free_blocks):
-            raise CacheFullError(f"KV cache full: need {need} blocks, {len(self.free_blocks)} free")
+        if need > self.available:
+            raise CacheFullError(f"KV cache full: need {need} blocks, {self.available} free")
         table = self.tables.setdefault(owner, [])
-        table.extend(self.free_blocks.pop() for _ in range(need))
+        table.extend(self._take() for _ in range(need))
 
     def truncate(self, owner: int, num_tokens: int) -> None:
         """Keep only positions < num_tokens (rollback); frees the blocks past them."""
@@ -62,18 +84,97 @@ class PagedKVCache:
             self.lengths[owner] = min(self.lengths[owner], num_tokens)
         keep = -(-num_tokens // self.block_size)
         while len(table) > keep:
-            self.free_blocks.append(table.pop())
+            self._drop(table.pop())
+        if owner in self.names:
+            del self.names[owner][num_tokens // self.block_size:]
 
     def release(self, owner: int) -> None:
-        self.free_blocks.extend(reversed(self.tables.pop(owner, [])))
+        for block in reversed(self.tables.pop(owner, [])):
+            self._drop(block)
         self.lengths.pop(owner, None)
+        self.names.pop(owner, None)
 
     def held(self) -> dict[str, int]:
         """Owners with blocks or written positions, and the blocks they hold."""
         return {"owners": len(self.tables.keys() | self.lengths.keys()), "blocks": self.blocks_in_use}
 
     def slots(self, owner: int, start: int, end: int) -> torch.Tensor:
-        """Cache slots of positions start..end-1 of `owner` (a CPU LongTensor)."""
+        """Cache slots of positions start..end-1 of `owner` (a CPU LongTensor), to read."""
         table = torch.tensor(self.tables[owner], dtype=torch.long)
         pos = torch.arange(start, end)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def writable(self, owner: int, start: int, end: int) -> torch.Tensor:
+        """Slots of positions start..end-1 to write into: a block there that others hold is
+        copied first (copy on write), and one only this owner holds loses its name."""
+        table, bs = self.tables[owner], self.block_size
+        for i in range(start // bs, -(-end // bs)):
+            block = table[i]
+            if self.refs[block] > 1:
+                copy = self._take()
+                self.kv[:, :, copy * bs:(copy + 1) * bs] = self.kv[:, :, block * bs:(block + 1) * bs]
+                table[i] = copy
+                self._drop(block)
+            elif self.prefix:
+                self.prefix.forget(block)
+        if owner in self.names:
+            del self.names[owner][start // bs:]
+        return self.slots(owner, start, end)
+
+    # ---- prefix caching --------------------------------------------------------------------
+    def match(self, owner: int, tokens: list[int]) -> int:
+        """Start a new owner from the cached blocks its tokens begin with; returns how many
+        leading positions it got (whole blocks, and never the last token, whose logits the
+        caller needs)."""
+        if self.prefix is None or owner in self.tables:
+            return self.cached(owner)
+        names = self.prefix.names(tokens[:len(tokens) - 1])
+        blocks = self.prefix.lookup(names)
+        for block in blocks:
+            if self.refs[block] == 0:
+                del self.prefix.unused[block]
+            self.refs[block] += 1
+        if blocks:
+            self.tables[owner], self.names[owner] = blocks, names[:len(blocks)]
+            self.lengths[owner] = len(blocks) * self.block_size
+        self.prefix.queries += len(tokens)
+        self.prefix.hits += len(blocks) * self.block_size
+        return len(blocks) * self.block_size
+
+    def first_block(self, tokens: list[int]) -> bytes | None:
+        """The name of the first full block of `tokens` (None: no prefix caching, or shorter
+        than a block)."""
+        if self.prefix is None or len(tokens) <= self.block_size:
+            return None
+        return self.prefix.names(tokens[:self.block_size])[0]
+
+    def commit(self, owner: int, tokens: list[int]) -> None:
+        """`tokens` are the owner's confirmed tokens: name its full blocks among them whose
+        K/V are written, so later owners can start from them."""
+        if self.prefix is None:
+            return
+        n = min(self.cached(owner), len(tokens)) // self.block_size
+        known = self.names.setdefault(owner, [])
+        if len(known) >= n:
+            return
+        names = self.prefix.names(tokens[:n * self.block_size], known)
+        table = self.tables[owner]
+        for i in range(len(known), n):
+            self.prefix.add(names[i], table[i])
+        self.names[owner] = names
+
+    def _take(self) -> int:
+        if self.free_blocks:
+            block = self.free_blocks.pop()
+        else:
+            block = self.prefix.evict()
+        self.refs[block] = 1
+        return block
+
+    def _drop(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            if self.prefix is not None and block in self.prefix.name_of:
+                self.prefix.unused[block] = None  # the most recently used
+            else:
+                self.free_blocks.append(block)

@@ -55,7 +55,7 @@ class ModelRunner:
         lengths = [len(c.tokens) for c in chunks]
         input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
         positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)])
-        slot_mapping = torch.cat([self.cache.slots(c.owner, c.start, c.start + n)
+        slot_mapping = torch.cat([self.cache.writable(c.owner, c.start, c.start + n)
                                   for c, n in zip(chunks, lengths)])
         kv = [self.cache.slots(c.owner, 0, c.start + n) for c, n in zip(chunks, lengths)]
         rows = torch.zeros(len(chunks), max(len(x) for x in kv), dtype=torch.long)

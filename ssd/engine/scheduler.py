@@ -6,6 +6,11 @@ being prefilled (chunked prefill), so long prompts never stall decoding for long
 When the KV cache runs out, the most recently admitted sequence is preempted: everything
 held for it is released (registry.py: its blocks, the draft's copy) and it is prefilled
 again later from its tokens so far.
+
+With prefix caching, an admitted sequence starts from the cached blocks its tokens begin
+with (PagedKVCache.match), and one whose first block is being prefilled for another sequence
+waits until that prefill is done, so that n choices of one prompt, or clients arriving
+together with one system prompt, compute the shared part once.
 """
 from collections import deque
 from dataclasses import dataclass
@@ -47,8 +52,13 @@ class Scheduler:
 
     def schedule(self) -> list[Work]:
         while (self.waiting and len(self.running) < self.max_num_seqs
-               and self.cache.can_reserve(self.waiting[0].seq_id, self.waiting[0].num_tokens + 1)):
-            self.running.append(self.waiting.popleft())
+               and self.cache.can_reserve(self.waiting[0].seq_id, self.waiting[0].num_tokens + 1)
+               and not self._shares_a_prefill(self.waiting[0])):
+            seq = self.waiting.popleft()
+            cached = self.cache.match(seq.seq_id, seq.token_ids)
+            if not seq.output_ids:
+                seq.stats.cached_tokens = cached
+            self.running.append(seq)
         if not self.running and self.waiting:
             seq = self.waiting[0]
             raise RuntimeError(f"KV cache too small for one sequence of {seq.num_tokens} tokens")
@@ -86,8 +96,16 @@ class Scheduler:
             return self.schedule()
         return work
 
+    def _shares_a_prefill(self, seq: Sequence) -> bool:
+        """Whether a running sequence is prefilling the first block of seq's tokens."""
+        first = self.cache.first_block(seq.token_ids)
+        return first is not None and any(
+            self.cache.cached(s.seq_id) < s.num_tokens - 1 and self.cache.first_block(s.token_ids) == first
+            for s in self.running)
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self.cache.commit(seq.seq_id, seq.token_ids)
         self.registry.release(seq.seq_id)
         self.waiting.appendleft(seq)
 
@@ -96,4 +114,5 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        self.cache.commit(seq.seq_id, seq.token_ids)
         self.registry.release(seq.seq_id)

@@ -67,16 +67,17 @@ class DraftSeq:
 class DraftEngine:
     def __init__(self, model: DecoderLM, device: torch.device, *, k_max: int, cache_tokens: int,
                  block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None,
-                 vocab_ids: tuple[int, ...] | None = None):
+                 vocab_ids: tuple[int, ...] | None = None, prefix_salt: str | None = None):
         """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
         vocab_ids: the token ids of a reduced-vocabulary head (the model's logits are for those,
         in that order): the draft proposes only them and each sequence's own tokens (DraftHead),
-        and its q is 0 on every other token."""
+        and its q is 0 on every other token. prefix_salt: the draft's own prefix cache
+        (PagedKVCache), None for none."""
         cfg = model.config
         self.k_max, self.device, self.saguaro = k_max, device, saguaro
         self.max_len = cfg.max_position_embeddings
         self.head = DraftHead(model, vocab_ids, device)
-        self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype)
+        self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype, prefix_salt)
         self.runner = ModelRunner(model, self.kv, device)
         self.runner.warm_up()
         self.seqs: dict[int, DraftSeq] = {}
@@ -93,7 +94,8 @@ class DraftEngine:
         ids = None if cfg.vocab_ids is None else tuple(cfg.vocab_ids)
         model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.weights, ids)
         return cls(model, device, k_max=cfg.k_max, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
-                   seed=cfg.seed, saguaro=saguaro, vocab_ids=ids)
+                   seed=cfg.seed, saguaro=saguaro, vocab_ids=ids,
+                   prefix_salt=f"{cfg.model}|{cfg.dtype}|{cfg.weights}" if cfg.prefix_caching else None)
 
     def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None,
              k: int, processor: LogitsProcessor | None = None) -> DraftSeq:
@@ -110,21 +112,28 @@ class DraftEngine:
             raise SSDError(f"draft protocol: sequence {seq_id} keeps {num_valid} of {len(s.tokens)} "
                            f"tokens and adds {len(new_tokens)}")
         del s.tokens[num_valid:]
+        first = not s.tokens
         s.tokens += new_tokens
         if not 0 <= k <= round_k(self.k_max, len(s.tokens), self.max_len):
             raise SSDError(f"draft protocol: sequence {seq_id} of {len(s.tokens)} tokens asks for {k} draft tokens, "
                            f"beyond K {self.k_max} or the draft's context of {self.max_len}")
         self.head.extend(s.extra, new_tokens)
         s.confirmed = len(s.tokens)
-        s.cached = min(s.cached, num_valid)
+        if first:  # a prompt, or the whole context again: start from the cached prefix
+            self.kv.release(seq_id)
+            s.cached = self.kv.match(seq_id, s.tokens)
+        else:
+            s.cached = min(s.cached, num_valid)
         s.candidates = []
         self.kv.truncate(seq_id, s.cached)
+        self.kv.commit(seq_id, s.tokens[:s.cached])
         return s
 
     def release(self, seq_id: int) -> None:
         """Forget a sequence: everything of it is in its DraftSeq and its two cache owners."""
         s = self.seqs.pop(seq_id, None)
         if s is not None:
+            self.kv.commit(s.seq_id, s.tokens[:s.confirmed])
             self.kv.release(s.seq_id)
             self.kv.release(s.tree_owner)
 

@@ -245,6 +245,7 @@ class DraftConfig:
     backup: str = "jit"
     saguaro_c: float | None = None
     vocab_ids: list[int] | None = None  # a reduced-vocabulary head's token ids (see SpecOptions.draft_vocab)
+    prefix_caching: bool = True  # the draft's own prefix cache (EngineConfig.enable_prefix_caching)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -238,6 +238,10 @@ class LLM:
         """The target's KV cache blocks."""
         return self.engine.cache.num_blocks
 
+    def kv_blocks_cached(self) -> int:
+        """The target's KV cache blocks that hold a named prefix (held by requests or not)."""
+        return self.engine.cache.cached_blocks
+
     def draft_kv_blocks_in_use(self) -> int | None:
         """The SD draft's KV cache blocks held by requests; None where there is no draft model in
         this process (AR, prompt lookup, an SSD worker's cache in its own process)."""

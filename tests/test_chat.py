@@ -44,6 +44,9 @@ def test_a_conversation_with_commands(smollm):
     history = [{"role": "user", "content": "What is the capital of France?"},
                {"role": "assistant", "content": expected.text}, {"role": "user", "content": "And of Italy?"}]
     assert reply_text(second, "Italy?") == smollm.generate(history, SamplingParams.greedy(max_tokens=24))[0].text.strip()
+    # ... and reads the first turn from the prefix cache: all its full blocks.
+    cached, prompt = map(int, re.search(r"(\d+) of (\d+) prompt tokens cached", second).groups())
+    assert cached >= (prompt - 16) // 16 * 16 - 16
     assert "unknown command /bogus" in ask(child, "/bogus")
     assert "/reset" in ask(child, "/help")
     assert "temperature 0.5" in ask(child, "/temp 0.5")

@@ -355,6 +355,21 @@ def test_32_concurrent_streaming_clients(server, client, sequential):
     assert m["ssd_time_to_first_token_seconds_count"] >= 32 and m["ssd_inter_token_latency_seconds_count"] > 0
 
 
+def test_a_shared_prefix_is_read_from_the_cache(server, client):
+    """usage.prompt_tokens_details.cached_tokens on both routes, and Prometheus' counters."""
+    system = "You answer questions about the solar system, briefly and accurately. " * 6
+    before = server.metrics().get("ssd_prefix_cache_hits_total", 0)
+    asks = [client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0, messages=[
+        {"role": "system", "content": system}, {"role": "user", "content": q}]) for q in ("Mars?", "Venus?")]
+    cached = asks[1].usage.prompt_tokens_details.cached_tokens
+    assert cached >= 64 and cached < asks[1].usage.prompt_tokens
+    done = [client.completions.create(model=MODEL, prompt=system + q, max_tokens=2) for q in ("Io", "Europa")]
+    assert done[1].usage.prompt_tokens_details.cached_tokens >= 64
+    m = server.metrics()
+    assert m["ssd_prefix_cache_hits_total"] - before >= cached + done[1].usage.prompt_tokens_details.cached_tokens
+    assert m["ssd_prefix_cache_queries_total"] >= m["ssd_prefix_cache_hits_total"] and m["ssd_prefix_cache_blocks"] > 0
+
+
 def disconnect_mid_stream(server, headers: dict) -> None:
     before = server.metrics().get('ssd_request_finish_total{reason="cancelled"}', 0)
     body = {"model": MODEL, "messages": chat("Write a long essay about the ocean."), "max_tokens": 2000,

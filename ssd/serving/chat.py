@@ -116,6 +116,8 @@ class Chat:
 
     def metrics_line(self, m: RequestMetrics) -> str:
         line = f"[{m.output_tokens} tokens, {m.tokens_per_second:.1f} tok/s, TTFT {m.ttft_s:.2f} s"
+        if m.cached_tokens:  # the conversation so far, read from the prefix cache
+            line += f", {m.cached_tokens} of {m.prompt_tokens} prompt tokens cached"
         if m.drafted:
             line += (f", acceptance {m.acceptance_rate:.0%}, mean accepted length {m.mean_accepted_length:.2f}"
                      + (f", K {m.mean_k:.1f}" if m.mean_k else ""))
@@ -125,7 +127,7 @@ class Chat:
 
     def _add(self, m: RequestMetrics) -> None:
         t = self.totals
-        for f in ("prompt_tokens", "output_tokens", "ttft_s", "decode_s", "rounds", "drafted", "accepted", "hits",
+        for f in ("prompt_tokens", "cached_tokens", "output_tokens", "ttft_s", "decode_s", "rounds", "drafted", "accepted", "hits",
                   "misses"):
             setattr(t, f, getattr(t, f) + getattr(m, f))
         t.k_hist = [a + b for a, b in zip(t.k_hist + [0] * len(m.k_hist), m.k_hist + [0] * len(t.k_hist))]
@@ -160,7 +162,8 @@ class Chat:
                 self.note(f"[/temp needs a number >= 0: {e}]")
         elif name == "/metrics":
             t = self.totals
-            self.note(f"[{self.replies} replies, {t.prompt_tokens} prompt tokens, {t.output_tokens} output tokens, "
+            self.note(f"[{self.replies} replies, {t.prompt_tokens} prompt tokens ({t.cached_tokens} cached), "
+                      f"{t.output_tokens} output tokens, "
                       f"{(t.output_tokens - self.replies) / t.decode_s if t.decode_s else 0:.1f} tok/s, mean TTFT "
                       f"{t.ttft_s / max(self.replies, 1):.2f} s"
                       + (f", acceptance {t.acceptance_rate:.0%}, mean accepted length {t.mean_accepted_length:.2f}"

@@ -38,6 +38,12 @@ class ServerMetrics:
         self.waiting = Gauge("ssd_requests_waiting", "Requests waiting for the batch", registry=r)
         self.kv_used = Gauge("ssd_kv_cache_blocks_used", "The target's KV cache blocks held by requests", registry=r)
         self.kv_total = Gauge("ssd_kv_cache_blocks_total", "The target's KV cache blocks", registry=r)
+        self.prefix_queries = Counter("ssd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("ssd_prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed)",
+                                   registry=r)
+        self.prefix_blocks = Gauge("ssd_prefix_cache_blocks", "The target's KV cache blocks that hold a cached "
+                                   "prefix, held by requests or kept for later ones", registry=r)
         self.draft_kv_used = Gauge("ssd_draft_kv_cache_blocks_used", "The SD draft's KV cache blocks held by "
                                    "requests (an SSD worker's are in its own process)", registry=r)
         self._totals = [0, 0, 0, 0, 0]  # rounds, drafted, accepted, hits, misses
@@ -48,11 +54,14 @@ class ServerMetrics:
         self.waiting.set(queued)
         self.kv_used.set(llm.kv_blocks_in_use())
         self.kv_total.set(llm.kv_blocks_total)
+        self.prefix_blocks.set(llm.kv_blocks_cached())
         self.draft_kv_used.set(llm.draft_kv_blocks_in_use() or 0)
 
     def request_done(self, m: RequestMetrics, reason: str) -> None:
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(m.prompt_tokens)
+        self.prefix_queries.inc(m.prompt_tokens)
+        self.prefix_hits.inc(m.cached_tokens)
         self.output_tokens.inc(m.output_tokens)
         if m.output_tokens:
             self.ttft.observe(m.ttft_s)

@@ -273,9 +273,11 @@ def new_id(chat: bool) -> str:
 
 
 def usage(metrics: list[RequestMetrics]) -> dict:
-    """Token counts of a request's choices: the prompt once, every choice's output."""
+    """Token counts of a request's choices: the prompt once (and how much of it came from the
+    prefix cache), every choice's output."""
     prompt, out = metrics[0].prompt_tokens, sum(m.output_tokens for m in metrics)
-    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out}
+    return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": metrics[0].cached_tokens}}
 
 
 def speculation(m: RequestMetrics, mode: str) -> dict:

@@ -21,6 +21,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("auto", "gguf", "dequantized", "int8"), default="auto",
                    help="gguf: a GGUF model's own quantised blocks (CPU); dequantized: a copy in --dtype (the "
                         "values transformers loads); auto: gguf for a GGUF model on a CPU (default: auto)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="compute every prompt whole (default: full blocks of prompts seen before, and of earlier "
+                        "turns of a chat, are read from the KV cache)")
 
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
@@ -65,7 +68,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     from ssd.speculative.options import SpecOptions
 
     kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len,
-              weights=args.weights)
+              weights=args.weights, enable_prefix_caching=args.prefix_caching)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")

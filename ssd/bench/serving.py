@@ -4,7 +4,8 @@ llama.cpp's OpenAI servers on the same GGUF at the same threads.
 Each engine runs as its users run it: `ssd serve`; `python -m llama_cpp.server` (one request
 at a time, as llama-cpp-python serves); `llama-server` (llama.cpp's own server, with as many
 parallel slots as there are clients: its continuous batching), and `llama-server-spec` (the
-same with the draft GGUF as its speculative draft, `-md`, at its default draft settings).
+same with the draft GGUF as its speculative draft, `-md --spec-type draft-simple`, at its
+default draft settings).
 Every client streams chat completions, greedy, one prompt after another from a shared list;
 a prompt set with a schema (json-math, json-code) sends it as `response_format` json_schema
 to every server, and the table counts the answers that parse and validate. Per run: requests/s,
@@ -251,7 +252,8 @@ def run_serving_bench(args: argparse.Namespace) -> list[Run]:
                     "-np", str(max(levels)), "-c", str(4096 * max(levels)), "--jinja"]
             name = f"llama.cpp (llama-server -np {max(levels)})"
             if peer == "llama-server-spec":
-                argv += ["-md", str(gguf_path(args.draft)), "-td", str(threads), "-tbd", str(threads)]
+                argv += ["-md", str(gguf_path(args.draft)), "--spec-type", "draft-simple", "-td", str(threads),
+                         "-tbd", str(threads)]
                 name = f"llama.cpp (llama-server -np {max(levels)} -md draft)"
             servers.append((name, argv, "/health", {"LD_LIBRARY_PATH": str(Path(args.llama_bin))}))
         else:

@@ -355,6 +355,25 @@ def test_32_concurrent_streaming_clients(server, client, sequential):
     assert m["ssd_time_to_first_token_seconds_count"] >= 32 and m["ssd_inter_token_latency_seconds_count"] > 0
 
 
+def test_16_clients_sharing_a_system_prompt_get_their_cold_outputs(server, client, smollm_dir):
+    """Concurrent requests that share a long system prompt (its blocks computed once, then
+    shared while all 16 run) answer as each would alone on an engine without a prefix cache."""
+    from ssd import LLM
+    system = "You are a science teacher. Answer in one short sentence, plainly, for a child. " * 8
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": q}] for q in QUESTIONS[:16]]
+    with LLM(smollm_dir, enable_prefix_caching=False) as cold:
+        want = [cold.generate([c], SamplingParams.greedy(max_tokens=16))[0].text for c in chats]
+
+    def one(c):
+        r = client.chat.completions.create(model=MODEL, messages=c, temperature=0, max_tokens=16)
+        return r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens
+    with ThreadPoolExecutor(16) as pool:
+        got = list(pool.map(one, chats))
+    assert [text for text, _ in got] == want
+    assert sum(cached > 0 for _, cached in got) >= 15
+    server.wait_idle()
+
+
 def test_a_shared_prefix_is_read_from_the_cache(server, client):
     """usage.prompt_tokens_details.cached_tokens on both routes, and Prometheus' counters."""
     system = "You answer questions about the solar system, briefly and accurately. " * 6

@@ -14,7 +14,10 @@ from ssd.serving.engine_loop import EngineLoop
 
 N = 240
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Write a haiku about the sea.",
-           "Once upon a time", "import numpy as np\n", "The three primary colours are", "Dear Sir,"]
+           "Once upon a time", "import numpy as np\n", "The three primary colours are", "Dear Sir,",
+           # Two blocks and more, shared by a thirtieth of the requests (prefix caching).
+           "Here is a list of the planets of the solar system in order from the sun: Mercury, Venus, Earth, "
+           "Mars, Jupiter, Saturn, Uranus and Neptune. The largest of them is"]
 
 
 def _params(i: int) -> SamplingParams:
@@ -58,6 +61,7 @@ def test_nothing_is_held_after_requests_end(smollm_dir, truncated_draft, reduced
         done = _run_with_cancellations(llm, seed=len(options))
         held = llm.sequence_state()
         assert held and not any(held.values()), held
+        assert llm.engine.cache.prefix.hits > 0 and llm.kv_blocks_cached() > 0  # kept, and no longer held
         if options.get("mode") == "ssd":
             assert any("worker's" in k for k in held), held  # the worker was asked
             assert llm.draft_failures == 0

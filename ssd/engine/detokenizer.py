@@ -15,6 +15,7 @@ class TextStream:
     text: str = ""  # all stable text so far (cut at a stop string once one is seen)
     emitted: int = 0  # characters of text already handed out
     stopped: bool = False
+    matched: str | None = None  # the stop string that ended the text
     _prefix: int = 0  # ids[_prefix:_read] decode to the tail of text already counted
     _read: int = 0
 
@@ -29,9 +30,10 @@ class TextStream:
         start = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
         self.text += after[len(before):]
         self._prefix, self._read = self._read, len(self.ids)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            i, self.matched = min(hits)
+            self.text = self.text[:i]
             self.stopped = True
 
     def take(self, final: bool = False) -> str:

@@ -1,7 +1,9 @@
 """`ssd serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one EngineLoop.
 
 Routes: POST /v1/chat/completions and /v1/completions (streamed as server-sent events, or
-not), GET /v1/models, GET /health, GET /metrics (Prometheus). Errors use OpenAI's JSON shape.
+not), POST /v1/messages (Anthropic's Messages API, anthropic_protocol.py), GET /v1/models,
+GET /health, GET /metrics (Prometheus). Errors use OpenAI's JSON shape, and Anthropic's on
+/v1/messages.
 A client that goes away cancels its request. SIGTERM / SIGINT: uvicorn stops accepting and
 lets requests in flight finish (for up to --shutdown-timeout seconds, then cancels them);
 then the engine stops and the SSD draft worker with it.
@@ -30,6 +32,7 @@ from ssd.llm import LLM
 from ssd.serving.engine_loop import EngineLoop, Event, QueueFullError, ShuttingDownError
 from ssd.serving.metrics import ServerMetrics
 from ssd.sampling_params import MAX_SEED
+from ssd.serving import anthropic_protocol as anthropic
 from ssd.serving.openai_protocol import (APIError, Choice, api_error, chunk, completion, logprobs_json, new_id,
                                          parse_request, speculation, usage)
 
@@ -56,7 +59,7 @@ class _StatusCounter:
         await self.app(scope, receive, counted)
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics")
 
 
 def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics: ServerMetrics,
@@ -110,6 +113,14 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
         return {"object": "list", "data": [{"id": served_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "ssd-engine", "max_model_len": llm.config.max_model_len}]}
 
+    def key_given(request: Request) -> None:
+        """Anthropic's clients send the key as x-api-key (a Bearer header is taken too)."""
+        if api_key is None:
+            return
+        given = request.headers.get("x-api-key") or request.headers.get("authorization", "").removeprefix("Bearer ")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "a valid API key is needed: send 'x-api-key: <key>'")
+
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request):
         return await generate(request, chat=True)
@@ -118,19 +129,42 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
     async def completions(request: Request):
         return await generate(request, chat=False)
 
-    async def generate(request: Request, chat: bool) -> Response:
+    @app.post("/v1/messages")
+    async def messages(request: Request):
         try:
-            body = json.loads(await request.body())
+            key_given(request)
+            req = anthropic.parse_request(await body_json(request), served)
+            seqs, queue = await start(req)
+            if req.stream:
+                return StreamingResponse(anthropic_stream(seqs[0], queue), media_type="text/event-stream",
+                                         headers={"Cache-Control": "no-cache"})
+            done = await collect(seqs, queue, request)
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+        if done is None:
+            return Response(status_code=499)
+        (seq,), (pieces,), _, (ev,) = seqs, *done
+        text, calls = llm.tool_calls(seq) or ("".join(pieces), None)
+        finish = "tool_calls" if calls and ev.finish_reason == "stop" else ev.finish_reason
+        return JSONResponse(anthropic.message(anthropic.new_id(), served_name, text, calls, finish,
+                                              seq.detokenizer.matched, ev.metrics))
+
+    async def body_json(request: Request):
+        try:
+            return json.loads(await request.body())
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise APIError(400, f"the request body is not valid JSON: {e}") from None
-        req = parse_request(body, chat, served, default_max_tokens=16)  # OpenAI's default for completions
+
+    async def start(req) -> tuple[list[Sequence], asyncio.Queue]:
+        """Submit a request's choices; their (choice, event) pairs come to the queue."""
         queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         aloop = asyncio.get_running_loop()
         seqs = await asyncio.to_thread(submit, req, lambda i, ev: aloop.call_soon_threadsafe(queue.put_nowait, (i, ev)))
-        rid = new_id(chat)
-        if req.stream:
-            return StreamingResponse(stream(chat, rid, req, seqs, queue),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return seqs, queue
+
+    async def collect(seqs: list[Sequence], queue: asyncio.Queue, request: Request):
+        """A non-streamed request's texts, logprobs and last events per choice; None if the
+        client went away (nobody reads an answer then)."""
         texts, lps, last = [[] for _ in seqs], [[] for _ in seqs], [None] * len(seqs)
         try:
             async for i, ev in events(queue, len(seqs), request):
@@ -139,11 +173,24 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
                 last[i] = ev
         finally:
             settle(seqs, last)
-        if any(ev is None or not ev.finish_reason for ev in last):  # the client went away; nobody reads this
-            return Response(status_code=499)
+        if any(ev is None or not ev.finish_reason for ev in last):
+            return None
         failed = next((ev for ev in last if ev.error), None)
         if failed:
             raise APIError(500, failed.error, type="server_error")
+        return texts, lps, last
+
+    async def generate(request: Request, chat: bool) -> Response:
+        req = parse_request(await body_json(request), chat, served, default_max_tokens=16)  # OpenAI's for completions
+        seqs, queue = await start(req)
+        rid = new_id(chat)
+        if req.stream:
+            return StreamingResponse(stream(chat, rid, req, seqs, queue),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        done = await collect(seqs, queue, request)
+        if done is None:
+            return Response(status_code=499)
+        texts, lps, last = done
         choices = []
         for seq, t, lp, ev in zip(seqs, texts, lps, last):
             text, calls = llm.tool_calls(seq) or ("".join(t), None)
@@ -249,6 +296,56 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
             yield "data: [DONE]\n\n"
         finally:
             settle(seqs, last)
+
+    async def anthropic_stream(seq: Sequence, queue: asyncio.Queue) -> AsyncIterator[str]:
+        """Anthropic's event sequence: message_start (sent with the first tokens, when the
+        prompt's cached part is known), a text block's start, deltas and stop, a tool_use
+        block per call, message_delta with the stop reason and usage, message_stop."""
+        last: list[Event | None] = [None]
+        calls, index, text_open = llm.call_stream(seq), 0, False
+        try:
+            async for _, ev in events(queue, 1):
+                if last[0] is None:
+                    start = {"id": anthropic.new_id(), "type": "message", "role": "assistant", "model": served_name,
+                             "content": [], "stop_reason": None, "stop_sequence": None,
+                             "usage": {**anthropic.usage(seq.metrics()), "output_tokens": 0}}
+                    yield anthropic.event("message_start", message=start)
+                last[0] = ev
+                if ev.error:
+                    yield anthropic.event("error", error={"type": "api_error", "message": ev.error})
+                    break
+                text, found = ev.text, []
+                if calls is not None:
+                    text = calls.push(ev.token_ids)
+                    if ev.finish_reason:
+                        rest, found = calls.finish()
+                        text += rest
+                if text:
+                    if not text_open:
+                        yield anthropic.event("content_block_start", index=index,
+                                              content_block={"type": "text", "text": ""})
+                        text_open = True
+                    yield anthropic.event("content_block_delta", index=index, delta={"type": "text_delta", "text": text})
+                if not ev.finish_reason:
+                    continue
+                if text_open:
+                    yield anthropic.event("content_block_stop", index=index)
+                    index += 1
+                for call in found:
+                    block = anthropic.tool_use(call)
+                    yield anthropic.event("content_block_start", index=index, content_block={**block, "input": {}})
+                    yield anthropic.event("content_block_delta", index=index,
+                                          delta={"type": "input_json_delta", "partial_json": json.dumps(block["input"])})
+                    yield anthropic.event("content_block_stop", index=index)
+                    index += 1
+                finish = "tool_calls" if found and ev.finish_reason == "stop" else ev.finish_reason
+                matched = seq.detokenizer.matched
+                yield anthropic.event("message_delta", delta={"stop_reason": anthropic.stop_reason(finish, matched),
+                                                              "stop_sequence": matched},
+                                      usage={"output_tokens": ev.metrics.output_tokens})
+                yield anthropic.event("message_stop")
+        finally:
+            settle([seq], last)
 
     app.add_middleware(_StatusCounter, metrics=metrics)
     return app

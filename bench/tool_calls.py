@@ -1,7 +1,8 @@
 """Tool calls on prompts that ask for one: whether every call the model writes is parsed, and
 whether the arguments validate against the function's parameter schema, with tool_choice
-"auto" (the model decides; its text is only parsed) and "required" (a grammar over the
-model's call format and the parameter schemas enforces a call), in AR and SD, greedy.
+"auto" (the model decides; its text is only parsed), "required" (a grammar over the model's
+call format and the parameter schemas enforces one call or more) and "required-one" (the
+same with parallel_tool_calls false: one call), in AR and SD, greedy.
 
     python bench/tool_calls.py --modes ar,sd --threads 2 --out bench/results/tools-amd
 
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--modes", default="ar,sd")
-    ap.add_argument("--choices", default="auto,required")
+    ap.add_argument("--choices", default="auto,required,required-one")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path)
@@ -97,7 +98,8 @@ def main() -> None:
         with LLM(args.model, mode=mode, threads=args.threads, **kw) as llm:
             llm.generate([[{"role": "user", "content": "Hi"}]], SamplingParams.greedy(max_tokens=4))  # warm-up
             for choice in args.choices.split(","):
-                tools = Tools.check(TOOLS, choice)
+                # "required-one": required with parallel_tool_calls false (one call, then the end)
+                tools = Tools.check(TOOLS, choice.removesuffix("-one"), parallel=not choice.endswith("-one"))
                 emitted = parsed = valid = right = finished = 0
                 tokens = seconds = same = 0
                 for i, (text, name) in enumerate(PROMPTS):

@@ -9,8 +9,8 @@ Chat: the same 10 user turns; each turn's prompt is the whole conversation so fa
 assistant turns are the engine's own greedy answers, so every run reads the same history).
 Per turn: prompt tokens, tokens read from the cache, TTFT. llama-server gets the same
 histories as chat messages, streamed, and its TTFT is measured the same way (client side).
-Shared prompt: a ~1,500-token document as the system prompt and 8 GSM8K questions, all
-submitted at once; TTFT p50 and output tok/s (all output tokens over the batch's wall time).
+Shared prompt: ACLSum introductions cut to --system-tokens (1,500) as the system prompt and
+8 GSM8K questions, all submitted at once; TTFT p50 and output tok/s (all output tokens over the batch's wall time).
 """
 import argparse
 import json
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, help="folder with llama-server (leave out: no llama.cpp rows)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    doc = load_prompt_set("aclsum", 1)[0].text
+    docs = [p.text for p in load_prompt_set("aclsum", 8)]
     questions = [p.text for p in load_prompt_set("gsm8k", 8)]
     results = {"machine": machine_info(), "args": {k: str(v) for k, v in vars(args).items()}, "chat": {}, "shared": {}}
     answers = None
@@ -109,7 +109,7 @@ def main() -> None:
             kw = {} if mode == "ar" else {"draft": args.draft}
             with LLM(args.model, mode=mode, threads=args.threads, enable_prefix_caching=caching, **kw) as llm:
                 llm.generate(["Hello"], SamplingParams.greedy(max_tokens=2))  # warm-up
-                ids = llm.tokenizer.encode(doc)[:args.system_tokens]
+                ids = llm.tokenizer.encode("\n\n".join(docs))[:args.system_tokens]
                 system = "Answer using this document where it helps.\n\n" + llm.tokenizer.decode(ids)
                 label = f"{mode} {'cache' if caching else 'cold'}"
                 rows, own = chat_run(llm, args.chat_tokens, answers)

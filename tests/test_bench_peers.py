@@ -45,6 +45,7 @@ def check_results(results, peer: str, prompts, lengths=(N, N)) -> None:
         assert r.ttft_s > 0 and r.decode_s > 0 and r.tokens_per_second > 0
 
 
+@pytest.mark.long
 def test_hf_is_greedy_and_stops_at_eos(smollm_dir, prompts, greedy):
     # "The capital of France is Paris." ends within N tokens; the haiku does not.
     until_eos = [g[:g.index(EOS) + 1] if EOS in g else g for g in greedy]
@@ -55,6 +56,7 @@ def test_hf_is_greedy_and_stops_at_eos(smollm_dir, prompts, greedy):
     assert all(r.tokens_per_second == pytest.approx((r.output_tokens - 1) / r.decode_s) for r in results)
 
 
+@pytest.mark.long
 def test_hf_assisted_same_tokens(smollm_dir, prompts, greedy):
     results = run_hf(smollm_dir, prompts, IDS, N, draft_folder=smollm_dir, ignore_eos=True, threads=2)
     check_results(results, "hf-assisted", prompts)

@@ -86,7 +86,7 @@ def test_the_oldest_turns_are_dropped_when_the_context_is_full():
     child.expect(pexpect.EOF)
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("mode", ["sd", pytest.param("ssd", marks=pytest.mark.long)])
 def test_speculative_chat_shows_draft_tokens(mode, smollm_dir):
     child = spawn("--mode", mode, "--draft", str(smollm_dir), "--max-tokens", "24", "--show-draft")
     out = ask(child, "What is the capital of France?")

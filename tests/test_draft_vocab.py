@@ -53,7 +53,7 @@ def test_missing_counts_say_how_to_make_them(tmp_path, monkeypatch, smollm_dir, 
         LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_vocab=1000)
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
+@pytest.mark.parametrize("mode", ["sd", pytest.param("ssd", marks=pytest.mark.long)])
 def test_reduced_head_greedy_equals_ar(counts_for, smollm_dir, truncated_draft, ar_outputs, mode):
     tok_counts = {}
     with LLM(smollm_dir) as ar:  # count the target's own tokens, as `ssd vocab` does
@@ -72,7 +72,7 @@ def test_reduced_head_greedy_equals_ar(counts_for, smollm_dir, truncated_draft, 
         assert engine.runner.model.lm_head.out_features == 4096
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.long), True])
 def test_reduced_head_sampling_follows_the_target(counts_for, tiny_pair, tiny_tied_pair, tied):
     """Untied: the draft proposes the kept 2, 3, 5, 6 and eos (1). Tied: the head keeps 1, 2
     and 6, and each sequence adds its own tokens (the prompt's 5 and 3, then the target's)."""

@@ -75,6 +75,7 @@ def test_thread_count_invariant(op, threads):
     assert_same_bits_on_any_thread_count(lambda: [op(x[:M], q, s, b) for M in (1, 5, 9, 37)])
 
 
+@pytest.mark.long
 def test_all_builds_give_the_same_bits(op):
     """The AVX-512, AVX2 and portable builds do the same operations in the same order."""
     for v in runnable_builds():

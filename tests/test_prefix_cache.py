@@ -94,7 +94,7 @@ GREEDY = SamplingParams.greedy(max_tokens=24, logprobs=2)
 SAMPLED = SamplingParams(temperature=0.8, seed=7, max_tokens=24, logprobs=2)
 
 
-@pytest.mark.parametrize("mode", ["ar", "sd", "ngram", "ssd"])
+@pytest.mark.parametrize("mode", ["ar", "sd", "ngram", pytest.param("ssd", marks=pytest.mark.long)])
 def test_cached_prefixes_change_no_bit(mode, smollm_dir, truncated_draft):
     """The same requests on a cold engine (prefix caching off) and on one so small that blocks
     are evicted while others are shared: the same tokens and logprob bits, greedy and with a

@@ -469,6 +469,7 @@ def test_speculative_modes_serve_exactly(spec_server, sequential):
     disconnect_mid_stream(spec_server, {})
 
 
+@pytest.mark.long
 def test_sigterm_ends_the_ssd_worker(tmp_path, truncated_draft):
     s = start_server("--model", MODEL, "--mode", "ssd", "--draft", str(truncated_draft), tmp_path=tmp_path)
     try:

@@ -161,9 +161,9 @@ def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
 # ---- sampling exactness through the real cache path ------------------------------------
 @pytest.mark.parametrize("options", [
     dict(backup="jit", fan_out=2),
-    dict(backup="fast", fan_out=2, fan_out_miss=[3, 0, 1]),
-    dict(backup="jit", fan_out=2, saguaro_c=0.3),
-    dict(backup="jit", fan_out="auto", tree_budget=4),
+    pytest.param(dict(backup="fast", fan_out=2, fan_out_miss=[3, 0, 1]), marks=pytest.mark.long),
+    pytest.param(dict(backup="jit", fan_out=2, saguaro_c=0.3), marks=pytest.mark.long),
+    pytest.param(dict(backup="jit", fan_out="auto", tree_budget=4), marks=pytest.mark.long),
 ], ids=["jit", "fast", "saguaro", "auto"])
 def test_ssd_sampling_follows_the_target(tiny_pair, options):
     target, draft = tiny_pair
@@ -335,7 +335,7 @@ def _workers_of(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.parametrize("runs", [6, pytest.param(30, marks=pytest.mark.stress)])
+@pytest.mark.parametrize("runs", [pytest.param(6, marks=pytest.mark.long), pytest.param(30, marks=pytest.mark.stress)])
 def test_ctrl_c_ends_generation_and_the_worker(smollm_dir, truncated_draft, runs):
     """Ctrl-C in a terminal reaches the whole process group: the CLI stops with one line and
     exit code 130, and its draft worker is gone with it; `runs` times, at moments spread over

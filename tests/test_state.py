@@ -53,7 +53,7 @@ def reduced_head(smollm_dir, tmp_path, monkeypatch):
     dict(),
     dict(mode="sd", speculate_k="auto", k_max=4, draft_vocab=1024),
     dict(mode="sd", draft="ngram", speculate_k=3),
-    dict(mode="ssd", speculate_k=3, fan_out=2),
+    pytest.param(dict(mode="ssd", speculate_k=3, fan_out=2), marks=pytest.mark.long),
 ], ids=["ar", "sd-auto-k-reduced-head", "prompt-lookup", "ssd"])
 def test_nothing_is_held_after_requests_end(smollm_dir, truncated_draft, reduced_head, ar_outputs, options):
     options = {"draft": truncated_draft, **options} if options.get("mode") else options

@@ -97,6 +97,7 @@ def main() -> None:
     ap.add_argument("--chat-tokens", type=int, default=160, help="most tokens per chat answer")
     ap.add_argument("--shared-tokens", type=int, default=64, help="most tokens per shared-prompt answer")
     ap.add_argument("--system-tokens", type=int, default=1500)
+    ap.add_argument("--parts", default="chat,shared", help="which runs: chat, shared (default: both)")
     ap.add_argument("--llama-bin", type=Path, help="folder with llama-server (leave out: no llama.cpp rows)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -112,15 +113,16 @@ def main() -> None:
                 ids = llm.tokenizer.encode("\n\n".join(docs))[:args.system_tokens]
                 system = "Answer using this document where it helps.\n\n" + llm.tokenizer.decode(ids)
                 label = f"{mode} {'cache' if caching else 'cold'}"
-                rows, own = chat_run(llm, args.chat_tokens, answers)
-                answers = answers or own
-                results["chat"][label] = rows
-                results["shared"][label] = shared_run(llm, system, questions, args.shared_tokens)
-                last = rows[-1]
-                print(f"{label}: chat turn 10 TTFT {last['ttft_s']:.2f} s ({last['cached_tokens']}/"
-                      f"{last['prompt_tokens']} cached); shared TTFT p50 {results['shared'][label]['ttft_p50']:.2f} s, "
-                      f"{results['shared'][label]['output_tok_s']:.1f} tok/s", file=sys.stderr, flush=True)
-    if args.llama_bin:
+                if "chat" in args.parts:
+                    rows, own = chat_run(llm, args.chat_tokens, answers)
+                    answers = answers or own
+                    results["chat"][label] = rows
+                    print(f"{label}: chat turn 10 TTFT {rows[-1]['ttft_s']:.2f} s", file=sys.stderr, flush=True)
+                if "shared" in args.parts:
+                    results["shared"][label] = shared_run(llm, system, questions, args.shared_tokens)
+                    print(f"{label}: shared TTFT p50 {results['shared'][label]['ttft_p50']:.2f} s", file=sys.stderr,
+                          flush=True)
+    if args.llama_bin and answers:
         argv = [str(args.llama_bin / "llama-server"), "-m", str(gguf_path(args.model)), "-t", str(args.threads),
                 "-tb", str(args.threads), "-np", "1", "-c", "8192", "--jinja", "--port", str(port := _free_port())]
         server = ServerProcess("llama-server", argv, port, Path("/tmp") / f"llama-server-{port}.log", "/health",

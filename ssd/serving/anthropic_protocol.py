@@ -15,7 +15,7 @@ import uuid
 from ssd.errors import SSDError
 from ssd.outputs import RequestMetrics
 from ssd.sampling_params import SamplingParams
-from ssd.serving.openai_protocol import APIError, ParsedRequest
+from ssd.serving.openai_protocol import APIError, ParsedRequest, _get
 from ssd.tools import ToolCall, ToolError, Tools
 
 FIELDS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
@@ -125,15 +125,6 @@ def _tools(body: dict) -> Tools | None:
     except ToolError as e:
         anthropic = lambda s: s.replace(".function.name", ".name").replace(".function.parameters", ".input_schema")  # noqa: E731
         raise APIError(400, anthropic(str(e)), param=anthropic(e.param)) from None
-
-
-def _get(body: dict, name: str, kinds: tuple, default=None):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise APIError(400, f"{name}: must be {' or '.join(k.__name__ for k in kinds)}, got {value!r}", param=name)
-    return value
 
 
 def parse_request(body, served: set[str]) -> ParsedRequest:

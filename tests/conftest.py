@@ -20,8 +20,15 @@ def smollm(smollm_dir):
         yield llm
 
 
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+WINDOW = 16  # the sliding window of the tiny Mistral and Gemma models: shorter than the test prompts
+
+
 def tiny_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
-    """Small configs of the three supported architectures, each with its own quirk on."""
+    """Small configs of the supported architectures, each with its own quirks on: Llama 3's
+    RoPE scaling, Qwen2's q/k/v bias, Qwen3's q/k norms; Mistral's and Gemma's sliding windows
+    (WINDOW keys, so that they bite), Gemma 2's soft-capping (caps low enough to change the
+    values), Gemma 3's own RoPE base on sliding layers and linear scaling on global ones."""
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     if arch == "llama":
@@ -30,6 +37,17 @@ def tiny_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
             "original_max_position_embeddings": 64})
     if arch == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    if arch == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False)
+    if arch == "gemma2":
+        return transformers.Gemma2Config(**common, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                         attn_logit_softcapping=2.0, final_logit_softcapping=3.0)
+    if arch == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **common, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                             "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}})
     return transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
 
 
@@ -39,7 +57,7 @@ def tiny_models(tmp_path_factory, smollm_dir) -> dict[str, Path]:
     SmolLM2's tokenizer so the whole engine can run them."""
     tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
     out = {}
-    for arch in ("llama", "qwen2", "qwen3"):
+    for arch in ARCHS:
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(tiny_config(arch, len(tok)), dtype=torch.float32)
         folder = tmp_path_factory.mktemp(arch)

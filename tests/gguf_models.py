@@ -8,7 +8,8 @@ import gguf
 import numpy as np
 from safetensors.torch import load_file
 
-from ssd.models.gguf_file import GGUF_LINK, GLOBAL_NAMES, LAYER_NAMES, copy_metadata
+from ssd.models.config import MODEL_TYPES
+from ssd.models.gguf_file import GEMMA, GEMMA_LAYER_NAMES, GGUF_LINK, GLOBAL_NAMES, LAYER_NAMES, copy_metadata
 from ssd.store import resolve_model
 
 def truncated_gguf(src: Path, dst: Path, layers: int) -> Path:
@@ -31,10 +32,11 @@ def truncated_gguf(src: Path, dst: Path, layers: int) -> Path:
     return resolve_model(dst)
 
 
-def _gguf_name(hf: str) -> str:
+def _gguf_name(hf: str, arch: str) -> str:
     name = hf.removeprefix("model.")
     stem, _, kind = name.rpartition(".")
-    for ours, theirs in LAYER_NAMES.items():
+    names = GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES
+    for ours, theirs in names.items():
         if stem.endswith("." + theirs) and stem.startswith("layers."):
             return f"blk.{stem.split('.')[1]}.{ours}.{kind}"
     for theirs, ours in ((v, k) for k, v in GLOBAL_NAMES.items()):
@@ -46,9 +48,11 @@ def _gguf_name(hf: str) -> str:
 def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     """A model folder beside `folder` (a Hugging Face one, fp32 safetensors) whose weights are a
     GGUF: every matrix quantised to `qtype` by the gguf package, vectors in F32, llama's q/k
-    rows interleaved as llama.cpp's converter does. Config and tokenizer are copied as they are."""
+    rows interleaved as llama.cpp's converter does (Mistral is written as `llama`, as llama.cpp
+    does), Gemma's norms stored as 1 + w. Config and tokenizer are copied as they are."""
     cfg = json.loads((folder / "config.json").read_text())
-    arch = cfg["model_type"]
+    arch = MODEL_TYPES.get(cfg["model_type"], cfg["model_type"])
+    arch = "llama" if arch == "mistral" else arch
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     dst.mkdir(parents=True, exist_ok=True)
     path = dst / "weights.gguf"
@@ -62,7 +66,9 @@ def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
         state.pop("lm_head.weight", None)
     for name, w in state.items():
         w = w.float().numpy()
-        gname = _gguf_name(name)
+        gname = _gguf_name(name, arch)
+        if arch in GEMMA and gname.endswith("norm.weight"):
+            w = w + np.float32(1)
         n = heads if ".attn_q." in gname else kv_heads if ".attn_k." in gname else None
         if arch == "llama" and n is not None:  # llama.cpp's permute, which the loader undoes
             w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -36,8 +36,8 @@ def queries(t, h, d, seed=1, sharp=1.0):
     return torch.randn(t, h, d, generator=torch.Generator().manual_seed(seed)) * sharp
 
 
-def reference(q, kc, vc, rows, q_row, q_len, scale):
-    """softmax(scale q K^T) V in float64 over each query's slots."""
+def reference(q, kc, vc, rows, q_row, q_len, scale, softcap=None):
+    """softmax(scale q K^T) V in float64 over each query's slots (soft-capped: Gemma 2)."""
     t, h, d = q.shape
     g = kc.shape[1]
     out = torch.empty(t, h, d, dtype=torch.float64)
@@ -45,14 +45,15 @@ def reference(q, kc, vc, rows, q_row, q_len, scale):
         slots = rows[q_row[i], :q_len[i]]
         k = kc[slots].double().repeat_interleave(h // g, dim=1)  # [L, H, D]
         v = vc[slots].double().repeat_interleave(h // g, dim=1)
-        p = torch.softmax(torch.einsum("hd,lhd->hl", q[i].double(), k) * scale, dim=-1)
+        x = torch.einsum("hd,lhd->hl", q[i].double(), k) * scale
+        p = torch.softmax(x if softcap is None else torch.tanh(x / softcap) * softcap, dim=-1)
         out[i] = torch.einsum("hl,lhd->hd", p, v)
     return out
 
 
-def run(q, kc, vc, rows, q_row, q_len, variant=None, scale=None):
+def run(q, kc, vc, rows, q_row, q_len, variant=None, scale=None, softcap=None):
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    out = A.attention(q, kc, vc, rows, q_row, q_len, scale, variant=variant)
+    out = A.attention(q, kc, vc, rows, q_row, q_len, scale, softcap, variant=variant)
     assert out is not None and out.dtype == torch.float32 and out.shape == q.shape
     return out
 
@@ -111,6 +112,49 @@ def test_peaked_softmax(variant, sharp):
     ref = reference(q, kc, vc, rows, q_row, q_len, 24 ** -0.5)
     out = run(q, kc, vc, rows, q_row, q_len)
     torch.testing.assert_close(out.double(), ref, rtol=0, atol=3e-6 + 1e-6 * sharp)
+
+
+@pytest.mark.parametrize("cap", [1.0, 50.0])
+def test_soft_capped_scores(variant, cap):
+    """Gemma 2's soft-capping: against float64, and with the bits of each query alone. Sharp
+    queries, so a cap of 1 changes the weights a great deal."""
+    kc, vc = cache(400, 2, 32)
+    rows, q_row, q_len = causal(400, 30, 90)
+    q = queries(90, 4, 32, sharp=3.0)
+    out = run(q, kc, vc, rows, q_row, q_len, softcap=cap)
+    ref = reference(q, kc, vc, rows, q_row, q_len, 32 ** -0.5, cap)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=4e-6)
+    assert not torch.allclose(ref, reference(q, kc, vc, rows, q_row, q_len, 32 ** -0.5), atol=1e-3) or cap > 10
+    alone = torch.cat([run(q[i:i + 1], kc, vc, rows, q_row[:1], q_len[i:i + 1], softcap=cap) for i in range(90)])
+    assert torch.equal(out, alone)
+
+
+def test_sliding_window_batch(variant):
+    """AttentionBatch.windowed: each token sees its last W keys only, in a causal chunk, in a
+    batch of two sequences and as tree branches, with the bits of each query alone."""
+    w = 16
+    kc, vc = cache(600, 2, 32)
+    rows, q_row, q_len = causal(600, 10, 60)
+    other, _, _ = causal(600, 0, 5, seed=3)
+    tr_rows, tr_row, tr_len = tree(600, [40, 3], depth=1, seed=4)
+    wide = torch.zeros(4, 80, dtype=torch.long)
+    wide[0, :70], wide[1, :5], wide[2:, :tr_rows.shape[1]] = rows[0], other[0], tr_rows
+    batch = AttentionBatch(torch.zeros(67, dtype=torch.long), wide, torch.cat([q_row, torch.tensor([1] * 5), tr_row + 2]),
+                           torch.cat([q_len, torch.arange(1, 6), tr_len]))
+    q = queries(67, 4, 32)
+    win = batch.windowed(w)
+    assert batch.windowed(w) is win and int(win.q_len.max()) == w
+    out = run(q, kc, vc, win.rows, win.q_row, win.q_len)
+    ref_rows = torch.zeros(67, w, dtype=torch.long)
+    for t in range(67):  # the window by hand: the last w of the token's keys
+        n = int(batch.q_len[t])
+        keys = batch.rows[batch.q_row[t], max(0, n - w):n]
+        ref_rows[t, :len(keys)] = keys
+    ref = reference(q, kc, vc, ref_rows, torch.arange(67), batch.q_len.clamp(max=w), 32 ** -0.5)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=4e-6)
+    for t in (0, 9, 30, 59, 62, 65, 66):
+        alone = AttentionBatch(batch.slot_mapping[t:t + 1], wide, batch.q_row[t:t + 1], batch.q_len[t:t + 1]).windowed(w)
+        assert torch.equal(run(q[t:t + 1], kc, vc, alone.rows, alone.q_row, alone.q_len), out[t:t + 1]), t
 
 
 @pytest.mark.parametrize("h,g,d", [(9, 3, 64), (12, 2, 128), (7, 1, 20), (8, 2, 37)])
@@ -196,8 +240,9 @@ def test_all_builds_give_the_same_bits(variant):
                 assert torch.equal(outs[0], o), (v, h, g, d, i)
 
 
-def test_agrees_with_the_sdpa_fallback(variant):
-    """The kernel and Attention._sdpa read rows/q_row/q_len the same way."""
+@pytest.mark.parametrize("softcap", [None, 1.0])
+def test_agrees_with_the_sdpa_fallback(variant, softcap):
+    """The kernel and Attention._sdpa read rows/q_row/q_len the same way (and soft-cap alike)."""
     h, g, d = 9, 3, 64
     kc, vc = cache(500, g, d)
     rows = torch.zeros(3, 200, dtype=torch.long)
@@ -208,8 +253,8 @@ def test_agrees_with_the_sdpa_fallback(variant):
     q_len = torch.tensor([198, 199, 200, 50, 117, 118, 119, 120])
     q = queries(8, h, d)
     batch = AttentionBatch(torch.zeros(8, dtype=torch.long), rows, q_row, q_len)
-    layer = types.SimpleNamespace(num_heads=h, head_dim=d)
-    torch.testing.assert_close(run(q, kc, vc, rows, q_row, q_len),
+    layer = types.SimpleNamespace(num_heads=h, num_kv_heads=g, head_dim=d, scale=d ** -0.5, softcap=softcap)
+    torch.testing.assert_close(run(q, kc, vc, rows, q_row, q_len, softcap=softcap),
                                Attention._sdpa(layer, q, kc, vc, batch), rtol=0, atol=1e-5)
 
 

@@ -63,9 +63,10 @@ def supported(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-              q_row: torch.Tensor, q_len: torch.Tensor, scale: float,
+              q_row: torch.Tensor, q_len: torch.Tensor, scale: float, softcap: float | None = None,
               variant: str | None = None) -> torch.Tensor | None:
-    """out[t] = softmax(scale * q[t] K^T) V over the keys in slots rows[q_row[t], :q_len[t]].
+    """out[t] = softmax(scale * q[t] K^T) V over the keys in slots rows[q_row[t], :q_len[t]];
+    with softcap, softmax(softcap * tanh(scale * q[t] K^T / softcap)) V (Gemma 2).
 
     q: [T, H, D]; caches: [slots, G, D]. Returns None for tensors that are not fp32 on the CPU
     (the caller then uses SDPA)."""
@@ -73,12 +74,12 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
         return None
     op = _KERNEL.op("attention", variant)
     if op is None:
-        return _by_query(q, k_cache, v_cache, rows, q_row, q_len, scale)
-    return op(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale)
+        return _by_query(q, k_cache, v_cache, rows, q_row, q_len, scale, softcap)
+    return op(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale, softcap or 0.0)
 
 
 def _by_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-              q_row: torch.Tensor, q_len: torch.Tensor, scale: float) -> torch.Tensor:
+              q_row: torch.Tensor, q_len: torch.Tensor, scale: float, softcap: float | None) -> torch.Tensor:
     """The same attention in plain torch where the kernel cannot run: each query alone, through
     calls whose shapes depend only on its own number of keys, so it is batch-invariant."""
     h, d = q.shape[1:]
@@ -88,6 +89,9 @@ def _by_query(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
         slots = rows[r, :n]
         keys, values = k_cache[slots].transpose(0, 1), v_cache[slots].transpose(0, 1)  # [G, L, D]
         heads = q[t].reshape(g, h // g, d).clone()  # grouped by kv head; a fresh copy (alignment)
-        weights = torch.softmax((heads @ keys.transpose(1, 2)) * scale, dim=-1)
+        scores = (heads @ keys.transpose(1, 2)) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        weights = torch.softmax(scores, dim=-1)
         out[t] = (weights @ values).view(h, d)
     return out

@@ -1,5 +1,5 @@
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +25,28 @@ class AttentionBatch:
     rows: torch.Tensor  # [R, S] cache slots of keys, padded
     q_row: torch.Tensor  # [T] row of each token
     q_len: torch.Tensor  # [T] how many keys of its row each token sees
+    _windows: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def windowed(self, window: int) -> "AttentionBatch":
+        """The batch of a sliding-window layer: each token sees only the last `window` of its
+        keys. A key sits in its row at its position (a chain's or a tree branch's), so token
+        t's window is rows[q_row[t], q_len[t] - window:q_len[t]]: a token whose window starts
+        past 0 gets a row of its own; its keys, their order and count are then the same
+        whatever else is in the batch, so the attention kernel keeps its bits."""
+        if window not in self._windows:
+            late = (self.q_len > window).nonzero().squeeze(1)
+            batch = self
+            if late.numel():
+                r, s = self.rows.shape  # s >= q_len > window
+                starts = self.q_len[late] - window
+                own = self.rows[self.q_row[late, None], starts[:, None] + torch.arange(window, device=late.device)]
+                q_row, q_len = self.q_row.clone(), self.q_len.clone()
+                q_row[late] = r + torch.arange(late.numel(), device=late.device)
+                q_len[late] = window
+                batch = AttentionBatch(self.slot_mapping, torch.cat([self.rows, F.pad(own, (0, s - window))]),
+                                       q_row, q_len)
+            self._windows[window] = batch
+        return self._windows[window]
 
     @functools.cached_property
     def padded(self) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -46,8 +68,13 @@ class AttentionBatch:
 
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, eps: float):
+                 rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, eps: float, *,
+                 scale: float | None = None, softcap: float | None = None, window: int | None = None):
+        """scale: of the scores (None: head_dim ** -0.5); softcap: scores -> cap * tanh(scores /
+        cap) before the softmax (Gemma 2); window: a sliding-window layer's keys per token."""
         super().__init__()
+        self.scale = head_dim ** -0.5 if scale is None else scale
+        self.softcap, self.window = softcap, window
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -77,8 +104,10 @@ class Attention(nn.Module):
             q, k = self.rotary(positions, q, k)
             k_cache.index_copy_(0, batch.slot_mapping, k)
             v_cache.index_copy_(0, batch.slot_mapping, v)
+        if self.window is not None:
+            batch = batch.windowed(self.window)
         o = attention_cpu.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len,
-                                    self.head_dim ** -0.5)
+                                    self.scale, softcap=self.softcap)
         if o is None:
             o = self._sdpa(q, k_cache, v_cache, batch)
         return self.o_proj(o.reshape(t, self.q_size))
@@ -91,5 +120,11 @@ class Attention(nn.Module):
         qp = qp.view(r, nq, self.num_heads, self.head_dim).transpose(1, 2)
         keys = k_cache[batch.rows].transpose(1, 2)
         values = v_cache[batch.rows].transpose(1, 2)
-        o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, enable_gqa=True)
+        if self.softcap is None:
+            o = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, enable_gqa=True, scale=self.scale)
+        else:  # SDPA has no soft-capping: the same steps in plain torch
+            groups = self.num_heads // self.num_kv_heads
+            keys, values = keys.repeat_interleave(groups, 1), values.repeat_interleave(groups, 1)
+            scores = torch.tanh((qp @ keys.transpose(-1, -2)) * self.scale / self.softcap) * self.softcap
+            o = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ values
         return o.transpose(1, 2).reshape(r * nq, self.num_heads, self.head_dim)[index]

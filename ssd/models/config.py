@@ -4,13 +4,23 @@ from pathlib import Path
 
 from ssd.errors import ModelFileError, UnsupportedModelError
 
-# What each supported architecture adds to the plain Llama block.
+# What each supported architecture adds to the plain Llama block (Gemma: see GEMMA below).
 ARCH_FEATURES: dict[str, dict[str, bool]] = {
     "llama": {"qkv_bias": False, "qk_norm": False},
+    "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "gemma2": {"qkv_bias": False, "qk_norm": False},
+    "gemma3": {"qkv_bias": False, "qk_norm": True},
 }
+# Hugging Face model_type -> our architecture name (the GGUF's general.architecture).
+MODEL_TYPES = {"gemma3_text": "gemma3"}
+# Gemma's block: the input embedding scaled by sqrt(hidden), RMSNorm by (1 + w), norms after
+# attention and after the MLP as well as before them, GeGLU (tanh), query scaling by
+# query_pre_attn_scalar, alternating sliding-window and global layers.
+GEMMA = ("gemma2", "gemma3")
 ROPE_TYPES = ("default", "linear", "llama3")
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass
@@ -34,6 +44,24 @@ class ModelConfig:
     rope_scaling: dict = field(default_factory=dict)
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
+    hidden_act: str = "silu"  # of the gated MLP: "silu" or "gelu_tanh"
+    gemma_norms: bool = False  # Gemma: RMSNorm by (1 + w), and norms after attention and the MLP too
+    embed_scale: float | None = None  # the input embedding times this (Gemma: sqrt(hidden))
+    query_scale: float | None = None  # attention's score scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    sliding_window: int | None = None  # keys a sliding layer's token sees, itself included
+    layer_types: list[str] = field(default_factory=list)  # per layer SLIDING or FULL; [] all FULL
+    local_rope_theta: float | None = None  # the RoPE base of sliding layers, if their own (Gemma 3)
+
+    def sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == SLIDING and self.sliding_window is not None
+
+    @property
+    def plain(self) -> bool:
+        """A Llama/Qwen block with every layer global: what the one-op layer stack computes."""
+        return (self.arch not in GEMMA and self.hidden_act == "silu" and self.embed_scale is None
+                and not any(self.sliding(i) for i in range(self.num_layers)))
 
     def end_ids(self, tokenizer) -> set[int]:
         """The token ids that end a sequence: the config's and its tokenizer's."""
@@ -44,31 +72,52 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelConfig":
-        arch = d.get("model_type", "")
+        arch = MODEL_TYPES.get(d.get("model_type", ""), d.get("model_type", ""))
         if arch not in ARCH_FEATURES:
-            raise UnsupportedModelError(
-                f"unsupported architecture {arch!r}; supported: {', '.join(ARCH_FEATURES)}")
-        # transformers >= 5 keeps rope settings in `rope_parameters`; older configs use
-        # `rope_theta` + `rope_scaling`.
+            known = ", ".join(ARCH_FEATURES)
+            if "text_config" in d:
+                raise UnsupportedModelError(f"{arch!r} is a multimodal checkpoint; supported are text-only "
+                                            f"checkpoints of: {known}")
+            raise UnsupportedModelError(f"unsupported architecture {arch!r}; supported: {known}")
+        # transformers >= 5 keeps rope settings in `rope_parameters` (Gemma 3: one dict per
+        # layer type); older configs use `rope_theta` + `rope_scaling` (+ `rope_local_base_freq`).
         rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        local = rope.pop(SLIDING, None)
+        rope = dict(rope.pop(FULL, rope))
         theta = rope.pop("rope_theta", None) or d.get("rope_theta", 10000.0)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: {ROPE_TYPES}")
         rope["rope_type"] = rope_type
+        if local is not None and local.get("rope_type", "default") != "default":
+            raise UnsupportedModelError(f"unsupported rope scaling {local['rope_type']!r} on sliding layers")
+        local_theta = (local or {}).get("rope_theta") or d.get("rope_local_base_freq")
         if arch == "qwen2" and d.get("use_sliding_window"):
             raise UnsupportedModelError("qwen2 with use_sliding_window=true is not supported")
         eos = d.get("eos_token_id")
         heads = d["num_attention_heads"]
+        layers = d["num_hidden_layers"]
         features = dict(ARCH_FEATURES[arch])
-        if arch == "llama":
+        if arch in ("llama", "mistral"):
             features["qkv_bias"] = bool(d.get("attention_bias", False))
+        window = d.get("sliding_window")
+        types = list(d.get("layer_types") or [])
+        if window and not types:  # configs older than transformers 5 leave the pattern implicit
+            pattern = {"gemma2": 2, "gemma3": d.get("sliding_window_pattern", 6)}.get(arch, 1)
+            types = [FULL if pattern > 1 and (i + 1) % pattern == 0 else SLIDING for i in range(layers)]
+        if len(types) not in (0, layers) or set(types) - {SLIDING, FULL}:
+            raise UnsupportedModelError(f"layer_types {types} do not name {layers} layers of {SLIDING}/{FULL}")
+        gemma = arch in GEMMA
+        act = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+        acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+        if act not in acts:
+            raise UnsupportedModelError(f"unsupported activation {act!r}; supported: {', '.join(acts)}")
         return cls(
             arch=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
@@ -79,6 +128,15 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            hidden_act=acts[act],
+            gemma_norms=gemma,
+            embed_scale=d["hidden_size"] ** 0.5 if gemma else None,
+            query_scale=d["query_pre_attn_scalar"] ** -0.5 if gemma and d.get("query_pre_attn_scalar") else None,
+            attn_softcap=d.get("attn_logit_softcapping") or None,
+            final_softcap=d.get("final_logit_softcapping") or None,
+            sliding_window=int(window) if window and SLIDING in types else None,
+            layer_types=types if window else [],
+            local_rope_theta=float(local_theta) if local_theta else None,
             **features,
         )
 

@@ -1,7 +1,9 @@
-"""One decoder-only transformer covering Llama (3.x, SmolLM2), Qwen2 and Qwen3.
+"""One decoder-only transformer covering Llama (3.x, SmolLM2), Mistral, Qwen2, Qwen3, Gemma 2
+and Gemma 3.
 
-The three differ only in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3) and RoPE
-scaling (Llama 3); ModelConfig carries those as flags.
+They differ in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE scaling
+(Llama 3), sliding-window layers (Mistral, Gemma), and Gemma's block (models/config.py, GEMMA);
+ModelConfig carries those as flags.
 """
 import torch
 import torch.nn.functional as F
@@ -15,31 +17,51 @@ from ssd.layers.rotary import RotaryEmbedding
 from ssd.models.config import ModelConfig
 
 
-class MLP(nn.Module):
-    """SwiGLU with the gate and up projections fused into one matrix."""
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
-    def __init__(self, hidden: int, intermediate: int):
+
+class MLP(nn.Module):
+    """A gated MLP (SwiGLU, or GeGLU for Gemma) with the gate and up projections fused into one matrix."""
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
+        self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding):
+    """Pre-norm residual block. Names follow Hugging Face's: in Llama/Qwen the norm before the
+    MLP is `post_attention_layernorm`; Gemma names that one `pre_feedforward_layernorm`, and
+    its `post_attention_layernorm` / `post_feedforward_layernorm` normalise each branch's
+    output before it joins the residual."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = lambda n: RMSNorm(n, cfg.rms_norm_eps)  # noqa: E731
+        self.input_layernorm = norm(cfg.hidden_size)
         self.self_attn = Attention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   rotary, cfg.qkv_bias, cfg.qk_norm, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
+                                   rotary, cfg.qkv_bias, cfg.qk_norm, cfg.rms_norm_eps,
+                                   scale=cfg.query_scale, softcap=cfg.attn_softcap,
+                                   window=cfg.sliding_window if cfg.sliding(layer) else None)
+        self.post_attention_layernorm = norm(cfg.hidden_size)
+        if cfg.gemma_norms:
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size)
+            self.post_feedforward_layernorm = norm(cfg.hidden_size)
+        self.gemma = cfg.gemma_norms
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x, positions, batch, kv):
-        x = x + self.self_attn(self.input_layernorm(x), positions, batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x), positions, batch, kv)
+        if not self.gemma:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class DecoderLM(nn.Module):
@@ -48,8 +70,12 @@ class DecoderLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
+        local = self.rotary
+        if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: a RoPE base of their own, unscaled
+            local = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, {})
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, local if cfg.sliding(i) else self.rotary, i)
+                                    for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -65,6 +91,8 @@ class DecoderLM(nn.Module):
         Returns logits for the rows in logits_index (all rows if None); with head=False their
         final hidden states instead (a draft applies its own head, ssd/speculative/vocab.py)."""
         x = self.embed_tokens(input_ids)
+        if self.config.embed_scale is not None:
+            x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         stack = self.layer_stack() if self.fused_layers else None
         y = None if stack is None else stack.run(x, positions, batch.slot_mapping, batch.rows, batch.q_row,
                                                  batch.q_len, kv)
@@ -76,7 +104,17 @@ class DecoderLM(nn.Module):
         if logits_index is not None:
             x = x[logits_index]
         x = self.norm(x)
-        return self.lm_head(x) if head else x
+        return self.logits(x) if head else x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer on final (normed) hidden states, soft-capped where the model says."""
+        logits = self.lm_head(hidden)
+        cap = self.config.final_softcap
+        if cap is None:
+            return logits
+        # Row by row: an elementwise op over many rows splits them among threads at points
+        # that move with the row count, and tanh's vector and scalar code differ in the last bit.
+        return torch.stack([torch.tanh(row / cap) * cap for row in logits])
 
     def layer_stack(self) -> LayerStack | None:
         """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a model
@@ -84,6 +122,8 @@ class DecoderLM(nn.Module):
         if self._stack is False:
             self._stack = None
             cfg = self.config
+            if not cfg.plain:
+                return None
             linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
                        for layer in self.layers]
             if all(isinstance(m, QuantLinear) for ms in linears for m in ms):

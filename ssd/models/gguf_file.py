@@ -1,4 +1,4 @@
-"""GGUF model files (llama, qwen2, qwen3): reading them safely, the Hugging Face style folder
+"""GGUF model files (llama, qwen2, qwen3, gemma2, gemma3): reading them safely, the Hugging Face style folder
 the engine keeps beside one (config.json, generation_config.json, tokenizer files and a
 `model.gguf` link to the file itself), and the file's tensors, either as their raw quantised
 blocks (what the CPU kernels compute on) or dequantised to fp32, bit-identical to what
@@ -19,7 +19,10 @@ import torch
 from ssd.errors import ModelFileError, UnsupportedModelError
 
 GGUF_LINK = "model.gguf"  # in a model folder: the GGUF file its weights are read from
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# (llama.cpp writes Mistral models as `llama`.)
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+GEMMA = ("gemma2", "gemma3")
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 LAYER_NAMES = {
@@ -35,18 +38,22 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer (models/decoder.py, DecoderLayer).
+GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Precomputed rope frequencies (llama 3.1 GGUFs); Hugging Face derives them from the config.
 SKIPPED = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """Hugging Face name of a llama.cpp tensor name, e.g. blk.3.attn_q.weight."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
+    names = GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES
     if len(parts) == 1 and stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{kind}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
+        return f"model.layers.{parts[1]}.{names[parts[2]]}.{kind}"
     raise UnsupportedModelError(f"unknown GGUF tensor {gguf_name!r}")
 
 
@@ -99,9 +106,7 @@ def _write_tokenizer(gguf_path: Path, out: Path) -> None:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    if not tok.chat_template:
-        raise ModelFileError(f"{gguf_path} has no chat template (tokenizer.chat_template)")
-    tok.save_pretrained(out)
+    tok.save_pretrained(out)  # without a chat template (a base model) chat requests get a clear error
 
 
 def open_gguf(path: str | os.PathLike) -> "GGUFIndex":
@@ -240,7 +245,7 @@ def prepare_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> 
     reader = open_gguf(gguf_path)
     arch = architecture(reader, gguf_path)
     for t in reader.tensors:
-        hf_name(t.name)  # an unknown tensor fails here, not at load
+        hf_name(t.name, arch)  # an unknown tensor fails here, not at load
     tied = all(t.name != "output.weight" for t in reader.tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -268,7 +273,8 @@ class GGUFTensor:
 def tensors(reader, path: Path) -> Iterator[GGUFTensor]:
     """The file's tensors under Hugging Face names, llama's q/k rows put back in the order
     transformers uses (llama.cpp's converter interleaves them): whole quantised rows move, so
-    the raw blocks stay exact."""
+    the raw blocks stay exact. Gemma's norm weights come back as transformers holds them:
+    the converter stored 1 + w, transformers subtracts the 1 (in fp32, as here)."""
     arch = architecture(reader, path)
     n_head = _field(reader, f"{arch}.attention.head_count")
     n_kv_head = _field(reader, f"{arch}.attention.head_count_kv", n_head)
@@ -282,7 +288,9 @@ def tensors(reader, path: Path) -> Iterator[GGUFTensor]:
             rows = np.arange(shape[0]).reshape(-1, 1)
             order = unpermute(rows, heads).reshape(-1)
             raw = raw.reshape(shape[0], -1)[order]
-        yield GGUFTensor(hf_name(t.name), t.tensor_type, shape, raw)
+        if arch in GEMMA and t.name.endswith("norm.weight"):
+            raw = np.asarray(raw, dtype=np.float32) - np.float32(1)
+        yield GGUFTensor(hf_name(t.name, arch), t.tensor_type, shape, raw)
 
 
 def dequantize(t: GGUFTensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 from ssd.errors import ModelFileError, SSDError, UnsupportedModelError
 from ssd.kernels import quant_cpu
 from ssd.layers.linear import Linear, QuantEmbedding, QuantLinear
+from ssd.layers.norm import RMSNorm
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, tensors
@@ -123,7 +124,17 @@ def to_engine_names(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["embed_tokens.weight"]
+    if cfg.gemma_norms:
+        for name in out:
+            if name.endswith("norm.weight"):
+                out[name] = gemma_norm(out[name])
     return out
+
+
+def gemma_norm(w: torch.Tensor) -> torch.Tensor:
+    """The weight our RMSNorm multiplies by for a Gemma norm of weight w: 1 + w, in fp32 as
+    transformers computes it."""
+    return 1.0 + w.float()
 
 
 def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto",
@@ -181,7 +192,9 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         return found[name]
 
     def vector(name: str) -> nn.Parameter:
-        return nn.Parameter(dequantize(get(name)), requires_grad=False)
+        v = dequantize(get(name))
+        return nn.Parameter(gemma_norm(v) if cfg.gemma_norms and name.endswith("norm.weight") else v,
+                            requires_grad=False)
 
     def linear(names: list[str], bias: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> nn.Module:
         parts = [get(n) for n in names]
@@ -218,14 +231,11 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         bias = torch.cat([dequantize(get(f"{n}.bias")) for n in qkv]) if cfg.qkv_bias else None
         attn.qkv_proj = linear([f"{n}.weight" for n in qkv], bias)
         attn.o_proj = linear([f"{pre}self_attn.o_proj.weight"])
-        if cfg.qk_norm:
-            attn.q_norm.weight = vector(f"{pre}self_attn.q_norm.weight")
-            attn.k_norm.weight = vector(f"{pre}self_attn.k_norm.weight")
         layer.mlp.gate_up_proj = linear([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
         layer.mlp.down_proj = linear([f"{pre}mlp.down_proj.weight"])
-        layer.input_layernorm.weight = vector(f"{pre}input_layernorm.weight")
-        layer.post_attention_layernorm.weight = vector(f"{pre}post_attention_layernorm.weight")
-    model.norm.weight = vector("model.norm.weight")
+    for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
+        if isinstance(module, RMSNorm):
+            module.weight = vector(f"model.{name}.weight")
     embed = get("model.embed_tokens.weight")
     if embed.qtype in quant_cpu.SUPPORTED:
         # A copy of the blocks: the file's pages are unmapped once loading is done.

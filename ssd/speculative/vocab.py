@@ -137,7 +137,7 @@ class DraftHead:
         """Logits for final hidden states; the sequence of extras[i] owns the next rows[i] rows.
         Returns the logits [R, V' + E] and the extra columns' token ids [R, E] (None: no extra
         columns)."""
-        logits = self.model.lm_head(hidden)
+        logits = self.model.logits(hidden)
         width = max((len(e.known) for e in extras), default=0)
         if not width:
             return logits, None

@@ -323,7 +323,10 @@ static const auto kScore = score_tables(std::make_integer_sequence<int, SC_NV>()
 static const auto kPv = pv_tables(std::make_integer_sequence<int, PV_NV>());
 
 // In place over x[0, L): x_s -> p_s; returns l. x has room up to a multiple of 16 past L.
-static float softmax_row(float* x, int64_t L, float c) {
+// cap > 0 (soft-capping): x_s -> tanh((x_s * scale) / cap) * cap first, one scalar at a time.
+static float softmax_row(float* x, int64_t L, float c, float scale, float cap) {
+  if (cap > 0.f)
+    for (int64_t s = 0; s < L; ++s) x[s] = std::tanh(x[s] * scale / cap) * cap;
   V mx[LV], sum[LV];
   for (int i = 0; i < LV; ++i) { mx[i] = vset1(-kInf); sum[i] = vzero(); }
   for (int64_t s0 = 0; s0 < L; s0 += LANES)
@@ -358,7 +361,7 @@ struct Tile { int64_t row, begin, end, g, cost; };  // queries order[begin:end) 
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc,
                      const at::Tensor& rows, const at::Tensor& q_row_in, const at::Tensor& q_len_in,
-                     double scale) {
+                     double scale, double softcap) {
   TORCH_CHECK(q.dim() == 3 && kc.dim() == 3 && vc.dim() == 3, "ssd attention: q [T,H,D], caches [N,G,D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && kc.scalar_type() == at::kFloat &&
               vc.scalar_type() == at::kFloat, "ssd attention: fp32 only");
@@ -417,7 +420,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
   }
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.cost > b.cost; });
 
-  const float c = static_cast<float>(scale * 1.4426950408889634);
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "ssd attention: softcap must be finite and >= 0");
+  const float cap = static_cast<float>(softcap), fscale = static_cast<float>(scale);
+  const float c = static_cast<float>((cap > 0.f ? 1.0 : scale) * 1.4426950408889634);
   // Score rows are lpad + 16 floats apart: a multiple of 4 KiB would put them all in the
   // same L1 sets.
   const int64_t lpad = (max_len + KB - 1) / KB * KB, ldsc = lpad + 16, DW = D / W * W;
@@ -479,7 +484,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
         }
       }
       for (int64_t r = 0; r < nr; ++r) {
-        lsum[r] = softmax_row(srow[r], len[r], c);
+        lsum[r] = softmax_row(srow[r], len[r], c, fscale, cap);
         prow[r] = srow[r];
       }
       // P.V, register tiles of rows x d vectors, in chunks of keys that stay in L1 while
@@ -515,6 +520,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
 }  // namespace
 
 TORCH_LIBRARY(SSD_NS, m) {
-  m.def("attention(Tensor q, Tensor kc, Tensor vc, Tensor rows, Tensor q_row, Tensor q_len, float scale) -> Tensor");
+  m.def("attention(Tensor q, Tensor kc, Tensor vc, Tensor rows, Tensor q_row, Tensor q_len, float scale, "
+        "float softcap=0.) -> Tensor");
   m.impl("attention", c10::DispatchKey::CPU, &attention);
 }

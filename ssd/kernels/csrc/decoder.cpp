@@ -22,7 +22,7 @@ using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using RopeCache = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
 using Attention = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             const at::Tensor&, const at::Tensor&, double);
+                             const at::Tensor&, const at::Tensor&, double, double);
 
 template <typename Sig>
 static c10::TypedOperatorHandle<Sig> find(const std::string& ns, const char* name) {
@@ -74,7 +74,7 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
       k = rms_norm.call(k.contiguous(), qk_norms[2 * l + 1], eps);
     }
     q = rope_cache.call(q, k, v, positions, cos, sin, k_cache, v_cache, slots);
-    at::Tensor o = attention.call(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale);
+    at::Tensor o = attention.call(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale, 0.);
     x = x + linear(l, 1, o.reshape({T, qs}), qs, none);
     at::Tensor gu = linear(l, 2, rms_norm.call(x, norms[2 * l + 1], eps), hidden, none);
     at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);

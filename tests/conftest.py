@@ -20,7 +20,7 @@ def smollm(smollm_dir):
         yield llm
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "gemma2", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
 WINDOW = 16  # the sliding window of the tiny Mistral and Gemma models: shorter than the test prompts
 
 
@@ -28,7 +28,8 @@ def tiny_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
     """Small configs of the supported architectures, each with its own quirks on: Llama 3's
     RoPE scaling, Qwen2's q/k/v bias, Qwen3's q/k norms; Mistral's and Gemma's sliding windows
     (WINDOW keys, so that they bite), Gemma 2's soft-capping (caps low enough to change the
-    values), Gemma 3's own RoPE base on sliding layers and linear scaling on global ones."""
+    values), Gemma 3's own RoPE base on sliding layers and linear scaling on global ones, Phi-3's
+    fused projections, LongRoPE and partial rotary."""
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     if arch == "llama":
@@ -39,6 +40,11 @@ def tiny_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
         return transformers.Qwen2Config(**common, tie_word_embeddings=False)
     if arch == "mistral":
         return transformers.MistralConfig(**common, sliding_window=WINDOW, tie_word_embeddings=False)
+    if arch == "phi3":  # Phi-3's LongRoPE (short factors: the context is the original's) on half of each head
+        return transformers.Phi3Config(**common, sliding_window=WINDOW, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
+            "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [2.0, 3.0, 5.0, 9.0],
+            "original_max_position_embeddings": 512})
     if arch == "gemma2":
         return transformers.Gemma2Config(**common, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)

@@ -9,7 +9,8 @@ import numpy as np
 from safetensors.torch import load_file
 
 from ssd.models.config import MODEL_TYPES
-from ssd.models.gguf_file import GEMMA, GEMMA_LAYER_NAMES, GGUF_LINK, GLOBAL_NAMES, LAYER_NAMES, copy_metadata
+from ssd.models.gguf_file import (GEMMA, GEMMA_LAYER_NAMES, GGUF_LINK, GLOBAL_NAMES, LAYER_NAMES, PHI3_LAYER_NAMES,
+                                  copy_metadata)
 from ssd.store import resolve_model
 
 def truncated_gguf(src: Path, dst: Path, layers: int) -> Path:
@@ -35,7 +36,7 @@ def truncated_gguf(src: Path, dst: Path, layers: int) -> Path:
 def _gguf_name(hf: str, arch: str) -> str:
     name = hf.removeprefix("model.")
     stem, _, kind = name.rpartition(".")
-    names = GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES
+    names = GEMMA_LAYER_NAMES if arch in GEMMA else PHI3_LAYER_NAMES if arch == "phi3" else LAYER_NAMES
     for ours, theirs in names.items():
         if stem.endswith("." + theirs) and stem.startswith("layers."):
             return f"blk.{stem.split('.')[1]}.{ours}.{kind}"

@@ -1,5 +1,6 @@
-"""Speculation stays exact on the Mistral and Gemma families: sliding-window layers (windows
-shorter than the prompts), Gemma's soft-capping and its own RoPE bases, on the dequantised and
+"""Speculation stays exact on the Mistral, Phi-3 and Gemma families: sliding-window layers
+(windows shorter than the prompts), Gemma's soft-capping and its own RoPE bases, Phi-3's
+partial LongRoPE, on the dequantised and
 the GGUF-block paths. Random weights; the draft is the target's first two layers (it agrees
 with the target often, not always)."""
 import pytest
@@ -9,7 +10,7 @@ import transformers
 from ssd import LLM, SamplingParams
 from conftest import WINDOW
 
-FAMILIES = ["mistral", "gemma2", "gemma3"]
+FAMILIES = ["mistral", "phi3", "gemma2", "gemma3"]
 PROMPTS = ["Once upon a time, in a land far away, there lived a king who had three daughters, and",
            "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
 GREEDY = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
@@ -56,8 +57,7 @@ def test_greedy_speculation_equals_ar(pairs, arch, weights):
         assert [o.token_ids for o in lookup.generate(PROMPTS, GREEDY)] == expected
 
 
-@pytest.mark.parametrize("arch", ["gemma3", pytest.param("gemma2", marks=pytest.mark.long),
-                                  pytest.param("mistral", marks=pytest.mark.long)])
+@pytest.mark.parametrize("arch", ["gemma3", *(pytest.param(a, marks=pytest.mark.long) for a in ("gemma2", "mistral", "phi3"))])
 def test_ssd_greedy_equals_ar(pairs, arch):
     """SSD's draft worker builds trees on a sliding-window draft: tree rows keep a key at its
     position, so the window is cut the same way for every branch."""

@@ -149,7 +149,7 @@ PROMPTS = ["The three primary colors are", "def fibonacci(n):\n    if n <= 1:",
            "Once upon a time, in a land far away, there lived a king who had three daughters and"]
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3"])
 def test_greedy_generation_matches_transformers(tiny_models, arch):
     """The engine's greedy tokens (dequantised fp32) are transformers' for 40 tokens on each
     prompt; the longest prompt and the answers run well past the sliding window."""
@@ -167,7 +167,7 @@ def test_greedy_generation_matches_transformers(tiny_models, arch):
         assert out.token_ids == ref.tolist()
 
 
-@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+@pytest.mark.parametrize("arch", ["mistral", "phi3", "gemma2", "gemma3"])
 def test_gguf_blocks_agree_with_fp32(tiny_models, tmp_path, arch):
     """The GGUF-block path (Q8_0, 8-bit activations) against the fp32 values of the same file:
     the same next token at >= 98 % of teacher-forced positions where fp32's top two differ by

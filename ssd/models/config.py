@@ -10,6 +10,7 @@ ARCH_FEATURES: dict[str, dict[str, bool]] = {
     "mistral": {"qkv_bias": False, "qk_norm": False},
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
+    "phi3": {"qkv_bias": False, "qk_norm": False},
     "gemma2": {"qkv_bias": False, "qk_norm": False},
     "gemma3": {"qkv_bias": False, "qk_norm": True},
 }
@@ -19,7 +20,7 @@ MODEL_TYPES = {"gemma3_text": "gemma3"}
 # attention and after the MLP as well as before them, GeGLU (tanh), query scaling by
 # query_pre_attn_scalar, alternating sliding-window and global layers.
 GEMMA = ("gemma2", "gemma3")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 SLIDING, FULL = "sliding_attention", "full_attention"
 
 
@@ -53,6 +54,7 @@ class ModelConfig:
     sliding_window: int | None = None  # keys a sliding layer's token sees, itself included
     layer_types: list[str] = field(default_factory=list)  # per layer SLIDING or FULL; [] all FULL
     local_rope_theta: float | None = None  # the RoPE base of sliding layers, if their own (Gemma 3)
+    rotary_dim: int | None = None  # a head's first dimensions that RoPE turns; None: all (Phi's partial rotary)
 
     def sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING and self.sliding_window is not None
@@ -89,6 +91,10 @@ class ModelConfig:
         if rope_type not in ROPE_TYPES:
             raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}; supported: {ROPE_TYPES}")
         rope["rope_type"] = rope_type
+        if rope_type == "longrope":
+            rope.setdefault("original_max_position_embeddings",
+                            d.get("original_max_position_embeddings") or d.get("max_position_embeddings", 4096))
+        partial = rope.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
         if local is not None and local.get("rope_type", "default") != "default":
             raise UnsupportedModelError(f"unsupported rope scaling {local['rope_type']!r} on sliding layers")
         local_theta = (local or {}).get("rope_theta") or d.get("rope_local_base_freq")
@@ -137,6 +143,7 @@ class ModelConfig:
             sliding_window=int(window) if window and SLIDING in types else None,
             layer_types=types if window else [],
             local_rope_theta=float(local_theta) if local_theta else None,
+            rotary_dim=None if partial == 1.0 else int((d.get("head_dim") or d["hidden_size"] // heads) * partial),
             **features,
         )
 

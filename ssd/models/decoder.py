@@ -1,9 +1,9 @@
-"""One decoder-only transformer covering Llama (3.x, SmolLM2), Mistral, Qwen2, Qwen3, Gemma 2
-and Gemma 3.
+"""One decoder-only transformer covering Llama (3.x, SmolLM2), Mistral, Qwen2, Qwen3, Phi-3,
+Gemma 2 and Gemma 3.
 
 They differ in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE scaling
-(Llama 3), sliding-window layers (Mistral, Gemma), and Gemma's block (models/config.py, GEMMA);
-ModelConfig carries those as flags.
+(Llama 3, Phi-3's LongRoPE) and partial rotary (Phi), sliding-window layers (Mistral, Phi-3,
+Gemma), and Gemma's block (models/config.py, GEMMA); ModelConfig carries those as flags.
 """
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,7 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+        self.rotary = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
                                       cfg.rope_theta, cfg.rope_scaling)
         local = self.rotary
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: a RoPE base of their own, unscaled

@@ -21,7 +21,7 @@ from ssd.errors import ModelFileError, UnsupportedModelError
 GGUF_LINK = "model.gguf"  # in a model folder: the GGUF file its weights are read from
 # (llama.cpp writes Mistral models as `llama`.)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 GEMMA = ("gemma2", "gemma3")
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -29,6 +29,7 @@ LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",  # Phi-3: q, k and v in one matrix
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -38,18 +39,22 @@ LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Phi-3's ffn_up holds the gate and up projections stacked, as Hugging Face's gate_up_proj.
+PHI3_LAYER_NAMES = {**LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
 # Gemma's four norms a layer (models/decoder.py, DecoderLayer).
 GEMMA_LAYER_NAMES = {**LAYER_NAMES, "post_attention_norm": "post_attention_layernorm",
                      "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
 # Precomputed rope frequencies (llama 3.1 GGUFs); Hugging Face derives them from the config.
 SKIPPED = {"rope_freqs.weight"}
+# Phi-3's LongRoPE factors: read into config.json's rope_scaling (_write_config).
+ROPE_FACTORS = {"rope_factors_long.weight": "long_factor", "rope_factors_short.weight": "short_factor"}
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str:
     """Hugging Face name of a llama.cpp tensor name, e.g. blk.3.attn_q.weight."""
     stem, _, kind = gguf_name.rpartition(".")
     parts = stem.split(".")
-    names = GEMMA_LAYER_NAMES if arch in GEMMA else LAYER_NAMES
+    names = GEMMA_LAYER_NAMES if arch in GEMMA else PHI3_LAYER_NAMES if arch == "phi3" else LAYER_NAMES
     if len(parts) == 1 and stem in GLOBAL_NAMES:
         return f"{GLOBAL_NAMES[stem]}.{kind}"
     if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in names:
@@ -90,6 +95,17 @@ def _write_config(gguf_path: Path, out: Path, arch: str, reader, tied: bool) -> 
     head_dim = _field(reader, f"{arch}.attention.key_length")
     if head_dim is not None:
         d["head_dim"] = int(head_dim)
+    factors = {ROPE_FACTORS[t.name]: np.asarray(t.data, dtype=np.float32).tolist()
+               for t in reader.tensors if t.name in ROPE_FACTORS}
+    if factors:  # Phi-3 LongRoPE: the factors are tensors of the file, the rest metadata
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length") or d["max_position_embeddings"]
+        d["rope_scaling"] = {"rope_type": "longrope", "original_max_position_embeddings": int(original),
+                             "long_factor": factors.get("long_factor", factors.get("short_factor")),
+                             "short_factor": factors.get("short_factor", factors.get("long_factor"))}
+        attn = _field(reader, f"{arch}.rope.scaling.attn_factor")
+        if attn is not None:
+            d["rope_scaling"]["attention_factor"] = float(attn)
+        d.pop("rope_parameters", None)
     d.update(architectures=[ARCHITECTURES[arch]], tie_word_embeddings=tied, dtype="float32",
              torch_dtype="float32")
     (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
@@ -245,7 +261,8 @@ def prepare_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> 
     reader = open_gguf(gguf_path)
     arch = architecture(reader, gguf_path)
     for t in reader.tensors:
-        hf_name(t.name, arch)  # an unknown tensor fails here, not at load
+        if t.name not in SKIPPED and t.name not in ROPE_FACTORS:
+            hf_name(t.name, arch)  # an unknown tensor fails here, not at load
     tied = all(t.name != "output.weight" for t in reader.tensors)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -279,7 +296,7 @@ def tensors(reader, path: Path) -> Iterator[GGUFTensor]:
     n_head = _field(reader, f"{arch}.attention.head_count")
     n_kv_head = _field(reader, f"{arch}.attention.head_count_kv", n_head)
     for t in reader.tensors:
-        if t.name in SKIPPED:
+        if t.name in SKIPPED or t.name in ROPE_FACTORS:
             continue
         shape = tuple(int(n) for n in reversed(t.shape))
         raw = t.data.reshape(shape[0], -1) if len(shape) == 2 else t.data

@@ -228,10 +228,14 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         pre = f"model.layers.{i}."
         attn = layer.self_attn
         qkv = [f"{pre}self_attn.{p}_proj" for p in "qkv"]
+        if f"{pre}self_attn.qkv_proj.weight" in found:  # Phi-3: stacked in the file
+            qkv = [f"{pre}self_attn.qkv_proj"]
         bias = torch.cat([dequantize(get(f"{n}.bias")) for n in qkv]) if cfg.qkv_bias else None
         attn.qkv_proj = linear([f"{n}.weight" for n in qkv], bias)
         attn.o_proj = linear([f"{pre}self_attn.o_proj.weight"])
-        layer.mlp.gate_up_proj = linear([f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"])
+        gate_up = [f"{pre}mlp.gate_up_proj.weight"] if f"{pre}mlp.gate_up_proj.weight" in found else \
+            [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
+        layer.mlp.gate_up_proj = linear(gate_up)
         layer.mlp.down_proj = linear([f"{pre}mlp.down_proj.weight"])
     for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
         if isinstance(module, RMSNorm):

@@ -3,7 +3,8 @@
 // The small per-layer steps of a decoder, each one op instead of several torch calls:
 //   rms_norm(x, w, eps)   y = w * (x / sqrt(mean(x^2) + eps)), per row
 //   rope_cache(q, k, v, positions, cos, sin, k_cache, v_cache, slots) -> q rotated
-//                         RoPE (rotate-half layout) on q and k, k and v written to their cache slots
+//                         RoPE (rotate-half layout) on q and k over cos's width (a head's first
+//                         dimensions), k and v written to their cache slots
 // fp32, CPU, rows independent: a row's result never depends on the other rows or the thread
 // count. rms_norm sums x^2 in 16 lanes (lane j: i = j, j+16, ...; tail into lane i % 16), then
 // ((l0+l8) + (l4+l12)) + ((l2+l10) + (l6+l14)) + ... as a fixed tree; rope_cache computes
@@ -51,11 +52,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   return y;
 }
 
-// Rotate-half RoPE of one head vector of length d into out: the first half pairs with the second.
-static inline void rotate(const float* x, const float* c, const float* s, int64_t d, float* out) {
-  const int64_t half = d / 2;
+// Rotate-half RoPE of the first r elements of one head vector of length d into out (the first
+// half of them pairs with the second); elements r..d-1 are copied (Phi's partial rotary).
+static inline void rotate(const float* x, const float* c, const float* s, int64_t r, int64_t d, float* out) {
+  const int64_t half = r / 2;
   for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] + (-x[i + half]) * s[i];
-  for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
+  for (int64_t i = half; i < r; ++i) out[i] = x[i] * c[i] + x[i - half] * s[i];
+  for (int64_t i = r; i < d; ++i) out[i] = x[i];
 }
 
 at::Tensor rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions,
@@ -66,9 +69,11 @@ at::Tensor rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0) &&
                   q.size(2) == k.size(2) && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() &&
                   k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2) && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) == q.size(2),
+                  v_cache.is_contiguous() && cos.is_contiguous() && sin.is_contiguous() && cos.size(1) <= q.size(2) &&
+                  cos.size(1) % 2 == 0 && sin.sizes() == cos.sizes(),
               "ssd rope_cache: bad shapes");
   const int64_t T = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2), P = cos.size(0), S = k_cache.size(0);
+  const int64_t r = cos.size(1);
   auto pos = positions.to(at::kLong).contiguous(), slot = slots.to(at::kLong).contiguous();
   TORCH_CHECK(pos.numel() == T && slot.numel() == T, "ssd rope_cache: one position and one slot per token");
   const int64_t *pp = pos.data_ptr<int64_t>(), *sp = slot.data_ptr<int64_t>();
@@ -81,10 +86,10 @@ at::Tensor rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   float *op = out.data_ptr<float>(), *kcp = k_cache.data_ptr<float>(), *vcp = v_cache.data_ptr<float>();
   at::parallel_for(0, T, 8, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
-      const float *c = cp + pp[t] * d, *s = snp + pp[t] * d;
-      for (int64_t h = 0; h < hq; ++h) rotate(qp + (t * hq + h) * d, c, s, d, op + (t * hq + h) * d);
+      const float *c = cp + pp[t] * r, *s = snp + pp[t] * r;
+      for (int64_t h = 0; h < hq; ++h) rotate(qp + (t * hq + h) * d, c, s, r, d, op + (t * hq + h) * d);
       for (int64_t h = 0; h < hk; ++h) {
-        rotate(kp + (t * hk + h) * d, c, s, d, kcp + (sp[t] * hk + h) * d);
+        rotate(kp + (t * hk + h) * d, c, s, r, d, kcp + (sp[t] * hk + h) * d);
         for (int64_t i = 0; i < d; ++i) vcp[(sp[t] * hk + h) * d + i] = vp[(t * hk + h) * d + i];
       }
     }

@@ -20,7 +20,8 @@ def smollm(smollm_dir):
         yield llm
 
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3moe", "qwen2moe", "mixtral")
+MOE = ("qwen3moe", "qwen2moe", "mixtral")
 WINDOW = 16  # the sliding window of the tiny Mistral and Gemma models: shorter than the test prompts
 
 
@@ -29,7 +30,7 @@ def tiny_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
     RoPE scaling, Qwen2's q/k/v bias, Qwen3's q/k norms; Mistral's and Gemma's sliding windows
     (WINDOW keys, so that they bite), Gemma 2's soft-capping (caps low enough to change the
     values), Gemma 3's own RoPE base on sliding layers and linear scaling on global ones, Phi-3's
-    fused projections, LongRoPE and partial rotary."""
+    fused projections, LongRoPE and partial rotary; mixtures of experts with top-k > 1."""
     common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
     if arch == "llama":
@@ -45,6 +46,17 @@ def tiny_config(arch: str, vocab: int) -> transformers.PretrainedConfig:
             "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5, "factor": 4.0,
             "short_factor": [1.0, 1.3, 2.1, 3.4], "long_factor": [2.0, 3.0, 5.0, 9.0],
             "original_max_position_embeddings": 512})
+    if arch == "qwen3moe":  # 8 experts, 3 a token, renormalised; the middle layer dense (mlp_only_layers)
+        return transformers.Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=3,
+                                           moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+                                           tie_word_embeddings=False)
+    if arch == "qwen2moe":  # a shared expert with its sigmoid gate; weights not renormalised
+        return transformers.Qwen2MoeConfig(**common, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                                           shared_expert_intermediate_size=96, norm_topk_prob=False,
+                                           tie_word_embeddings=False)
+    if arch == "mixtral":
+        return transformers.MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=6,
+                                          num_experts_per_tok=2, tie_word_embeddings=False)
     if arch == "gemma2":
         return transformers.Gemma2Config(**common, head_dim=32, sliding_window=WINDOW, query_pre_attn_scalar=24,
                                          attn_logit_softcapping=2.0, final_logit_softcapping=3.0)

@@ -1,11 +1,13 @@
 """GGUF files for tests: a real model cut to its first layers, and quantised copies of small
 random-weight Hugging Face folders, written with the gguf package as llama.cpp lays them out."""
 import json
+import re
 import shutil
 from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from safetensors.torch import load_file
 
 from ssd.models.config import MODEL_TYPES
@@ -46,14 +48,34 @@ def _gguf_name(hf: str, arch: str) -> str:
     raise KeyError(hf)
 
 
+EXPERT = re.compile(r"(.*\.)(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight")
+KINDS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def stack_experts(state: dict) -> dict:
+    """A mixture's per-expert tensors (the hub's layout) stacked [experts, rows, cols] under
+    the names the GGUF's ffn_*_exps map to; Mixtral's router under Qwen's name."""
+    out, experts = {}, {}
+    for name, w in state.items():
+        m = EXPERT.fullmatch(name)
+        if m:
+            prefix, e, kind = m.groups()
+            experts.setdefault((prefix, KINDS.get(kind, kind)), {})[int(e)] = w
+        else:
+            out[name.replace(".block_sparse_moe.gate.", ".mlp.gate.")] = w
+    for (prefix, kind), mats in experts.items():
+        out[f"{prefix}mlp.experts.{kind}.weight"] = torch.stack([mats[e] for e in sorted(mats)])
+    return out
+
+
 def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     """A model folder beside `folder` (a Hugging Face one, fp32 safetensors) whose weights are a
     GGUF: every matrix quantised to `qtype` by the gguf package, vectors in F32, llama's q/k
-    rows interleaved as llama.cpp's converter does (Mistral is written as `llama`, as llama.cpp
-    does), Gemma's norms stored as 1 + w. Config and tokenizer are copied as they are."""
+    rows interleaved as llama.cpp's converter does (Mistral and Mixtral are written as `llama`,
+    as llama.cpp does), Gemma's norms stored as 1 + w, a mixture's experts stacked. Config and tokenizer are copied as they are."""
     cfg = json.loads((folder / "config.json").read_text())
     arch = MODEL_TYPES.get(cfg["model_type"], cfg["model_type"])
-    arch = "llama" if arch == "mistral" else arch
+    arch = "llama" if arch in ("mistral", "mixtral") else arch
     heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
     dst.mkdir(parents=True, exist_ok=True)
     path = dst / "weights.gguf"
@@ -65,6 +87,7 @@ def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
         state.update(load_file(f))
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
+    state = stack_experts(state)
     for name, w in state.items():
         w = w.float().numpy()
         gname = _gguf_name(name, arch)
@@ -73,7 +96,7 @@ def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
         n = heads if ".attn_q." in gname else kv_heads if ".attn_k." in gname else None
         if arch == "llama" and n is not None:  # llama.cpp's permute, which the loader undoes
             w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-        if w.ndim == 2:
+        if w.ndim >= 2 and "ffn_gate_inp" not in gname:  # llama.cpp keeps routers in F32
             writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, w.astype(np.float32))

@@ -11,11 +11,14 @@ ARCH_FEATURES: dict[str, dict[str, bool]] = {
     "qwen2": {"qkv_bias": True, "qk_norm": False},
     "qwen3": {"qkv_bias": False, "qk_norm": True},
     "phi3": {"qkv_bias": False, "qk_norm": False},
+    "qwen2moe": {"qkv_bias": True, "qk_norm": False},
+    "qwen3moe": {"qkv_bias": False, "qk_norm": True},
+    "mixtral": {"qkv_bias": False, "qk_norm": False},
     "gemma2": {"qkv_bias": False, "qk_norm": False},
     "gemma3": {"qkv_bias": False, "qk_norm": True},
 }
 # Hugging Face model_type -> our architecture name (the GGUF's general.architecture).
-MODEL_TYPES = {"gemma3_text": "gemma3"}
+MODEL_TYPES = {"gemma3_text": "gemma3", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 # Gemma's block: the input embedding scaled by sqrt(hidden), RMSNorm by (1 + w), norms after
 # attention and after the MLP as well as before them, GeGLU (tanh), query scaling by
 # query_pre_attn_scalar, alternating sliding-window and global layers.
@@ -55,6 +58,15 @@ class ModelConfig:
     layer_types: list[str] = field(default_factory=list)  # per layer SLIDING or FULL; [] all FULL
     local_rope_theta: float | None = None  # the RoPE base of sliding layers, if their own (Gemma 3)
     rotary_dim: int | None = None  # a head's first dimensions that RoPE turns; None: all (Phi's partial rotary)
+    num_experts: int = 0  # mixture of experts (layers/moe.py); 0: dense
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    normalize_expert_weights: bool = False  # renormalise the top-k router weights to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's shared expert; 0: none
+    dense_layers: list[int] = field(default_factory=list)  # layers of a MoE model with a dense MLP
+
+    def moe(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     def sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING and self.sliding_window is not None
@@ -63,7 +75,7 @@ class ModelConfig:
     def plain(self) -> bool:
         """A Llama/Qwen block with every layer global: what the one-op layer stack computes."""
         return (self.arch not in GEMMA and self.hidden_act == "silu" and self.embed_scale is None
-                and not any(self.sliding(i) for i in range(self.num_layers)))
+                and not self.num_experts and not any(self.sliding(i) for i in range(self.num_layers)))
 
     def end_ids(self, tokenizer) -> set[int]:
         """The token ids that end a sequence: the config's and its tokenizer's."""
@@ -118,7 +130,16 @@ class ModelConfig:
         acts = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
         if act not in acts:
             raise UnsupportedModelError(f"unsupported activation {act!r}; supported: {', '.join(acts)}")
+        experts = d.get("num_experts") or d.get("num_local_experts") or 0
+        step = d.get("decoder_sparse_step") or 1
+        dense = sorted({*d.get("mlp_only_layers", []), *(i for i in range(layers) if (i + 1) % step)}) if experts else []
         return cls(
+            num_experts=experts,
+            experts_per_token=d.get("num_experts_per_tok", 0) if experts else 0,
+            expert_intermediate_size=(d.get("moe_intermediate_size") or d["intermediate_size"]) if experts else 0,
+            normalize_expert_weights=bool(d.get("norm_topk_prob", arch == "mixtral")),
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0 if experts else 0,
+            dense_layers=dense,
             arch=arch,
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],

@@ -1,5 +1,5 @@
 """One decoder-only transformer covering Llama (3.x, SmolLM2), Mistral, Qwen2, Qwen3, Phi-3,
-Gemma 2 and Gemma 3.
+Gemma 2 and Gemma 3, and the mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral (layers/moe.py).
 
 They differ in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE scaling
 (Llama 3, Phi-3's LongRoPE) and partial rotary (Phi), sliding-window layers (Mistral, Phi-3,
@@ -12,6 +12,7 @@ from torch import nn
 from ssd.kernels.decoder_cpu import LayerStack
 from ssd.layers.attention import Attention, AttentionBatch
 from ssd.layers.linear import Linear, QuantLinear
+from ssd.layers.moe import SparseMoE
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
 from ssd.models.config import ModelConfig
@@ -53,7 +54,13 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm(cfg.hidden_size)
             self.post_feedforward_layernorm = norm(cfg.hidden_size)
         self.gemma = cfg.gemma_norms
-        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        if cfg.moe(layer):
+            shared = cfg.shared_expert_intermediate_size
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts,
+                                 cfg.experts_per_token, cfg.normalize_expert_weights, ACTIVATIONS[cfg.hidden_act],
+                                 MLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def forward(self, x, positions, batch, kv):
         h = self.self_attn(self.input_layernorm(x), positions, batch, kv)

@@ -21,7 +21,8 @@ from ssd.errors import ModelFileError, UnsupportedModelError
 GGUF_LINK = "model.gguf"  # in a model folder: the GGUF file its weights are read from
 # (llama.cpp writes Mistral models as `llama`.)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+                 "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 GEMMA = ("gemma2", "gemma3")
 
 GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -38,6 +39,16 @@ LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # mixtures of experts: the router, every expert's matrices stacked [experts, rows, cols],
+    # Qwen2-MoE's shared expert and its gate
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 # Phi-3's ffn_up holds the gate and up projections stacked, as Hugging Face's gate_up_proj.
 PHI3_LAYER_NAMES = {**LAYER_NAMES, "ffn_up": "mlp.gate_up_proj"}
@@ -305,6 +316,8 @@ def tensors(reader, path: Path) -> Iterator[GGUFTensor]:
             rows = np.arange(shape[0]).reshape(-1, 1)
             order = unpermute(rows, heads).reshape(-1)
             raw = raw.reshape(shape[0], -1)[order]
+        if t.name.endswith(".ffn_gate_inp_shexp.weight") and len(shape) == 1:  # a [1, hidden] matrix
+            shape = (1, shape[0])
         if arch in GEMMA and t.name.endswith("norm.weight"):
             raw = np.asarray(raw, dtype=np.float32) - np.float32(1)
         yield GGUFTensor(hf_name(t.name, arch), t.tensor_type, shape, raw)

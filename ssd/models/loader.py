@@ -1,5 +1,6 @@
 """Loading a model's weights: from its GGUF file (the quantised blocks themselves, on a CPU,
 or dequantised to fp32) or from Hugging Face safetensors."""
+import re
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ from transformers import AutoTokenizer
 from ssd.errors import ModelFileError, SSDError, UnsupportedModelError
 from ssd.kernels import quant_cpu
 from ssd.layers.linear import Linear, QuantEmbedding, QuantLinear
+from ssd.layers.moe import DenseExperts, QuantExperts, SparseMoE
 from ssd.layers.norm import RMSNorm
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
@@ -41,6 +43,8 @@ FUSED = {
     "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
     "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
     "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+    "mlp.experts.gate_up_proj": ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight"),
+    "mlp.shared_expert.gate_up_proj.weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
 }
 
 
@@ -107,20 +111,42 @@ def read_weights(folder: Path) -> dict[str, torch.Tensor]:
     return found
 
 
+# Mixtral's names for its mixture of experts, as Qwen-MoE's (w1: gate, w3: up, w2: down).
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."),
+                 (".w2.", ".down_proj."))
+EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
 def to_engine_names(hf: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Rename Hugging Face tensors to DecoderLM's and stack the fused projections."""
+    """Rename Hugging Face tensors to DecoderLM's and stack the fused projections (a mixture's
+    experts: into [experts, rows, cols], SparseMoE's layout)."""
     out = {}
     for name, t in hf.items():
         if name.startswith("model."):
             name = name[len("model."):]
+        if cfg.arch == "mixtral":
+            for a, b in MIXTRAL_NAMES:
+                name = name.replace(a, b)
         out[name] = t
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}
+    for name in [n for n in out if EXPERT.fullmatch(n)]:
+        layer, e, kind = EXPERT.fullmatch(name).groups()
+        experts.setdefault((layer, kind), {})[int(e)] = out.pop(name)
+    for (layer, kind), mats in experts.items():  # one checkpoint tensor an expert (the hub's layout)
+        if sorted(mats) != list(range(cfg.num_experts)):
+            raise ModelFileError(f"layer {layer}: {kind} of experts {sorted(mats)[:8]}..., not 0..{cfg.num_experts - 1}")
+        out[f"layers.{layer}.mlp.experts.{kind}.weight"] = torch.stack([mats[e] for e in range(cfg.num_experts)])
     for i in range(cfg.num_layers):
         for fused, parts in FUSED.items():
             names = [f"layers.{i}.{p}" for p in parts]
             if all(n in out for n in names):
-                out[f"layers.{i}.{fused}"] = torch.cat([out.pop(n) for n in names])
+                ts = [out.pop(n) for n in names]  # stacked along the rows (of each expert's matrix)
+                out[f"layers.{i}.{fused}"] = torch.cat(ts, dim=-2 if ts[0].dim() > 1 else 0)
             elif any(n in out for n in names):
                 raise ModelFileError(f"layer {i}: only some of {parts} are present")
+        down = f"layers.{i}.mlp.experts.down_proj.weight"
+        if down in out:
+            out[f"layers.{i}.mlp.experts.down_proj"] = out.pop(down)
     if cfg.tie_word_embeddings:
         out.pop("lm_head.weight", None)
         out["lm_head.weight"] = out["embed_tokens.weight"]
@@ -222,6 +248,36 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             layer.bias = nn.Parameter(bias, requires_grad=False)
         return layer
 
+    def gated_mlp(mlp: nn.Module, pre: str) -> None:
+        gate_up = [f"{pre}gate_up_proj.weight"] if f"{pre}gate_up_proj.weight" in found else \
+            [f"{pre}gate_proj.weight", f"{pre}up_proj.weight"]  # Phi-3 stacks them in the file
+        mlp.gate_up_proj = linear(gate_up)
+        mlp.down_proj = linear([f"{pre}down_proj.weight"])
+
+    def experts(pre: str) -> nn.Module:
+        """A mixture's experts: each one's slice of the file's stacked tensors, repacked alone
+        (or, stored as F32/F16/BF16, one fp32 copy of them all)."""
+        stacked = [get(f"{pre}{kind}_proj.weight") for kind in ("gate", "up", "down")]
+        if all(t.qtype in quant_cpu.SUPPORTED for t in stacked):
+            mats = []
+            for t in stacked:
+                n, rows, cols = t.shape
+                raw = t.raw.reshape(n, rows, -1)
+                slices = [replace(t, raw=raw[e], shape=(rows, cols)) for e in range(n)]
+                if requantize:
+                    slices = [to_q4_0(x, index) for x in slices]
+                mats.append([quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(x.raw).reshape(-1)), x.qtype,
+                                              rows, cols) for x in slices])
+                index.unmap(t.raw)
+            return QuantExperts(*mats)
+        n, inter, hidden = stacked[0].shape
+        with torch.device("meta"):
+            dense = DenseExperts(n, hidden, inter)
+        w = [dequantize(t) for t in stacked]
+        dense.gate_up_proj = nn.Parameter(torch.cat(w[:2], dim=1), requires_grad=False)
+        dense.down_proj = nn.Parameter(w[2], requires_grad=False)
+        return dense
+
     with torch.device("meta"):
         model = DecoderLM(cfg)
     for i, layer in enumerate(model.layers):
@@ -233,10 +289,15 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         bias = torch.cat([dequantize(get(f"{n}.bias")) for n in qkv]) if cfg.qkv_bias else None
         attn.qkv_proj = linear([f"{n}.weight" for n in qkv], bias)
         attn.o_proj = linear([f"{pre}self_attn.o_proj.weight"])
-        gate_up = [f"{pre}mlp.gate_up_proj.weight"] if f"{pre}mlp.gate_up_proj.weight" in found else \
-            [f"{pre}mlp.gate_proj.weight", f"{pre}mlp.up_proj.weight"]
-        layer.mlp.gate_up_proj = linear(gate_up)
-        layer.mlp.down_proj = linear([f"{pre}mlp.down_proj.weight"])
+        if isinstance(layer.mlp, SparseMoE):
+            moe = layer.mlp
+            moe.gate = linear([f"{pre}mlp.gate.weight"])
+            moe.experts = experts(f"{pre}mlp.experts.")
+            if moe.shared_expert is not None:
+                moe.shared_expert_gate = linear([f"{pre}mlp.shared_expert_gate.weight"])
+                gated_mlp(moe.shared_expert, f"{pre}mlp.shared_expert.")
+        else:
+            gated_mlp(layer.mlp, f"{pre}mlp.")
     for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
         if isinstance(module, RMSNorm):
             module.weight = vector(f"model.{name}.weight")

@@ -5,8 +5,9 @@ KL divergence of the next-token distributions; with llama.cpp's perplexity on th
 
 The text: the conclusion sections of the ACLSum test split (scientific English; the benchmark's
 ACLSum prompts use the introductions), tokenised once and cut into chunks of --ctx tokens.
-Scoring follows llama-perplexity: each chunk is evaluated from its start and only the tokens of
-its second half are scored, so every scored token has at least ctx/2 tokens of context.
+Scoring follows llama-perplexity: each chunk is evaluated from its start (its first token replaced
+by BOS for a model whose tokenizer adds one, as Gemma's does) and only the tokens of its second
+half are scored, so every scored token has at least ctx/2 tokens of context.
 
     python bench/quality.py --model qwen2.5-coder-1.5b-instruct --tokens 4096 --llamacpp \
         --llama-perplexity "$(bash bench/llamacpp.sh)/llama-perplexity"
@@ -127,14 +128,19 @@ def main() -> None:
 
     probe = LLM(args.model, weights="gguf", threads=args.threads)
     text = held_out_text(args.tokens * 6)
-    ids = probe.tokenizer(text, add_special_tokens=False).input_ids
+    body = probe.tokenizer(text, add_special_tokens=False).input_ids
+    bos = probe.tokenizer.bos_token_id
+    adds_bos = int(bos is not None and probe.tokenizer("a").input_ids[:1] == [bos])
+    ids = [bos] * adds_bos + body
     probe.close()
     n = len(ids) // args.ctx
     if n * args.ctx < args.tokens:
         raise SystemExit(f"only {len(ids)} tokens of text for {args.tokens}")
     n = args.tokens // args.ctx
     chunks = [ids[i * args.ctx:(i + 1) * args.ctx] for i in range(n)]
-    text = probe.tokenizer.decode(ids[:n * args.ctx])  # what llama.cpp reads: the same tokens
+    if adds_bos:  # as llama-perplexity does for a model that reads a BOS (Gemma): every chunk starts at one
+        chunks = [[bos] + c[1:] for c in chunks]
+    text = probe.tokenizer.decode(body[:n * args.ctx - adds_bos])  # what llama.cpp reads: the same tokens
 
     q, q_s = score(args.model, "gguf", chunks, args.threads)
     f, f_s = score(args.model, "dequantized", chunks, args.threads)

@@ -68,9 +68,26 @@ def stack_experts(state: dict) -> dict:
     return out
 
 
+# Types the gguf package cannot quantise: random blocks, their fp16 scale (at this byte offset of
+# a block) set so that the weights' spread is near the random models' 0.02.
+RANDOM_SCALE = {gguf.GGMLQuantizationType.Q3_K: (108, 5e-4), gguf.GGMLQuantizationType.IQ4_NL: (0, 3e-4),
+                gguf.GGMLQuantizationType.Q2_K: (80, 4e-3), gguf.GGMLQuantizationType.IQ4_XS: (0, 2e-5)}
+
+
+def random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng) -> np.ndarray:
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
+    at, d = RANDOM_SCALE[qtype]
+    raw[:, at:at + 2] = np.full(len(raw), d, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+    if qtype == gguf.GGMLQuantizationType.Q2_K:  # dmin too
+        raw[:, at + 2:at + 4] = raw[:, at:at + 2]
+    return raw.reshape(*shape[:-1], -1)
+
+
 def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
     """A model folder beside `folder` (a Hugging Face one, fp32 safetensors) whose weights are a
-    GGUF: every matrix quantised to `qtype` by the gguf package, vectors in F32, llama's q/k
+    GGUF: every matrix quantised to `qtype` by the gguf package (random blocks of `qtype` where
+    the package cannot quantise to it: RANDOM_SCALE), vectors in F32, llama's q/k
     rows interleaved as llama.cpp's converter does (Mistral and Mixtral are written as `llama`,
     as llama.cpp does), Gemma's norms stored as 1 + w, a mixture's experts stacked. Config and tokenizer are copied as they are."""
     cfg = json.loads((folder / "config.json").read_text())
@@ -88,6 +105,7 @@ def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
     if cfg.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)
     state = stack_experts(state)
+    rng = np.random.default_rng(0)
     for name, w in state.items():
         w = w.float().numpy()
         gname = _gguf_name(name, arch)
@@ -97,7 +115,8 @@ def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
         if arch == "llama" and n is not None:  # llama.cpp's permute, which the loader undoes
             w = w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         if w.ndim >= 2 and "ffn_gate_inp" not in gname:  # llama.cpp keeps routers in F32
-            writer.add_tensor(gname, gguf.quants.quantize(w, qtype), raw_dtype=qtype)
+            writer.add_tensor(gname, random_blocks(w.shape, qtype, rng) if qtype in RANDOM_SCALE
+                              else gguf.quants.quantize(w, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(gname, w.astype(np.float32))
     writer.write_header_to_file()

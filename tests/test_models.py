@@ -185,3 +185,47 @@ def test_gguf_blocks_agree_with_fp32(tiny_models, tmp_path, arch):
     clear = top2[:, 0] - top2[:, 1] > 0.005
     same = q.argmax(-1) == f.argmax(-1)
     assert same[clear].float().mean() >= 0.98 and same.float().mean() >= 0.9, (same.sum(), clear.sum())
+
+
+@pytest.fixture(scope="module")
+def wide_llama(smollm_dir, tmp_path_factory):
+    """A random llama whose rows are multiples of 256 (the K types' super-blocks)."""
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
+    cfg = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("wide-llama")
+    transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("qtype", ["Q3_K", "IQ4_NL"])
+def test_types_read_through_another_run_on_blocks(wide_llama, tmp_path, qtype):
+    """A GGUF whose every matrix is Q3_K or IQ4_NL loads on the kernel's blocks (as Q6_K / Q8_0,
+    the same values) and agrees with the fp32 copy of the same file."""
+    from gguf import GGMLQuantizationType as GGML
+    from gguf_models import quantized_copy
+    folder = quantized_copy(wide_llama, tmp_path, GGML[qtype])
+    model = load_model(folder, CPU, torch.float32, "gguf")
+    kinds = {p.qtype.name for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
+    assert kinds == {"Q6_K" if qtype == "Q3_K" else "Q8_0"}
+    ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    q, f = our_logits(folder, ids, 30, "gguf"), our_logits(folder, ids, 30)
+    assert torch.nn.functional.cosine_similarity(q, f, dim=-1).min() > 0.999
+    # The top token may differ only where fp32's top two are closer than twice the largest
+    # logit error (8-bit activations; measured for Q3_K: 1 of 39 positions, gap 0.006, error 0.02).
+    top2 = f.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 2 * (q - f).abs().max()
+    assert torch.equal(q.argmax(-1)[clear], f.argmax(-1)[clear]) and clear.float().mean() > 0.5
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "IQ4_XS"])
+def test_a_type_without_a_kernel_is_named(wide_llama, tmp_path, qtype):
+    from gguf import GGMLQuantizationType as GGML
+    from gguf_models import quantized_copy
+    from ssd.errors import UnsupportedModelError
+    folder = quantized_copy(wide_llama, tmp_path, GGML[qtype])
+    with pytest.raises(UnsupportedModelError, match=f"GGUF type {qtype} .*weights='dequantized'"):
+        load_model(folder, CPU, torch.float32, "gguf")
+    assert load_model(folder, CPU, torch.float32, "dequantized") is not None

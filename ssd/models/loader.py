@@ -20,6 +20,7 @@ from ssd.layers.norm import RMSNorm
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, tensors
+from ssd.models.gguf_types import AS, as_kernel_type
 
 # How a model's weights are held:
 #   "gguf": its GGUF file's own blocks (CPU; ssd/kernels/quant_cpu.py), the default for a GGUF on a CPU;
@@ -229,6 +230,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                      for t in parts]
         if requantize:
             parts = [to_q4_0(t, index) for t in parts]
+        parts = [on_kernel_type(t) for t in parts]
         plain = [t for t in parts if t.qtype not in quant_cpu.SUPPORTED]
         if not plain:
             packed = []
@@ -240,7 +242,8 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             bad = sorted({t.qtype.name for t in plain})
             raise UnsupportedModelError(
                 f"{path}: GGUF type {', '.join(bad)} (in {plain[0].name}) has no CPU kernel here; the kernels cover "
-                f"{', '.join(sorted(q.name for q in quant_cpu.SUPPORTED))}. Load it with weights='dequantized'")
+                f"{', '.join(sorted(q.name for q in (*quant_cpu.SUPPORTED, *AS)))}, F32, F16 and BF16. "
+                f"Load it with weights='dequantized'")
         w = torch.cat([dequantize(t) for t in parts])
         layer = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
         layer.weight = nn.Parameter(w, requires_grad=False)
@@ -258,7 +261,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         """A mixture's experts: each one's slice of the file's stacked tensors, repacked alone
         (or, stored as F32/F16/BF16, one fp32 copy of them all)."""
         stacked = [get(f"{pre}{kind}_proj.weight") for kind in ("gate", "up", "down")]
-        if all(t.qtype in quant_cpu.SUPPORTED for t in stacked):
+        if all(t.qtype in quant_cpu.SUPPORTED or t.qtype in AS for t in stacked):
             mats = []
             for t in stacked:
                 n, rows, cols = t.shape
@@ -266,6 +269,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                 slices = [replace(t, raw=raw[e], shape=(rows, cols)) for e in range(n)]
                 if requantize:
                     slices = [to_q4_0(x, index) for x in slices]
+                slices = [on_kernel_type(x) for x in slices]
                 mats.append([quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(x.raw).reshape(-1)), x.qtype,
                                               rows, cols) for x in slices])
                 index.unmap(t.raw)
@@ -301,7 +305,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
         if isinstance(module, RMSNorm):
             module.weight = vector(f"model.{name}.weight")
-    embed = get("model.embed_tokens.weight")
+    embed = on_kernel_type(get("model.embed_tokens.weight"))
     if embed.qtype in quant_cpu.SUPPORTED:
         # A copy of the blocks: the file's pages are unmapped once loading is done.
         model.embed_tokens = QuantEmbedding(torch.from_numpy(embed.raw.reshape(-1).copy()), embed.qtype, *embed.shape)
@@ -316,6 +320,14 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     if leftover:
         raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
     return model
+
+
+def on_kernel_type(t: GGUFTensor) -> GGUFTensor:
+    """The matrix in a type the kernel has, with the same values (models/gguf_types.py)."""
+    if t.qtype not in AS or len(t.shape) != 2:
+        return t
+    raw, qtype = as_kernel_type(t.raw, t.qtype, t.shape[0])
+    return replace(t, raw=raw, qtype=qtype)
 
 
 def to_q4_0(t: GGUFTensor, index) -> GGUFTensor:

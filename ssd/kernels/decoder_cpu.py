@@ -1,4 +1,4 @@
-"""A decoder's layers in one CPU op (csrc/decoder.cpp), for a model on GGUF-block weights.
+"""A dense decoder's layers in one CPU op (csrc/decoder.cpp), for a model on GGUF-block weights.
 
 Why: a decode step of one token makes about a dozen kernel calls per layer, and from Python
 each costs several microseconds of dispatch, argument checks and module calls besides its
@@ -31,28 +31,35 @@ def _ns(kernel: CppKernel) -> str | None:
 class LayerStack:
     """Every layer's weights as the op takes them, built once per model (see decoder.cpp)."""
 
-    norms: list[torch.Tensor]  # per layer: input norm, post-attention norm
+    norms: list[torch.Tensor]  # per layer: input norm, post-attention norm (Gemma: and pre-, post-MLP norms)
     parts: list[torch.Tensor]  # per layer: the packed parts of qkv, o, gate_up, down
     types: list[int]
     part_rows: list[int]
     nparts: list[int]
     qkv_bias: list[torch.Tensor]  # one per layer, or none
     qk_norms: list[torch.Tensor]  # per layer the q and k norms' weights (Qwen3), or none
-    dims: list[int]  # num_heads, num_kv_heads, head_dim, intermediate_size
+    dims: list[int]  # num_heads, num_kv_heads, head_dim, intermediate_size, norms a layer, activation (1: gelu)
     eps: float
     scale: float
     cos: torch.Tensor
     sin: torch.Tensor
+    sliding: list[int]  # per layer 1 for a sliding-window layer
+    window: int | None
+    cos_w: torch.Tensor  # the sliding layers' RoPE
+    sin_w: torch.Tensor
+    softcap: float
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor,
-            q_row: torch.Tensor, q_len: torch.Tensor, kv: torch.Tensor) -> torch.Tensor | None:
-        """x after every layer, the KV cache written; None where the op cannot run here."""
+    def run(self, x: torch.Tensor, positions: torch.Tensor, batch, kv: torch.Tensor) -> torch.Tensor | None:
+        """x after every layer, the KV cache written; None where the op cannot run here.
+        batch: the pass's AttentionBatch (ssd/layers/attention.py)."""
         if not (x.is_cpu and x.dtype is torch.float32 and kv.dtype is torch.float32):
             return None
         op = _KERNEL.op("layers")
         names = (_ns(quant_cpu._KERNEL), _ns(fused_cpu._KERNEL), _ns(attention_cpu._KERNEL))
         if op is None or None in names:
             return None
-        return op(x.contiguous(), positions, slots, rows, q_row, q_len, kv, self.cos, self.sin, self.norms,
-                  self.parts, self.types, self.part_rows, self.nparts, self.qkv_bias, self.qk_norms, self.dims, self.eps,
-                  self.scale, *names)
+        win = batch if self.window is None else batch.windowed(self.window)
+        return op(x.contiguous(), positions, batch.slot_mapping, batch.rows, batch.q_row, batch.q_len, kv, self.cos,
+                  self.sin, self.norms, self.parts, self.types, self.part_rows, self.nparts, self.qkv_bias,
+                  self.qk_norms, self.dims, self.sliding, win.rows, win.q_row, win.q_len, self.cos_w, self.sin_w,
+                  self.eps, self.scale, self.softcap, *names)

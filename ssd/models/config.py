@@ -71,12 +71,6 @@ class ModelConfig:
     def sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING and self.sliding_window is not None
 
-    @property
-    def plain(self) -> bool:
-        """A Llama/Qwen block with every layer global: what the one-op layer stack computes."""
-        return (self.arch not in GEMMA and self.hidden_act == "silu" and self.embed_scale is None
-                and not self.num_experts and not any(self.sliding(i) for i in range(self.num_layers)))
-
     def end_ids(self, tokenizer) -> set[int]:
         """The token ids that end a sequence: the config's and its tokenizer's."""
         ids = set(self.eos_token_ids)

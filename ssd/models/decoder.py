@@ -101,8 +101,7 @@ class DecoderLM(nn.Module):
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         stack = self.layer_stack() if self.fused_layers else None
-        y = None if stack is None else stack.run(x, positions, batch.slot_mapping, batch.rows, batch.q_row,
-                                                 batch.q_len, kv)
+        y = None if stack is None else stack.run(x, positions, batch, kv)
         if y is not None:
             x = y
         else:
@@ -124,22 +123,26 @@ class DecoderLM(nn.Module):
         return torch.stack([torch.tanh(row / cap) * cap for row in logits])
 
     def layer_stack(self) -> LayerStack | None:
-        """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a model
-        whose every matrix is on GGUF blocks; None for any other."""
+        """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a dense
+        model whose every matrix is on GGUF blocks; None for any other."""
         if self._stack is False:
             self._stack = None
             cfg = self.config
-            if not cfg.plain:
+            if cfg.num_experts:
                 return None
             linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
                        for layer in self.layers]
             if all(isinstance(m, QuantLinear) for ms in linears for m in ms):
                 stacks = [m.stack for ms in linears for m in ms]
                 biases = [ms[0].bias for ms in linears]
+                norms = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm")[:4 if cfg.gemma_norms else 2]
+                attn = self.layers[0].self_attn
+                local = next((layer.self_attn.rotary for i, layer in enumerate(self.layers) if cfg.sliding(i)),
+                             self.rotary)
                 if all(b is None for b in biases) or all(b is not None for b in biases):
                     self._stack = LayerStack(
-                        norms=[n.weight for layer in self.layers
-                               for n in (layer.input_layernorm, layer.post_attention_layernorm)],
+                        norms=[getattr(layer, n).weight for layer in self.layers for n in norms],
                         parts=[t for st in stacks for t in st.packed],
                         types=[t for st in stacks for t in st.types],
                         part_rows=[r for st in stacks for r in st.part_rows],
@@ -147,6 +150,9 @@ class DecoderLM(nn.Module):
                         qkv_bias=[b for b in biases if b is not None],
                         qk_norms=[n.weight for layer in self.layers if cfg.qk_norm
                                   for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)],
-                        dims=[cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size],
-                        eps=cfg.rms_norm_eps, scale=cfg.head_dim ** -0.5, cos=self.rotary.cos, sin=self.rotary.sin)
+                        dims=[cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, len(norms),
+                              int(cfg.hidden_act == "gelu_tanh")],
+                        eps=cfg.rms_norm_eps, scale=attn.scale, cos=self.rotary.cos, sin=self.rotary.sin,
+                        sliding=[int(cfg.sliding(i)) for i in range(cfg.num_layers)], window=cfg.sliding_window,
+                        cos_w=local.cos, sin_w=local.sin, softcap=cfg.attn_softcap or 0.0)
         return self._stack

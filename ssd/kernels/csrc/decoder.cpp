@@ -1,13 +1,17 @@
 // Built by ssd/kernels/build.py; the Python side and the why: ssd/kernels/decoder_cpu.py.
 //
-// layers(x, ...): the decoder layers of a Llama / Qwen2 / Qwen3 model on GGUF-block weights, one op for
-// the whole stack. Each layer makes the calls DecoderLayer.forward makes, in the same order and
-// on the same ops (the quant, fused and attention kernels through the dispatcher; silu, mul and
-// add from ATen), so the result has the bits of the Python loop:
+// layers(x, ...): the decoder layers of a dense model on GGUF-block weights (Llama, Mistral, Qwen2,
+// Qwen3, Phi-3, Gemma 2 and 3), one op for the whole stack. Each layer makes the calls
+// DecoderLayer.forward makes, in the same order and on the same ops (the quant, fused and
+// attention kernels through the dispatcher; silu / gelu, mul and add from ATen), so the result
+// has the bits of the Python loop:
 //   h = rms_norm(x, w_attn);  q, k, v = split(qlinear(h, Wqkv) + b)
-//   [Qwen3: q, k = rms_norm(q, w_q), rms_norm(k, w_k) per head];  q = rope_cache(q, k, v -> cache)
-//   x = x + qlinear(attention(q, cache), Wo)
-//   h = rms_norm(x, w_mlp);   g, u = chunk(qlinear(h, Wgate_up));  x = x + qlinear(silu(g) * u, Wdown)
+//   [Qwen3, Gemma 3: q, k = rms_norm(q, w_q), rms_norm(k, w_k) per head]
+//   q = rope_cache(q, k, v -> cache)  (a sliding layer: its own cos/sin where the model has them)
+//   o = qlinear(attention(q, cache), Wo)  (a sliding layer: the windowed rows, AttentionBatch.windowed)
+//   x = x + o                                        [Gemma: x + rms_norm(o, w_post_attn)]
+//   g, u = chunk(qlinear(rms_norm(x, w_mlp), Wgate_up));  m = qlinear(act(g) * u, Wdown)
+//   x = x + m                                        [Gemma: x + rms_norm(m, w_post_ffw)]
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -31,19 +35,26 @@ static c10::TypedOperatorHandle<Sig> find(const std::string& ns, const char* nam
 
 // parts: every linear's packed parts, layer by layer, linears in the order qkv, o, gate_up, down;
 // nparts[4 * l + j]: how many parts linear j of layer l has (types, part_rows: one per part).
-// dims: num_heads, num_kv_heads, head_dim, intermediate_size. qkv_bias: one per layer, or none;
-// qk_norms: per layer the q and the k norm's weights (Qwen3), or none.
+// dims: num_heads, num_kv_heads, head_dim, intermediate_size, norms a layer (2, or Gemma's 4:
+// input, post-attention, pre-MLP, post-MLP), activation (0 silu, 1 gelu tanh). qkv_bias: one per
+// layer, or none; qk_norms: per layer the q and the k norm's weights (Qwen3), or none. sliding:
+// per layer 1 for a sliding-window layer, which reads rows_w / q_row_w / q_len_w (the windowed
+// batch) and cos_w / sin_w (its RoPE).
 at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& rows,
                   const at::Tensor& q_row, const at::Tensor& q_len, const at::Tensor& kv, const at::Tensor& cos,
                   const at::Tensor& sin, at::TensorList norms, at::TensorList parts, at::IntArrayRef types,
                   at::IntArrayRef part_rows, at::IntArrayRef nparts, at::TensorList qkv_bias,
-                  at::TensorList qk_norms, at::IntArrayRef dims,
-                  double eps, double scale, std::string quant_ns, std::string fused_ns, std::string attention_ns) {
-  const int64_t L = kv.size(0), hq = dims[0], hk = dims[1], d = dims[2], inter = dims[3];
+                  at::TensorList qk_norms, at::IntArrayRef dims, at::IntArrayRef sliding, const at::Tensor& rows_w,
+                  const at::Tensor& q_row_w, const at::Tensor& q_len_w, const at::Tensor& cos_w,
+                  const at::Tensor& sin_w, double eps, double scale, double softcap, std::string quant_ns,
+                  std::string fused_ns, std::string attention_ns) {
+  const int64_t L = kv.size(0), hq = dims[0], hk = dims[1], d = dims[2], inter = dims[3], nn = dims[4];
+  const bool gelu = dims[5] == 1, gemma = nn == 4;
   const int64_t hidden = x.size(1), qs = hq * d, ks = hk * d;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && kv.dim() == 5 && kv.size(1) == 2,
               "ssd layers: x [T, hidden] fp32, kv [layers, 2, slots, kv_heads, head_dim]");
-  TORCH_CHECK(int64_t(norms.size()) == 2 * L && int64_t(nparts.size()) == 4 * L &&
+  TORCH_CHECK((nn == 2 || nn == 4) && int64_t(sliding.size()) == L, "ssd layers: bad dims or sliding");
+  TORCH_CHECK(int64_t(norms.size()) == nn * L && int64_t(nparts.size()) == 4 * L &&
                   (qkv_bias.empty() || int64_t(qkv_bias.size()) == L) &&
                   (qk_norms.empty() || int64_t(qk_norms.size()) == 2 * L) && types.size() == parts.size() &&
                   part_rows.size() == parts.size(),
@@ -65,7 +76,7 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
   for (int64_t l = 0; l < L; ++l) {
     at::Tensor k_cache = kv[l][0], v_cache = kv[l][1];
     const std::optional<at::Tensor> bias = qkv_bias.empty() ? none : std::optional<at::Tensor>(qkv_bias[l]);
-    at::Tensor qkv = linear(l, 0, rms_norm.call(x, norms[2 * l], eps), hidden, bias);
+    at::Tensor qkv = linear(l, 0, rms_norm.call(x, norms[nn * l], eps), hidden, bias);
     at::Tensor q = qkv.narrow(1, 0, qs).view({T, hq, d});
     at::Tensor k = qkv.narrow(1, qs, ks).view({T, hk, d});
     at::Tensor v = qkv.narrow(1, qs + ks, ks).view({T, hk, d});
@@ -73,12 +84,17 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
       q = rms_norm.call(q.contiguous(), qk_norms[2 * l], eps);
       k = rms_norm.call(k.contiguous(), qk_norms[2 * l + 1], eps);
     }
-    q = rope_cache.call(q, k, v, positions, cos, sin, k_cache, v_cache, slots);
-    at::Tensor o = attention.call(q.contiguous(), k_cache, v_cache, rows, q_row, q_len, scale, 0.);
-    x = x + linear(l, 1, o.reshape({T, qs}), qs, none);
-    at::Tensor gu = linear(l, 2, rms_norm.call(x, norms[2 * l + 1], eps), hidden, none);
-    at::Tensor act = at::silu(gu.narrow(1, 0, inter)) * gu.narrow(1, inter, inter);
-    x = x + linear(l, 3, act, inter, none);
+    const bool w = sliding[l] != 0;
+    q = rope_cache.call(q, k, v, positions, w ? cos_w : cos, w ? sin_w : sin, k_cache, v_cache, slots);
+    at::Tensor o = attention.call(q.contiguous(), k_cache, v_cache, w ? rows_w : rows, w ? q_row_w : q_row,
+                                  w ? q_len_w : q_len, scale, softcap);
+    o = linear(l, 1, o.reshape({T, qs}), qs, none);
+    x = x + (gemma ? rms_norm.call(o, norms[nn * l + 1], eps) : o);
+    at::Tensor gu = linear(l, 2, rms_norm.call(x, norms[nn * l + (gemma ? 2 : 1)], eps), hidden, none);
+    at::Tensor g = gu.narrow(1, 0, inter);
+    at::Tensor act = (gelu ? at::gelu(g, "tanh") : at::silu(g)) * gu.narrow(1, inter, inter);
+    at::Tensor m = linear(l, 3, act, inter, none);
+    x = x + (gemma ? rms_norm.call(m, norms[nn * l + 3], eps) : m);
   }
   TORCH_CHECK(p == parts.size(), "ssd layers: weight parts left over");
   return x;
@@ -89,6 +105,8 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
 TORCH_LIBRARY(SSD_NS, m) {
   m.def("layers(Tensor x, Tensor positions, Tensor slots, Tensor rows, Tensor q_row, Tensor q_len, Tensor(a!) kv, "
         "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] parts, int[] types, int[] part_rows, int[] nparts, "
-        "Tensor[] qkv_bias, Tensor[] qk_norms, int[] dims, float eps, float scale, str quant_ns, str fused_ns, str attention_ns) -> Tensor");
+        "Tensor[] qkv_bias, Tensor[] qk_norms, int[] dims, int[] sliding, Tensor rows_w, Tensor q_row_w, Tensor q_len_w, "
+        "Tensor cos_w, Tensor sin_w, float eps, float scale, float softcap, str quant_ns, str fused_ns, "
+        "str attention_ns) -> Tensor");
   m.impl("layers", c10::DispatchKey::CPU, &layers);
 }

@@ -92,7 +92,7 @@ def run_steps(model, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(out), cache.kv.clone()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "smollm2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3", "qwen3moe", "mixtral", "smollm2"])
 def test_layer_stack_op_has_the_bits_of_the_python_loop(tiny_models, smollm_dir, tmp_path, monkeypatch, arch):
     """The decoder layers as one CPU op (GGUF blocks) give the Python loop's logits and KV cache
     bit for bit."""

@@ -45,6 +45,18 @@ def test_a_rows_output_does_not_depend_on_its_companions(moe_layers, arch, weigh
     assert len(seen) == 8, "the companions should reach every expert"
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_the_experts_op_has_the_bits_of_the_python_loop(moe_layers, arch):
+    from ssd.kernels import quant_cpu
+    moe = moe_layers[arch, "gguf"]
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(3))
+    weights, chosen = moe.route(x)
+    op = moe.experts.run(x, weights, chosen, 0)
+    if quant_cpu.available():
+        assert op is not None
+        assert torch.equal(op, moe.loop(x, weights, chosen))
+
+
 def test_router_picks_top_k_and_renormalises(moe_layers):
     moe = moe_layers["qwen3moe", "dequantized"]
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))

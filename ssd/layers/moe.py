@@ -13,9 +13,11 @@ import math
 import torch
 from torch import nn
 
+from ssd.kernels import decoder_cpu
 from ssd.kernels.linear_cpu import linear
 from ssd.kernels.quant_cpu import QuantMatrix, QuantStack
 from ssd.layers.linear import Linear
+from ssd.layers.mlp import ACTIVATION_IDS, ACTIVATIONS
 
 
 class DenseExperts(nn.Module):
@@ -43,6 +45,9 @@ class QuantExperts(nn.Module):
         super().__init__()
         self.gate_ups = [QuantStack([g, u]) for g, u in zip(gate, up)]
         self.downs = [QuantStack([d]) for d in down]
+        self.intermediate = gate[0].rows
+        self.op_args = ([p for s in self.gate_ups for p in s.packed], [t for s in self.gate_ups for t in s.types],
+                         [s.packed[0] for s in self.downs], [s.types[0] for s in self.downs])
         for i, m in enumerate(p for mats in (gate, up, down) for p in mats):  # visible to torch's memory count
             self.register_buffer(f"packed{i}", m.packed, persistent=False)
 
@@ -52,19 +57,27 @@ class QuantExperts(nn.Module):
     def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.downs[e](x)
 
+    def run(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, act: int) -> torch.Tensor | None:
+        """SparseMoE.loop as one CPU op (csrc/decoder.cpp, experts): the Python loop's dozen calls
+        an expert cost more than a small expert's product. None where the op cannot run here."""
+        if not (x.is_cpu and x.dtype is torch.float32):
+            return None
+        return decoder_cpu.experts(x.contiguous(), weights, chosen, *self.op_args, self.intermediate, act)
+
 
 class SparseMoE(nn.Module):
     """Router (softmax over experts in fp32, top-k, renormalised where the model does), the
     experts, and Qwen2-MoE's shared expert (a dense gated MLP scaled by a sigmoid gate)."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool, act,
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int, normalize: bool, act: str,
                  shared: nn.Module | None = None):
         super().__init__()
-        self.top_k, self.normalize, self.act = top_k, normalize, act
+        self.top_k, self.normalize, self.act_name, self.act = top_k, normalize, act, ACTIVATIONS[act]
         self.gate = Linear(hidden, num_experts, bias=False)
         self.experts: DenseExperts | QuantExperts = DenseExperts(num_experts, hidden, intermediate)
         self.shared_expert = shared
         self.shared_expert_gate = Linear(hidden, 1, bias=False) if shared is not None else None
+        self.fused = True  # the experts' loop as one CPU op where it applies (QuantExperts.run)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], experts [T, k]) of each token."""
@@ -81,14 +94,23 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.route(x)
+        out = None
+        if isinstance(self.experts, QuantExperts) and self.fused:
+            out = self.experts.run(x, weights, chosen, ACTIVATION_IDS[self.act_name])
+        if out is None:
+            out = self.loop(x, weights, chosen)
+        if self.shared_expert is not None:
+            out = out + self.shared_scale(x) * self.shared_expert(x)
+        return out
+
+    def loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The experts hit, in ascending order, each on all its rows (QuantExperts.run: the same in C++)."""
         out = torch.zeros_like(x)
-        for e in torch.unique(chosen).tolist():  # ascending
+        for e in torch.unique(chosen).tolist():
             tokens, rank = (chosen == e).nonzero(as_tuple=True)
             gate, up = self.experts.gate_up(e, x[tokens]).chunk(2, dim=-1)
             y = self.experts.down(e, self.act(gate) * up)
             out.index_add_(0, tokens, y * weights[tokens, rank, None])
-        if self.shared_expert is not None:
-            out = out + self.shared_scale(x) * self.shared_expert(x)
         return out
 
     def shared_scale(self, x: torch.Tensor) -> torch.Tensor:

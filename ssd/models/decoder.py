@@ -6,33 +6,16 @@ They differ in q/k/v bias (Qwen2), per-head q/k RMSNorm (Qwen3, Gemma 3), RoPE s
 Gemma), and Gemma's block (models/config.py, GEMMA); ModelConfig carries those as flags.
 """
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ssd.kernels.decoder_cpu import LayerStack
 from ssd.layers.attention import Attention, AttentionBatch
 from ssd.layers.linear import Linear, QuantLinear
-from ssd.layers.moe import SparseMoE
+from ssd.layers.mlp import MLP
+from ssd.layers.moe import QuantExperts, SparseMoE
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
 from ssd.models.config import ModelConfig
-
-
-ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
-
-
-class MLP(nn.Module):
-    """A gated MLP (SwiGLU, or GeGLU for Gemma) with the gate and up projections fused into one matrix."""
-
-    def __init__(self, hidden: int, intermediate: int, act: str = "silu"):
-        super().__init__()
-        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = Linear(intermediate, hidden, bias=False)
-        self.act = ACTIVATIONS[act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -57,7 +40,7 @@ class DecoderLayer(nn.Module):
         if cfg.moe(layer):
             shared = cfg.shared_expert_intermediate_size
             self.mlp = SparseMoE(cfg.hidden_size, cfg.expert_intermediate_size, cfg.num_experts,
-                                 cfg.experts_per_token, cfg.normalize_expert_weights, ACTIVATIONS[cfg.hidden_act],
+                                 cfg.experts_per_token, cfg.normalize_expert_weights, cfg.hidden_act,
                                  MLP(cfg.hidden_size, shared, cfg.hidden_act) if shared else None)
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
@@ -123,14 +106,18 @@ class DecoderLM(nn.Module):
         return torch.stack([torch.tanh(row / cap) * cap for row in logits])
 
     def layer_stack(self) -> LayerStack | None:
-        """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a dense
-        model whose every matrix is on GGUF blocks; None for any other."""
+        """The layers' weights for the one-op CPU path (ssd/kernels/decoder_cpu.py): a model
+        whose every matrix is on GGUF blocks (a mixture's experts too, its routers fp32, no
+        shared expert); None for any other."""
         if self._stack is False:
             self._stack = None
             cfg = self.config
-            if cfg.num_experts:
+            moes = [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+            if not all(isinstance(m.experts, QuantExperts) and m.shared_expert is None and type(m.gate) is Linear
+                       and m.gate.weight.dtype is torch.float32 for m in moes):
                 return None
-            linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+            linears = [[layer.self_attn.qkv_proj, layer.self_attn.o_proj]
+                       + ([] if isinstance(layer.mlp, SparseMoE) else [layer.mlp.gate_up_proj, layer.mlp.down_proj])
                        for layer in self.layers]
             if all(isinstance(m, QuantLinear) for ms in linears for m in ms):
                 stacks = [m.stack for ms in linears for m in ms]
@@ -146,13 +133,20 @@ class DecoderLM(nn.Module):
                         parts=[t for st in stacks for t in st.packed],
                         types=[t for st in stacks for t in st.types],
                         part_rows=[r for st in stacks for r in st.part_rows],
-                        nparts=[len(st.packed) for st in stacks],
+                        nparts=[n for ms in linears for n in [len(m.stack.packed) for m in ms] + [0] * (4 - len(ms))],
                         qkv_bias=[b for b in biases if b is not None],
                         qk_norms=[n.weight for layer in self.layers if cfg.qk_norm
                                   for n in (layer.self_attn.q_norm, layer.self_attn.k_norm)],
                         dims=[cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size, len(norms),
-                              int(cfg.hidden_act == "gelu_tanh")],
+                              int(cfg.hidden_act == "gelu_tanh"), cfg.experts_per_token,
+                              int(cfg.normalize_expert_weights), cfg.expert_intermediate_size],
                         eps=cfg.rms_norm_eps, scale=attn.scale, cos=self.rotary.cos, sin=self.rotary.sin,
                         sliding=[int(cfg.sliding(i)) for i in range(cfg.num_layers)], window=cfg.sliding_window,
-                        cos_w=local.cos, sin_w=local.sin, softcap=cfg.attn_softcap or 0.0)
+                        cos_w=local.cos, sin_w=local.sin, softcap=cfg.attn_softcap or 0.0,
+                        moe=[int(isinstance(layer.mlp, SparseMoE)) for layer in self.layers],
+                        routers=[m.gate.weight for m in moes],
+                        expert_gate_up=[p for m in moes for p in m.experts.op_args[0]],
+                        expert_gate_up_types=[t for m in moes for t in m.experts.op_args[1]],
+                        expert_down=[p for m in moes for p in m.experts.op_args[2]],
+                        expert_down_types=[t for m in moes for t in m.experts.op_args[3]])
         return self._stack

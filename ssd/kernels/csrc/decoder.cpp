@@ -33,10 +33,56 @@ static c10::TypedOperatorHandle<Sig> find(const std::string& ns, const char* nam
   return c10::Dispatcher::singleton().findSchemaOrThrow((ns + "::" + name).c_str(), "").typed<Sig>();
 }
 
+// experts(x, weights, chosen, ...): a mixture's experts on GGUF-block weights (ssd/layers/moe.py,
+// SparseMoE.forward), the loop over the experts hit in C++: for each expert e in ascending order,
+// the rows routed to it (row-major order of chosen == e) go through qlinear(Wgate_up[e]),
+// act(g) * u and qlinear(Wdown[e]), are scaled by their router weight and index_add-ed into the
+// output; the same ATen ops in the same order as the Python loop, so the same bits.
+// gate_up: 2 parts an expert (gate, up); down: 1 an expert; act: 0 silu, 1 gelu tanh.
+at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& chosen, at::TensorList gate_up,
+                   at::IntArrayRef gate_up_types, at::TensorList down, at::IntArrayRef down_types, int64_t inter,
+                   int64_t act, std::string quant_ns) {
+  const int64_t E = int64_t(down.size()), T = x.size(0), k = chosen.size(1), hidden = x.size(1);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && chosen.dim() == 2 && chosen.size(0) == T &&
+                  chosen.scalar_type() == at::kLong && weights.sizes() == chosen.sizes() &&
+                  int64_t(gate_up.size()) == 2 * E && int64_t(gate_up_types.size()) == 2 * E &&
+                  int64_t(down_types.size()) == E,
+              "ssd experts: bad shapes");
+  const auto qlinear = find<QLinear>(quant_ns, "qlinear");
+  const at::Tensor ch = chosen.contiguous();
+  const int64_t* c = ch.data_ptr<int64_t>();
+  std::vector<std::vector<int64_t>> tokens(E), ranks(E);
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t r = 0; r < k; ++r) {
+      const int64_t e = c[t * k + r];
+      TORCH_CHECK(0 <= e && e < E, "ssd experts: expert ", e, " out of range");
+      tokens[e].push_back(t);
+      ranks[e].push_back(r);
+    }
+  const std::optional<at::Tensor> none;
+  const int64_t gu_rows[2] = {inter, inter};
+  at::Tensor out = at::zeros_like(x);
+  for (int64_t e = 0; e < E; ++e) {
+    if (tokens[e].empty()) continue;
+    const at::Tensor tok = at::tensor(tokens[e], at::kLong), rank = at::tensor(ranks[e], at::kLong);
+    at::Tensor gu = qlinear.call(x.index({tok}), gate_up.slice(2 * e, 2), gate_up_types.slice(2 * e, 2),
+                                 at::IntArrayRef(gu_rows, 2), hidden, none, false);
+    at::Tensor g = gu.narrow(1, 0, inter);
+    at::Tensor a = (act == 1 ? at::gelu(g, "tanh") : at::silu(g)) * gu.narrow(1, inter, inter);
+    const int64_t dr = hidden;
+    at::Tensor y = qlinear.call(a, down.slice(e, 1), down_types.slice(e, 1), at::IntArrayRef(&dr, 1), inter, none, false);
+    out.index_add_(0, tok, y * weights.index({tok, rank}).unsqueeze(1));
+  }
+  return out;
+}
+
 // parts: every linear's packed parts, layer by layer, linears in the order qkv, o, gate_up, down;
 // nparts[4 * l + j]: how many parts linear j of layer l has (types, part_rows: one per part).
 // dims: num_heads, num_kv_heads, head_dim, intermediate_size, norms a layer (2, or Gemma's 4:
-// input, post-attention, pre-MLP, post-MLP), activation (0 silu, 1 gelu tanh). qkv_bias: one per
+// input, post-attention, pre-MLP, post-MLP), activation (0 silu, 1 gelu tanh), and for a mixture
+// of experts: top-k, renormalise (0/1), an expert's intermediate size. moe: per layer 1 where
+// the MLP is a mixture (its router in routers, fp32; its experts' parts in expert_gate_up, 2 an
+// expert, and expert_down, MoE layer after MoE layer; nparts 0 for its gate_up and down). qkv_bias: one per
 // layer, or none; qk_norms: per layer the q and the k norm's weights (Qwen3), or none. sliding:
 // per layer 1 for a sliding-window layer, which reads rows_w / q_row_w / q_len_w (the windowed
 // batch) and cos_w / sin_w (its RoPE).
@@ -46,10 +92,15 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
                   at::IntArrayRef part_rows, at::IntArrayRef nparts, at::TensorList qkv_bias,
                   at::TensorList qk_norms, at::IntArrayRef dims, at::IntArrayRef sliding, const at::Tensor& rows_w,
                   const at::Tensor& q_row_w, const at::Tensor& q_len_w, const at::Tensor& cos_w,
-                  const at::Tensor& sin_w, double eps, double scale, double softcap, std::string quant_ns,
-                  std::string fused_ns, std::string attention_ns) {
+                  const at::Tensor& sin_w, at::IntArrayRef moe, at::TensorList routers, at::TensorList expert_gate_up,
+                  at::IntArrayRef expert_gate_up_types, at::TensorList expert_down, at::IntArrayRef expert_down_types,
+                  double eps, double scale, double softcap, std::string quant_ns, std::string fused_ns,
+                  std::string attention_ns, std::string linear_ns) {
   const int64_t L = kv.size(0), hq = dims[0], hk = dims[1], d = dims[2], inter = dims[3], nn = dims[4];
   const bool gelu = dims[5] == 1, gemma = nn == 4;
+  const int64_t top_k = dims[6], normalize = dims[7], expert_inter = dims[8];
+  const int64_t E = routers.empty() ? 0 : routers[0].size(0);
+  TORCH_CHECK(int64_t(moe.size()) == L, "ssd layers: moe needs one flag a layer");
   const int64_t hidden = x.size(1), qs = hq * d, ks = hk * d;
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && kv.dim() == 5 && kv.size(1) == 2,
               "ssd layers: x [T, hidden] fp32, kv [layers, 2, slots, kv_heads, head_dim]");
@@ -63,6 +114,9 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
   const auto rms_norm = find<RmsNorm>(fused_ns, "rms_norm");
   const auto rope_cache = find<RopeCache>(fused_ns, "rope_cache");
   const auto attention = find<Attention>(attention_ns, "attention");
+  using Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&);
+  const auto router_linear = find<Linear>(linear_ns, "linear");
+  size_t r = 0;  // the next MoE layer's router
   const std::optional<at::Tensor> none;
   size_t p = 0;  // the next linear's first part
   auto linear = [&](int64_t l, int j, const at::Tensor& in, int64_t K, const std::optional<at::Tensor>& bias) {
@@ -90,10 +144,25 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
                                   w ? q_len_w : q_len, scale, softcap);
     o = linear(l, 1, o.reshape({T, qs}), qs, none);
     x = x + (gemma ? rms_norm.call(o, norms[nn * l + 1], eps) : o);
-    at::Tensor gu = linear(l, 2, rms_norm.call(x, norms[nn * l + (gemma ? 2 : 1)], eps), hidden, none);
-    at::Tensor g = gu.narrow(1, 0, inter);
-    at::Tensor act = (gelu ? at::gelu(g, "tanh") : at::silu(g)) * gu.narrow(1, inter, inter);
-    at::Tensor m = linear(l, 3, act, inter, none);
+    at::Tensor h = rms_norm.call(x, norms[nn * l + (gemma ? 2 : 1)], eps), m;
+    if (moe[l]) {  // SparseMoE.route, then its experts (a mixture without a shared expert)
+      TORCH_CHECK(r < routers.size(), "ssd layers: too few routers");
+      at::Tensor probs = at::softmax(router_linear.call(h, routers[r], none), -1);
+      auto [weights, chosen] = at::topk(probs, top_k, -1);
+      if (normalize) {
+        at::Tensor total = weights.select(1, 0);
+        for (int64_t j = 1; j < top_k; ++j) total = total + weights.select(1, j);
+        weights = weights / total.unsqueeze(1);
+      }
+      m = experts(h, weights, chosen, expert_gate_up.slice(2 * E * r, 2 * E), expert_gate_up_types.slice(2 * E * r, 2 * E),
+                  expert_down.slice(E * r, E), expert_down_types.slice(E * r, E), expert_inter, gelu ? 1 : 0, quant_ns);
+      ++r;
+    } else {
+      at::Tensor gu = linear(l, 2, h, hidden, none);
+      at::Tensor g = gu.narrow(1, 0, inter);
+      at::Tensor act = (gelu ? at::gelu(g, "tanh") : at::silu(g)) * gu.narrow(1, inter, inter);
+      m = linear(l, 3, act, inter, none);
+    }
     x = x + (gemma ? rms_norm.call(m, norms[nn * l + 3], eps) : m);
   }
   TORCH_CHECK(p == parts.size(), "ssd layers: weight parts left over");
@@ -106,7 +175,11 @@ TORCH_LIBRARY(SSD_NS, m) {
   m.def("layers(Tensor x, Tensor positions, Tensor slots, Tensor rows, Tensor q_row, Tensor q_len, Tensor(a!) kv, "
         "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] parts, int[] types, int[] part_rows, int[] nparts, "
         "Tensor[] qkv_bias, Tensor[] qk_norms, int[] dims, int[] sliding, Tensor rows_w, Tensor q_row_w, Tensor q_len_w, "
-        "Tensor cos_w, Tensor sin_w, float eps, float scale, float softcap, str quant_ns, str fused_ns, "
-        "str attention_ns) -> Tensor");
+        "Tensor cos_w, Tensor sin_w, int[] moe, Tensor[] routers, Tensor[] expert_gate_up, int[] expert_gate_up_types, "
+        "Tensor[] expert_down, int[] expert_down_types, float eps, float scale, float softcap, str quant_ns, "
+        "str fused_ns, str attention_ns, str linear_ns) -> Tensor");
   m.impl("layers", c10::DispatchKey::CPU, &layers);
+  m.def("experts(Tensor x, Tensor weights, Tensor chosen, Tensor[] gate_up, int[] gate_up_types, Tensor[] down, "
+        "int[] down_types, int inter, int act, str quant_ns) -> Tensor");
+  m.impl("experts", c10::DispatchKey::CPU, &experts);
 }

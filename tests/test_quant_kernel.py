@@ -206,3 +206,16 @@ def test_types_read_as_another_type_keep_their_values(op, qtype):
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(2))
     err = (Q.qlinear(x, [m]).double() - x.double() @ ref.double().T).abs()
     assert (err <= bound(x, ref, Q.ACTIVATION_BLOCK)).all()
+
+
+def test_each_part_on_its_own_rows_has_the_bits_of_qlinear_alone(op):
+    """qlinear_each (a mixture's down projections in one pass): part i on xs[i], each output
+    with the bits of qlinear on that part and x alone, whatever the other parts and their rows."""
+    g = torch.Generator().manual_seed(5)
+    kinds = [GGML.Q4_K, GGML.Q6_K, GGML.Q8_0, GGML.Q4_K, GGML.Q5_0]
+    mats = [Q.repack(blocks(t, 40 + 16 * i, 256), t, 40 + 16 * i, 256) for i, t in enumerate(kinds)]
+    xs = [torch.randn(m, 256, generator=g) for m in (1, 3, 1, 9, 2)]
+    ys = Q.get_op("qlinear_each")(xs, [m.packed for m in mats], [int(m.qtype) for m in mats],
+                                  [m.rows for m in mats], 256)
+    for x, m, y in zip(xs, mats, ys):
+        assert torch.equal(y, Q.qlinear(x, [m]))

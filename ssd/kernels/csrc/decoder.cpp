@@ -16,12 +16,15 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
+#include <vector>
 
 namespace {
 
 using QLinear = at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, at::IntArrayRef, int64_t,
                            const std::optional<at::Tensor>&, bool);
+using QLinearEach = std::vector<at::Tensor>(at::TensorList, at::TensorList, at::IntArrayRef, at::IntArrayRef, int64_t);
 using RmsNorm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using RopeCache = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                              const at::Tensor&, const at::Tensor&, at::Tensor, at::Tensor, const at::Tensor&);
@@ -34,10 +37,11 @@ static c10::TypedOperatorHandle<Sig> find(const std::string& ns, const char* nam
 }
 
 // experts(x, weights, chosen, ...): a mixture's experts on GGUF-block weights (ssd/layers/moe.py,
-// SparseMoE.forward), the loop over the experts hit in C++: for each expert e in ascending order,
-// the rows routed to it (row-major order of chosen == e) go through qlinear(Wgate_up[e]),
-// act(g) * u and qlinear(Wdown[e]), are scaled by their router weight and index_add-ed into the
-// output; the same ATen ops in the same order as the Python loop, so the same bits.
+// SparseMoE.forward), the loop over the experts hit in C++: for each expert e, the rows routed
+// to it (row-major order of chosen == e) go through qlinear(Wgate_up[e]), act(g) * u and
+// qlinear(Wdown[e]), are scaled by their router weight and index_add-ed into the output in
+// ascending expert order; the quant kernel computes each part's rows alone, so this has the bits
+// of the Python loop (one call an expert), with fewer calls.
 // gate_up: 2 parts an expert (gate, up); down: 1 an expert; act: 0 silu, 1 gelu tanh.
 at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& chosen, at::TensorList gate_up,
                    at::IntArrayRef gate_up_types, at::TensorList down, at::IntArrayRef down_types, int64_t inter,
@@ -49,6 +53,7 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
                   int64_t(down_types.size()) == E,
               "ssd experts: bad shapes");
   const auto qlinear = find<QLinear>(quant_ns, "qlinear");
+  const auto qlinear_each = find<QLinearEach>(quant_ns, "qlinear_each");
   const at::Tensor ch = chosen.contiguous();
   const int64_t* c = ch.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> tokens(E), ranks(E);
@@ -60,18 +65,50 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
       ranks[e].push_back(r);
     }
   const std::optional<at::Tensor> none;
-  const int64_t gu_rows[2] = {inter, inter};
-  at::Tensor out = at::zeros_like(x);
+  // Experts routed the same rows (every expert of a decode step) share one gate_up call: the
+  // kernel computes each part's rows alone, so their bits are those of separate calls, and the
+  // call's fixed costs are paid once.
+  std::vector<std::vector<int64_t>> groups;
   for (int64_t e = 0; e < E; ++e) {
     if (tokens[e].empty()) continue;
-    const at::Tensor tok = at::tensor(tokens[e], at::kLong), rank = at::tensor(ranks[e], at::kLong);
-    at::Tensor gu = qlinear.call(x.index({tok}), gate_up.slice(2 * e, 2), gate_up_types.slice(2 * e, 2),
-                                 at::IntArrayRef(gu_rows, 2), hidden, none, false);
-    at::Tensor g = gu.narrow(1, 0, inter);
-    at::Tensor a = (act == 1 ? at::gelu(g, "tanh") : at::silu(g)) * gu.narrow(1, inter, inter);
-    const int64_t dr = hidden;
-    at::Tensor y = qlinear.call(a, down.slice(e, 1), down_types.slice(e, 1), at::IntArrayRef(&dr, 1), inter, none, false);
-    out.index_add_(0, tok, y * weights.index({tok, rank}).unsqueeze(1));
+    auto same = std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return tokens[g[0]] == tokens[e]; });
+    if (same == groups.end()) groups.push_back({e});
+    else same->push_back(e);
+  }
+  std::vector<at::Tensor> acts(E), toks(E);
+  for (const auto& group : groups) {
+    const at::Tensor tok = at::tensor(tokens[group[0]], at::kLong);
+    std::vector<at::Tensor> parts;
+    std::vector<int64_t> types, rows;
+    for (int64_t e : group) {
+      parts.insert(parts.end(), {gate_up[2 * e], gate_up[2 * e + 1]});
+      types.insert(types.end(), {gate_up_types[2 * e], gate_up_types[2 * e + 1]});
+      rows.insert(rows.end(), {inter, inter});
+    }
+    at::Tensor gu = qlinear.call(x.index({tok}), parts, types, rows, hidden, none, false);
+    for (size_t j = 0; j < group.size(); ++j) {
+      const int64_t e = group[j];
+      at::Tensor g = gu.narrow(1, 2 * inter * j, inter);
+      acts[e] = (act == 1 ? at::gelu(g, "tanh") : at::silu(g)) * gu.narrow(1, 2 * inter * j + inter, inter);
+      toks[e] = tok;
+    }
+  }
+  // Every expert's down projection in one pass over the threads, each on its own rows.
+  std::vector<at::Tensor> xs, downs;
+  std::vector<int64_t> types, rows, hit;
+  for (int64_t e = 0; e < E; ++e)
+    if (acts[e].defined()) {
+      xs.push_back(acts[e]);
+      downs.push_back(down[e]);
+      types.push_back(down_types[e]);
+      rows.push_back(hidden);
+      hit.push_back(e);
+    }
+  const std::vector<at::Tensor> ys = qlinear_each.call(xs, downs, types, rows, inter);
+  at::Tensor out = at::zeros_like(x);
+  for (size_t i = 0; i < hit.size(); ++i) {  // in ascending expert order, as the Python loop adds them
+    const int64_t e = hit[i];
+    out.index_add_(0, toks[e], ys[i] * weights.index({toks[e], at::tensor(ranks[e], at::kLong)}).unsqueeze(1));
   }
   return out;
 }

@@ -1000,54 +1000,52 @@ static void group_fast(int64_t t, const uint8_t* packed, int64_t, int64_t nb, co
 }
 #endif
 
-// ---- the op --------------------------------------------------------------------------------
-at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef types, at::IntArrayRef rows,
-                   int64_t K, const std::optional<at::Tensor>& bias, bool reference) {
+// ---- the ops -------------------------------------------------------------------------------
+// Checks part p (packed [groups * nb * pack_bytes] of type types[p], rows[p] rows of K) and
+// returns its group count.
+static int64_t check_part(const at::Tensor& part, int64_t type, int64_t rows, int64_t K, size_t p) {
+  TORCH_CHECK(known(type), "ssd qlinear: unsupported GGUF type ", type);
+  const Info in = info(type);
+  TORCH_CHECK(K % in.block == 0, "ssd qlinear: K = ", K, " is not a multiple of ", in.block);
+  const int64_t groups = (rows + G - 1) / G;
+  TORCH_CHECK(part.scalar_type() == at::kByte && part.is_contiguous() && part.numel() == groups * (K / in.block) * in.pack_bytes,
+              "ssd qlinear: part ", p, " is not a packed tensor of ", rows, " x ", K);
+  return groups;
+}
+
+static void check_x(const at::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.size(1) == K &&
                   (x.stride(1) == 1 || K <= 1),
               "ssd qlinear: x must be fp32 [M, K] on the CPU with contiguous rows");
-  TORCH_CHECK(parts.size() == types.size() && types.size() == rows.size() && !parts.empty(),
-              "ssd qlinear: one type and row count per part");
-  const int64_t M = x.size(0);
-  int64_t N = 0;
-  std::vector<int64_t> offsets, groups_before = {0};
+}
+
+// Where part p's outputs go: row m, its row r -> y[p][m * ld[p] + col[p] + r] (+ bias[col[p] + r]).
+struct Outputs {
+  std::vector<float*> y;
+  std::vector<int64_t> ld, col;
+  const float* bias = nullptr;
+};
+
+// The products of every part, part p on the activations acts[p], its groups shared among the
+// threads in runs of consecutive groups. Threads take runs of groups that lie back to back in
+// memory: each thread reads one long stream that its prefetches (and the hardware's) run ahead
+// in. A few runs per thread, handed out dynamically, so a thread slowed by a busy core takes fewer.
+static void run_parts(const std::vector<const Act*>& acts, at::TensorList parts, at::IntArrayRef types,
+                      at::IntArrayRef rows, int64_t K, const Outputs& o, bool reference) {
+  std::vector<int64_t> groups_before = {0};
+  int64_t max_m = 0;
   for (size_t p = 0; p < parts.size(); ++p) {
-    TORCH_CHECK(known(types[p]), "ssd qlinear: unsupported GGUF type ", types[p]);
-    const Info in = info(types[p]);
-    TORCH_CHECK(K % in.block == 0, "ssd qlinear: K = ", K, " is not a multiple of ", in.block);
-    const int64_t groups = (rows[p] + G - 1) / G;
-    TORCH_CHECK(parts[p].scalar_type() == at::kByte && parts[p].is_contiguous() &&
-                    parts[p].numel() == groups * (K / in.block) * in.pack_bytes,
-                "ssd qlinear: part ", p, " is not a packed tensor of ", rows[p], " x ", K);
-    offsets.push_back(N);
-    N += rows[p];
-    groups_before.push_back(groups_before.back() + groups);
+    groups_before.push_back(groups_before.back() + check_part(parts[p], types[p], rows[p], K, p));
+    max_m = std::max(max_m, acts[p]->M);
   }
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
-                "ssd qlinear: bad bias");
-    bp = bias->data_ptr<float>();
-  }
-  at::Tensor y = at::empty({M, N}, at::kFloat);
-  if (M == 0) return y;
-  // This thread's, kept so its buffers' capacity serves call after call. (A reference: the
-  // worker threads below must see this one, not their own thread_local.)
-  static thread_local Act kept;
-  Act& a = kept;
-  quantize_act(x.data_ptr<float>(), x.stride(0), M, K, a);
-  float* yp = y.data_ptr<float>();
   const int64_t total = groups_before.back();
+  if (max_m == 0 || total == 0) return;
   // A thread per few groups at least: waking threads for a small matrix costs more than it saves.
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / MIN_GROUPS_PER_THREAD));
-  // Threads take runs of consecutive groups, which lie back to back in memory: each thread reads
-  // one long stream that its prefetches (and the hardware's) run ahead in. A few runs per
-  // thread, handed out dynamically, so a thread slowed by a busy core takes fewer.
   const int64_t run = std::max<int64_t>(1, (total + 4 * nt - 1) / (4 * nt));
   std::atomic<int64_t> next{0};
-  const int64_t per_pass = groups_per_pass(M);
   auto body = [&](int64_t, int64_t) {
-    std::vector<float> out(per_pass * M * G);  // [group of the pass][M][G]
+    std::vector<float> out(groups_per_pass(1) * max_m * G);  // [group of the pass][M][G]
     for (;;) {
       const int64_t u0 = next.fetch_add(run, std::memory_order_relaxed);
       if (u0 >= total) break;
@@ -1055,8 +1053,10 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
       size_t p = 0, warmed = parts.size();
       for (int64_t u = u0; u < u1;) {
         while (groups_before[p + 1] <= u) ++p;
+        const Act& a = *acts[p];
+        const int64_t M = a.M;
         // The next groups of this part in the run, done in one pass.
-        const int64_t g = u - groups_before[p], ng = std::min({per_pass, u1 - u, groups_before[p + 1] - u});
+        const int64_t g = u - groups_before[p], ng = std::min<int64_t>({groups_per_pass(M), u1 - u, groups_before[p + 1] - u});
         const int64_t t = types[p];
         const Info in = info(t);
         const int64_t nb = K / in.block;
@@ -1072,10 +1072,9 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
           const int64_t n0 = (g + i) * G, valid = std::min<int64_t>(G, rows[p] - n0);
           for (int64_t m = 0; m < M; ++m)
             for (int64_t r = 0; r < valid; ++r) {
-              const int64_t n = offsets[p] + n0 + r;
               float v = out[(i * M + m) * G + r];
-              if (bp) v = v + bp[n];
-              yp[m * N + n] = v;
+              if (o.bias) v = v + o.bias[o.col[p] + n0 + r];
+              o.y[p][m * o.ld[p] + o.col[p] + n0 + r] = v;
             }
         }
         u += ng;
@@ -1084,7 +1083,59 @@ at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef ty
   };
   if (nt <= 1) body(0, 1);
   else at::parallel_for(0, nt, 1, body);
+}
+
+at::Tensor qlinear(const at::Tensor& x, at::TensorList parts, at::IntArrayRef types, at::IntArrayRef rows,
+                   int64_t K, const std::optional<at::Tensor>& bias, bool reference) {
+  check_x(x, K);
+  TORCH_CHECK(parts.size() == types.size() && types.size() == rows.size() && !parts.empty(),
+              "ssd qlinear: one type and row count per part");
+  const int64_t M = x.size(0);
+  int64_t N = 0;
+  Outputs o;
+  for (size_t p = 0; p < parts.size(); ++p) {
+    o.col.push_back(N);
+    N += rows[p];
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N,
+                "ssd qlinear: bad bias");
+    o.bias = bias->data_ptr<float>();
+  }
+  at::Tensor y = at::empty({M, N}, at::kFloat);
+  if (M == 0) return y;
+  // This thread's, kept so its buffers' capacity serves call after call. (A reference: the
+  // worker threads must see this one, not their own thread_local.)
+  static thread_local Act kept;
+  quantize_act(x.data_ptr<float>(), x.stride(0), M, K, kept);
+  o.y.assign(parts.size(), y.data_ptr<float>());
+  o.ld.assign(parts.size(), N);
+  run_parts(std::vector<const Act*>(parts.size(), &kept), parts, types, rows, K, o, reference);
   return y;
+}
+
+// Each part on its own activations: y[i] = xs[i] @ parts[i].T, all in one parallel pass (a
+// mixture's down projections, one an expert, each on its own rows). Each output has the bits
+// qlinear gives it alone: the same activation quantisation, the same per-group arithmetic.
+std::vector<at::Tensor> qlinear_each(at::TensorList xs, at::TensorList parts, at::IntArrayRef types,
+                                     at::IntArrayRef rows, int64_t K) {
+  TORCH_CHECK(xs.size() == parts.size() && parts.size() == types.size() && types.size() == rows.size(),
+              "ssd qlinear_each: one x, type and row count per part");
+  std::vector<Act> acts(xs.size());
+  std::vector<const Act*> ptrs;
+  std::vector<at::Tensor> ys;
+  Outputs o;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    check_x(xs[i], K);
+    quantize_act(xs[i].data_ptr<float>(), xs[i].stride(0), xs[i].size(0), K, acts[i]);
+    ptrs.push_back(&acts[i]);
+    ys.push_back(at::empty({xs[i].size(0), rows[i]}, at::kFloat));
+    o.y.push_back(ys.back().data_ptr<float>());
+    o.ld.push_back(rows[i]);
+    o.col.push_back(0);
+  }
+  run_parts(ptrs, parts, types, rows, K, o, false);
+  return ys;
 }
 
 // The activation quantisation, for tests: (q int8 [M, K], d fp32 [M, K / 32]).
@@ -1138,12 +1189,14 @@ int64_t packed_bytes(int64_t type, int64_t N, int64_t K) {
 TORCH_LIBRARY(SSD_NS, m) {
   m.def("repack(Tensor raw, int type, int N, int K) -> Tensor");
   m.def("qlinear(Tensor x, Tensor[] parts, int[] types, int[] rows, int K, Tensor? bias, bool reference) -> Tensor");
+  m.def("qlinear_each(Tensor[] xs, Tensor[] parts, int[] types, int[] rows, int K) -> Tensor[]");
   m.def("dequant_rows(Tensor raw, int type, Tensor ids, int K) -> Tensor");
   m.def("quantize_rows(Tensor x) -> (Tensor, Tensor)");
   m.def("quantize_q4_0(Tensor w) -> Tensor");
   m.def("packed_bytes(int type, int N, int K) -> int", &packed_bytes);
   m.impl("repack", c10::DispatchKey::CPU, &repack);
   m.impl("qlinear", c10::DispatchKey::CPU, &qlinear);
+  m.impl("qlinear_each", c10::DispatchKey::CPU, &qlinear_each);
   m.impl("dequant_rows", c10::DispatchKey::CPU, &dequant_rows);
   m.impl("quantize_rows", c10::DispatchKey::CPU, &quantize_rows);
   m.impl("quantize_q4_0", c10::DispatchKey::CPU, &quantize_q4_0);

@@ -1,5 +1,6 @@
 """Loading a model's weights: from its GGUF file (the quantised blocks themselves, on a CPU,
 or dequantised to fp32) or from Hugging Face safetensors."""
+import contextlib
 import re
 import weakref
 from dataclasses import replace
@@ -47,6 +48,22 @@ FUSED = {
     "mlp.experts.gate_up_proj": ("mlp.experts.gate_proj.weight", "mlp.experts.up_proj.weight"),
     "mlp.shared_expert.gate_up_proj.weight": ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight"),
 }
+
+
+@contextlib.contextmanager
+def no_init():
+    """Modules built to be loaded into skip their random initialisation (the weights are
+    replaced): on the meta device it computes nothing, but its first call imports torch's
+    decompositions, about 3 s of every process's first load."""
+    names = ("kaiming_uniform_", "uniform_", "normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    for n in names:
+        setattr(nn.init, n, lambda t, *args, **kwargs: t)
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -183,7 +200,7 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     state = to_engine_names(read_weights(folder), cfg)
     if rows is not None:
         state["lm_head.weight"] = state["lm_head.weight"][rows]
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():
         model = DecoderLM(cfg)
     expected = set(model.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
@@ -282,7 +299,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         dense.down_proj = nn.Parameter(w[2], requires_grad=False)
         return dense
 
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():
         model = DecoderLM(cfg)
     for i, layer in enumerate(model.layers):
         pre = f"model.layers.{i}."

@@ -35,6 +35,15 @@ def random_blocks(qtype: GGML, rows: int, cols: int, rng: np.random.Generator) -
     return raw.reshape(rows, -1)
 
 
+def add_tokenizer(writer: gguf.GGUFWriter) -> int:
+    """The Qwen2.5 GGUF's tokenizer metadata into `writer`; returns its vocabulary size."""
+    source = gguf.GGUFReader(gguf_path(TOKENIZER_SOURCE))
+    copy_metadata(source, writer, prefix="tokenizer.")
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
+    writer.add_vocab_size(vocab)
+    return vocab
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -52,10 +61,7 @@ def main() -> None:
     writer.add_head_count_kv(KV_HEADS)
     writer.add_rope_freq_base(500000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    source = gguf.GGUFReader(gguf_path(TOKENIZER_SOURCE))
-    copy_metadata(source, writer, prefix="tokenizer.")
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_vocab_size(vocab)
+    vocab = add_tokenizer(writer)
 
     head = HIDDEN // HEADS
     matrices = [("token_embd.weight", vocab, HIDDEN, GGML.Q4_K), ("output.weight", vocab, HIDDEN, GGML.Q6_K)]

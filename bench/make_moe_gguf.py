@@ -16,9 +16,7 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as GGML
 
-from make_8b_gguf import TOKENIZER_SOURCE, random_blocks
-from ssd.models.gguf_file import copy_metadata
-from ssd.store import gguf_path
+from make_8b_gguf import add_tokenizer, random_blocks
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, USED, EXPERT_FFN, CONTEXT = 2048, 32, 4, 128, 128, 8, 768, 8192
 
@@ -46,10 +44,7 @@ def main() -> None:
     writer.add_value_length(HEAD_DIM)
     writer.add_rope_freq_base(1e6)
     writer.add_layer_norm_rms_eps(1e-6)
-    source = gguf.GGUFReader(gguf_path(TOKENIZER_SOURCE))
-    copy_metadata(source, writer, prefix="tokenizer.")
-    vocab = len(source.fields["tokenizer.ggml.tokens"].contents())
-    writer.add_vocab_size(vocab)
+    vocab = add_tokenizer(writer)
 
     q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
     matrices = [("token_embd.weight", (vocab,), HIDDEN, GGML.Q4_K), ("output.weight", (vocab,), HIDDEN, GGML.Q6_K)]

@@ -84,7 +84,22 @@ def random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng)
     return raw.reshape(*shape[:-1], -1)
 
 
-def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) -> Path:
+def write_metadata(writer: gguf.GGUFWriter, cfg: dict) -> None:
+    """The shape keys and SmolLM2's tokenizer (the tiny models' vocabulary)."""
+    from ssd.store import gguf_path
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_rope_freq_base(float(cfg.get("rope_theta") or cfg.get("rope_parameters", {}).get("rope_theta", 1e4)))
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    if cfg.get("num_local_experts"):
+        writer.add_expert_count(cfg["num_local_experts"])
+        writer.add_expert_used_count(cfg["num_experts_per_tok"])
+    copy_metadata(gguf.GGUFReader(gguf_path("smollm2-135m-instruct")), writer, prefix="tokenizer.")
+
+
+def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType, metadata: bool = False) -> Path:
     """A model folder beside `folder` (a Hugging Face one, fp32 safetensors) whose weights are a
     GGUF: every matrix quantised to `qtype` by the gguf package (random blocks of `qtype` where
     the package cannot quantise to it: RANDOM_SCALE), vectors in F32, llama's q/k
@@ -99,6 +114,8 @@ def quantized_copy(folder: Path, dst: Path, qtype: gguf.GGMLQuantizationType) ->
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
+    if metadata:  # what llama.cpp's converter writes, so that the store can prepare the file alone
+        write_metadata(writer, cfg)
     state = {}
     for f in sorted(folder.glob("*.safetensors")):
         state.update(load_file(f))

@@ -89,3 +89,18 @@ def test_greedy_speculation_on_a_moe_target_equals_ar(tiny_models, tmp_path, arc
         assert [o.token_ids for o in outs] == expected, kwargs
         if kwargs["draft"] == target:
             assert all(o.metrics.acceptance_rate == 1.0 for o in outs)
+
+
+def test_a_mixtral_gguf_prepares_as_a_mixture(tiny_models, tmp_path):
+    """llama.cpp writes Mixtral as `llama` with expert_count: the store's folder for the file
+    alone (config from its metadata) runs the same model as the Hugging Face config does."""
+    from gguf import GGMLQuantizationType as GGML
+    from gguf_models import quantized_copy
+    from ssd.models.config import ModelConfig
+    from ssd.store import resolve_model
+    copy = quantized_copy(tiny_models["mixtral"], tmp_path / "copy", GGML.Q8_0, metadata=True)
+    prepared = resolve_model(copy / "weights.gguf")
+    cfg = ModelConfig.from_folder(prepared)
+    assert (cfg.arch, cfg.num_experts, cfg.experts_per_token) == ("mixtral", 6, 2)
+    with LLM(prepared) as a, LLM(copy) as b:
+        assert [o.token_ids for o in a.generate(PROMPTS, GREEDY)] == [o.token_ids for o in b.generate(PROMPTS, GREEDY)]

@@ -106,6 +106,13 @@ def _write_config(gguf_path: Path, out: Path, arch: str, reader, tied: bool) -> 
     head_dim = _field(reader, f"{arch}.attention.key_length")
     if head_dim is not None:
         d["head_dim"] = int(head_dim)
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch == "llama" and experts:  # Mixtral: llama.cpp writes it as `llama` with experts
+        d.update(model_type="mixtral", num_local_experts=int(experts),
+                 num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count")))
+        arch_class = "MixtralForCausalLM"
+    else:
+        arch_class = ARCHITECTURES[arch]
     factors = {ROPE_FACTORS[t.name]: np.asarray(t.data, dtype=np.float32).tolist()
                for t in reader.tensors if t.name in ROPE_FACTORS}
     if factors:  # Phi-3 LongRoPE: the factors are tensors of the file, the rest metadata
@@ -117,7 +124,7 @@ def _write_config(gguf_path: Path, out: Path, arch: str, reader, tied: bool) -> 
         if attn is not None:
             d["rope_scaling"]["attention_factor"] = float(attn)
         d.pop("rope_parameters", None)
-    d.update(architectures=[ARCHITECTURES[arch]], tie_word_embeddings=tied, dtype="float32",
+    d.update(architectures=[arch_class], tie_word_embeddings=tied, dtype="float32",
              torch_dtype="float32")
     (out / "config.json").write_text(json.dumps(d, indent=2, sort_keys=True) + "\n")
 

@@ -62,7 +62,8 @@ class DecoderLM(nn.Module):
                                       cfg.rope_theta, cfg.rope_scaling)
         local = self.rotary
         if cfg.local_rope_theta is not None:  # Gemma 3's sliding layers: a RoPE base of their own, unscaled
-            local = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings, cfg.local_rope_theta, {})
+            local = RotaryEmbedding(cfg.rotary_dim or cfg.head_dim, cfg.max_position_embeddings,
+                                    cfg.local_rope_theta, {})
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, local if cfg.sliding(i) else self.rotary, i)
                                     for i in range(cfg.num_layers))

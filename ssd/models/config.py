@@ -132,7 +132,7 @@ class ModelConfig:
             experts_per_token=d.get("num_experts_per_tok", 0) if experts else 0,
             expert_intermediate_size=(d.get("moe_intermediate_size") or d["intermediate_size"]) if experts else 0,
             normalize_expert_weights=bool(d.get("norm_topk_prob", arch == "mixtral")),
-            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0 if experts else 0,
+            shared_expert_intermediate_size=(d.get("shared_expert_intermediate_size") or 0) if experts else 0,
             dense_layers=dense,
             arch=arch,
             vocab_size=d["vocab_size"],

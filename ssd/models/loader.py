@@ -245,9 +245,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         if rows is not None:  # whole quantised rows: the kept rows' blocks are exact
             parts = [replace(t, raw=np.ascontiguousarray(t.raw[rows.numpy()]), shape=(len(rows), *t.shape[1:]))
                      for t in parts]
-        if requantize:
-            parts = [to_q4_0(t, index) for t in parts]
-        parts = [on_kernel_type(t) for t in parts]
+        parts = for_kernel(parts)
         plain = [t for t in parts if t.qtype not in quant_cpu.SUPPORTED]
         if not plain:
             packed = []
@@ -268,6 +266,13 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             layer.bias = nn.Parameter(bias, requires_grad=False)
         return layer
 
+    def for_kernel(parts: list[GGUFTensor]) -> list[GGUFTensor]:
+        """Matrices as the kernel will hold them: requantised for a draft where asked, in a type
+        the kernel has (models/gguf_types.py)."""
+        if requantize:
+            parts = [to_q4_0(t, index) for t in parts]
+        return [on_kernel_type(t) for t in parts]
+
     def gated_mlp(mlp: nn.Module, pre: str) -> None:
         gate_up = [f"{pre}gate_up_proj.weight"] if f"{pre}gate_up_proj.weight" in found else \
             [f"{pre}gate_proj.weight", f"{pre}up_proj.weight"]  # Phi-3 stacks them in the file
@@ -283,10 +288,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             for t in stacked:
                 n, rows, cols = t.shape
                 raw = t.raw.reshape(n, rows, -1)
-                slices = [replace(t, raw=raw[e], shape=(rows, cols)) for e in range(n)]
-                if requantize:
-                    slices = [to_q4_0(x, index) for x in slices]
-                slices = [on_kernel_type(x) for x in slices]
+                slices = for_kernel([replace(t, raw=raw[e], shape=(rows, cols)) for e in range(n)])
                 mats.append([quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(x.raw).reshape(-1)), x.qtype,
                                               rows, cols) for x in slices])
                 index.unmap(t.raw)

@@ -43,17 +43,26 @@ static c10::TypedOperatorHandle<Sig> find(const std::string& ns, const char* nam
 // ascending expert order; the quant kernel computes each part's rows alone, so this has the bits
 // of the Python loop (one call an expert), with fewer calls.
 // gate_up: 2 parts an expert (gate, up); down: 1 an expert; act: 0 silu, 1 gelu tanh.
-at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& chosen, at::TensorList gate_up,
-                   at::IntArrayRef gate_up_types, at::TensorList down, at::IntArrayRef down_types, int64_t inter,
-                   int64_t act, std::string quant_ns) {
+// The quant kernel's two matmuls, looked up once per op call (a lookup by name costs more than
+// a small expert's product).
+struct QuantOps {
+  c10::TypedOperatorHandle<QLinear> qlinear;
+  c10::TypedOperatorHandle<QLinearEach> qlinear_each;
+  explicit QuantOps(const std::string& ns)
+      : qlinear(find<QLinear>(ns, "qlinear")), qlinear_each(find<QLinearEach>(ns, "qlinear_each")) {}
+};
+
+static at::Tensor run_experts(const QuantOps& ops, const at::Tensor& x, const at::Tensor& weights,
+                              const at::Tensor& chosen, at::TensorList gate_up, at::IntArrayRef gate_up_types,
+                              at::TensorList down, at::IntArrayRef down_types, int64_t inter, int64_t act) {
   const int64_t E = int64_t(down.size()), T = x.size(0), k = chosen.size(1), hidden = x.size(1);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && chosen.dim() == 2 && chosen.size(0) == T &&
                   chosen.scalar_type() == at::kLong && weights.sizes() == chosen.sizes() &&
                   int64_t(gate_up.size()) == 2 * E && int64_t(gate_up_types.size()) == 2 * E &&
                   int64_t(down_types.size()) == E,
               "ssd experts: bad shapes");
-  const auto qlinear = find<QLinear>(quant_ns, "qlinear");
-  const auto qlinear_each = find<QLinearEach>(quant_ns, "qlinear_each");
+  const auto& qlinear = ops.qlinear;
+  const auto& qlinear_each = ops.qlinear_each;
   const at::Tensor ch = chosen.contiguous();
   const int64_t* c = ch.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> tokens(E), ranks(E);
@@ -113,6 +122,12 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
   return out;
 }
 
+at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Tensor& chosen, at::TensorList gate_up,
+                   at::IntArrayRef gate_up_types, at::TensorList down, at::IntArrayRef down_types, int64_t inter,
+                   int64_t act, std::string quant_ns) {
+  return run_experts(QuantOps(quant_ns), x, weights, chosen, gate_up, gate_up_types, down, down_types, inter, act);
+}
+
 // parts: every linear's packed parts, layer by layer, linears in the order qkv, o, gate_up, down;
 // nparts[4 * l + j]: how many parts linear j of layer l has (types, part_rows: one per part).
 // dims: num_heads, num_kv_heads, head_dim, intermediate_size, norms a layer (2, or Gemma's 4:
@@ -147,7 +162,8 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
                   (qk_norms.empty() || int64_t(qk_norms.size()) == 2 * L) && types.size() == parts.size() &&
                   part_rows.size() == parts.size(),
               "ssd layers: the weights do not match ", L, " layers");
-  const auto qlinear = find<QLinear>(quant_ns, "qlinear");
+  const QuantOps quant(quant_ns);
+  const auto& qlinear = quant.qlinear;
   const auto rms_norm = find<RmsNorm>(fused_ns, "rms_norm");
   const auto rope_cache = find<RopeCache>(fused_ns, "rope_cache");
   const auto attention = find<Attention>(attention_ns, "attention");
@@ -191,8 +207,9 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
         for (int64_t j = 1; j < top_k; ++j) total = total + weights.select(1, j);
         weights = weights / total.unsqueeze(1);
       }
-      m = experts(h, weights, chosen, expert_gate_up.slice(2 * E * r, 2 * E), expert_gate_up_types.slice(2 * E * r, 2 * E),
-                  expert_down.slice(E * r, E), expert_down_types.slice(E * r, E), expert_inter, gelu ? 1 : 0, quant_ns);
+      m = run_experts(quant, h, weights, chosen, expert_gate_up.slice(2 * E * r, 2 * E),
+                      expert_gate_up_types.slice(2 * E * r, 2 * E), expert_down.slice(E * r, E),
+                      expert_down_types.slice(E * r, E), expert_inter, gelu ? 1 : 0);
       ++r;
     } else {
       at::Tensor gu = linear(l, 2, h, hidden, none);

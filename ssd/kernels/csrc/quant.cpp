@@ -1033,19 +1033,19 @@ struct Outputs {
 static void run_parts(const std::vector<const Act*>& acts, at::TensorList parts, at::IntArrayRef types,
                       at::IntArrayRef rows, int64_t K, const Outputs& o, bool reference) {
   std::vector<int64_t> groups_before = {0};
-  int64_t max_m = 0;
+  int64_t scratch = 0;  // floats of one pass's output, for the part that needs most
   for (size_t p = 0; p < parts.size(); ++p) {
     groups_before.push_back(groups_before.back() + check_part(parts[p], types[p], rows[p], K, p));
-    max_m = std::max(max_m, acts[p]->M);
+    scratch = std::max(scratch, groups_per_pass(acts[p]->M) * acts[p]->M * G);
   }
   const int64_t total = groups_before.back();
-  if (max_m == 0 || total == 0) return;
+  if (scratch == 0 || total == 0) return;
   // A thread per few groups at least: waking threads for a small matrix costs more than it saves.
   const int64_t nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / MIN_GROUPS_PER_THREAD));
   const int64_t run = std::max<int64_t>(1, (total + 4 * nt - 1) / (4 * nt));
   std::atomic<int64_t> next{0};
   auto body = [&](int64_t, int64_t) {
-    std::vector<float> out(groups_per_pass(1) * max_m * G);  // [group of the pass][M][G]
+    std::vector<float> out(scratch);  // [group of the pass][M][G]
     for (;;) {
       const int64_t u0 = next.fetch_add(run, std::memory_order_relaxed);
       if (u0 >= total) break;

@@ -7,7 +7,8 @@ pp5 / tg ratio (what scoring 5 tokens costs it against one).
 
 Each side runs in a process of its own (its peak RSS is its own); ours decodes --tokens tokens
 after a short prompt (decode rate: tokens after the first over the decode time), llama-bench
-runs tg at depth 0 and pp5, --repeats times. Load times are with the file in the page cache
+runs tg and pp5 at depth 0, --repeats times; our T(M) is a pass of M tokens from position 0
+(ModelRunner.timed_pass), so both ratios are at the same depth. Load times are with the file in the page cache
 unless --cold (drops the page cache before each side: needs root).
 """
 import argparse

@@ -157,6 +157,7 @@ def open_gguf(path: str | os.PathLike) -> "GGUFIndex":
 
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+_U64 = struct.Struct("<Q")
 
 
 @dataclass
@@ -207,7 +208,13 @@ class GGUFIndex:
             if inner in _SCALARS:  # skipped without reading: the engine needs no numeric arrays
                 pos += count * struct.calcsize(_SCALARS[inner])
                 return None
-            for _ in range(count):  # arrays of strings (the vocabulary): walk, keep none
+            if inner == _STRING:  # the vocabulary, merges: walked by their lengths, none kept
+                for _ in range(count):
+                    pos += 8 + _U64.unpack_from(head, pos)[0]
+                if pos > len(head):
+                    raise ValueError(f"an array of {count} strings runs past the header")
+                return None
+            for _ in range(count):  # arrays of arrays: walk, keep none
                 value(inner)
             return None
 
@@ -231,6 +238,7 @@ class GGUFIndex:
         align = int(self.fields.get("general.alignment") or 32)
         start = -(-pos // align) * align
         self.map = np.memmap(path, dtype=np.uint8, mode="c")
+        flat = self.map.view(np.ndarray)  # (a memmap's own slices cost ~1 ms each)
         self.tensors: list[IndexedTensor] = []
         for name, dims, kind, offset in infos:
             block, nbytes = gguf.GGML_QUANT_SIZES[kind]
@@ -241,7 +249,7 @@ class GGUFIndex:
             if start + offset + n > size:
                 raise ValueError(f"tensor {name} ({n} bytes at {start + offset}) runs past the end of the file "
                                  f"({size} bytes): the file is truncated or corrupt")
-            data = self.map[start + offset:start + offset + n]
+            data = flat[start + offset:start + offset + n]
             if kind.name in ("F32", "F16"):
                 data = data.view(np.float32 if kind.name == "F32" else np.float16)
             self.tensors.append(IndexedTensor(name, kind, dims, data))

@@ -1,6 +1,8 @@
 """Loading a model's weights: from its GGUF file (the quantised blocks themselves, on a CPU,
 or dequantised to fp32) or from Hugging Face safetensors."""
 import contextlib
+import hashlib
+import json
 import re
 import weakref
 from dataclasses import replace
@@ -11,7 +13,7 @@ import torch
 from gguf import GGMLQuantizationType as GGML
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ssd.errors import ModelFileError, SSDError, UnsupportedModelError
 from ssd.kernels import quant_cpu
@@ -22,6 +24,7 @@ from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, tensors
 from ssd.models.gguf_types import AS, as_kernel_type
+from ssd.models.pack_cache import PackCache
 
 # How a model's weights are held:
 #   "gguf": its GGUF file's own blocks (CPU; ssd/kernels/quant_cpu.py), the default for a GGUF on a CPU;
@@ -105,8 +108,16 @@ def resolve_weights(folder: Path, device: torch.device, weights: str) -> str:
 
 
 def load_tokenizer(folder: Path):
-    """The model's own tokenizer (a transformers fast tokenizer)."""
+    """The model's own tokenizer (a transformers fast tokenizer). One saved as the generic fast
+    tokenizer (every prepared GGUF's) is built as that class directly: AutoTokenizer would
+    first import the model's configuration class, ~2 s of transformers imports."""
     try:
+        cls = json.loads((Path(folder) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        cls = None
+    try:
+        if cls in ("TokenizersBackend", "PreTrainedTokenizerFast"):
+            return PreTrainedTokenizerFast.from_pretrained(folder)
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, TypeError) as e:
         raise ModelFileError(f"cannot load the tokenizer in {folder}: {str(e).strip().splitlines()[0]}") from e
@@ -229,6 +240,8 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     requantised to Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept)."""
     index = open_gguf(path)
     found = {t.name: t for t in tensors(index, path)}
+    rows_key = "" if head_rows is None else hashlib.blake2b(head_rows.numpy().tobytes(), digest_size=8).hexdigest()
+    cache = PackCache(path, f"requantize={requantize} head={rows_key}")
 
     def get(name: str) -> GGUFTensor:
         if name not in found:
@@ -240,25 +253,36 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         return nn.Parameter(gemma_norm(v) if cfg.gemma_norms and name.endswith("norm.weight") else v,
                             requires_grad=False)
 
+    def kernel_holds(t: GGUFTensor) -> bool:
+        """Whether the kernel runs this matrix (after for_kernel)."""
+        return t.qtype in quant_cpu.SUPPORTED or (t.qtype in AS and len(t.shape) == 2) or (
+            requantize and t.qtype in Q4_0_SOURCES and t.shape[-1] % 32 == 0)
+
+    def packed(name: str, t: GGUFTensor, rows: torch.Tensor | None = None) -> quant_cpu.QuantMatrix:
+        """A matrix in the kernel's layout: from the pack cache, else repacked from the file's
+        pages (whole quantised rows of it where `rows` is given: their blocks are exact)."""
+        def make() -> quant_cpu.QuantMatrix:
+            src = t if rows is None else replace(t, raw=np.ascontiguousarray(t.raw[rows.numpy()]),
+                                                 shape=(len(rows), *t.shape[1:]))
+            k = for_kernel(src)
+            m = quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(k.raw).reshape(-1)), k.qtype, *k.shape)
+            index.unmap(t.raw)  # read once: its pages need not stay in this process
+            return m
+        return cache.matrix(name, make)
+
     def linear(names: list[str], bias: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> nn.Module:
         parts = [get(n) for n in names]
-        if rows is not None:  # whole quantised rows: the kept rows' blocks are exact
-            parts = [replace(t, raw=np.ascontiguousarray(t.raw[rows.numpy()]), shape=(len(rows), *t.shape[1:]))
-                     for t in parts]
-        parts = for_kernel(parts)
-        plain = [t for t in parts if t.qtype not in quant_cpu.SUPPORTED]
-        if not plain:
-            packed = []
-            for t in parts:
-                packed.append(quant_cpu.repack(torch.from_numpy(t.raw.reshape(-1)), t.qtype, *t.shape))
-                index.unmap(t.raw)  # read once: its pages need not stay in this process
-            return QuantLinear(packed, bias)
-        if any(t.qtype.name not in ("F32", "F16", "BF16") for t in plain):
+        if all(kernel_holds(t) for t in parts):
+            return QuantLinear([packed(n, t, rows) for n, t in zip(names, parts)], bias)
+        plain = [t for t in parts if t.qtype.name not in ("F32", "F16", "BF16")]
+        if plain:
             bad = sorted({t.qtype.name for t in plain})
             raise UnsupportedModelError(
                 f"{path}: GGUF type {', '.join(bad)} (in {plain[0].name}) has no CPU kernel here; the kernels cover "
                 f"{', '.join(sorted(q.name for q in (*quant_cpu.SUPPORTED, *AS)))}, F32, F16 and BF16. "
                 f"Load it with weights='dequantized'")
+        if rows is not None:
+            parts = [replace(t, raw=t.raw[rows.numpy()], shape=(len(rows), *t.shape[1:])) for t in parts]
         w = torch.cat([dequantize(t) for t in parts])
         layer = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
         layer.weight = nn.Parameter(w, requires_grad=False)
@@ -266,12 +290,10 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             layer.bias = nn.Parameter(bias, requires_grad=False)
         return layer
 
-    def for_kernel(parts: list[GGUFTensor]) -> list[GGUFTensor]:
-        """Matrices as the kernel will hold them: requantised for a draft where asked, in a type
+    def for_kernel(t: GGUFTensor) -> GGUFTensor:
+        """A matrix as the kernel will hold it: requantised for a draft where asked, in a type
         the kernel has (models/gguf_types.py)."""
-        if requantize:
-            parts = [to_q4_0(t, index) for t in parts]
-        return [on_kernel_type(t) for t in parts]
+        return on_kernel_type(to_q4_0(t, index) if requantize else t)
 
     def gated_mlp(mlp: nn.Module, pre: str) -> None:
         gate_up = [f"{pre}gate_up_proj.weight"] if f"{pre}gate_up_proj.weight" in found else \
@@ -288,9 +310,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             for t in stacked:
                 n, rows, cols = t.shape
                 raw = t.raw.reshape(n, rows, -1)
-                slices = for_kernel([replace(t, raw=raw[e], shape=(rows, cols)) for e in range(n)])
-                mats.append([quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(x.raw).reshape(-1)), x.qtype,
-                                              rows, cols) for x in slices])
+                mats.append([packed(f"{t.name}#{e}", replace(t, raw=raw[e], shape=(rows, cols))) for e in range(n)])
                 index.unmap(t.raw)
             return QuantExperts(*mats)
         n, inter, hidden = stacked[0].shape
@@ -324,11 +344,15 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
         if isinstance(module, RMSNorm):
             module.weight = vector(f"model.{name}.weight")
-    embed = on_kernel_type(get("model.embed_tokens.weight"))
-    if embed.qtype in quant_cpu.SUPPORTED:
-        # A copy of the blocks: the file's pages are unmapped once loading is done.
-        model.embed_tokens = QuantEmbedding(torch.from_numpy(embed.raw.reshape(-1).copy()), embed.qtype, *embed.shape)
-        index.unmap(embed.raw)
+    embed = get("model.embed_tokens.weight")
+    if embed.qtype in quant_cpu.SUPPORTED or embed.qtype in AS:
+        def blocks() -> quant_cpu.QuantMatrix:  # a copy: the file's pages are unmapped once loading is done
+            k = on_kernel_type(embed)
+            m = quant_cpu.QuantMatrix(k.qtype, *k.shape, torch.from_numpy(np.array(k.raw).reshape(-1)))
+            index.unmap(embed.raw)
+            return m
+        m = cache.matrix("model.embed_tokens.weight (blocks)", blocks)
+        model.embed_tokens = QuantEmbedding(m.packed, m.qtype, m.rows, m.cols)
     else:
         model.embed_tokens = nn.Embedding.from_pretrained(dequantize(embed))
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
@@ -338,6 +362,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     leftover = [n for n, p in model.named_parameters() if p.is_meta]
     if leftover:
         raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
+    cache.save()
     return model
 
 

@@ -1,0 +1,178 @@
+"""A GGUF model's matrices as the CPU kernel holds them, kept on disk after the first load.
+
+Repacking every matrix into the kernel's layout (csrc/quant.cpp) runs at about 0.7 GB/s on
+two cores: 7 s of an 8B model's load, each time. The first load of a model whose packed
+matrices reach MIN_BYTES writes them to one file beside its prepared folder (packed-<key>.bin,
+the size of the packed matrices: about the GGUF file's) with an index (packed-<key>.json,
+written last, so a file cut short is never used); later loads map that file, and the pages
+are read only when a pass first touches them, as llama.cpp maps its GGUF file. The key
+covers the GGUF file (path, size, modification time), the packed layout (the source of the
+kernel and of the type rewrites) and the load's options (a draft's requantisation, a reduced
+head's rows), so a change to any of them makes a new file. `SSD_PACK_CACHE=0` turns it off.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as GGML
+
+from ssd.kernels import quant_cpu
+
+MIN_BYTES = 64 << 20  # smaller models repack in well under a second
+ALIGN = 4096
+_LAYOUT_SOURCES = (Path(quant_cpu.__file__).parent / "csrc" / "quant.cpp",
+                   Path(__file__).parent / "gguf_types.py")
+
+
+def enabled() -> bool:
+    return os.environ.get("SSD_PACK_CACHE", "1") != "0"
+
+
+@dataclass
+class _Entry:
+    offset: int
+    nbytes: int
+    qtype: int
+    rows: int
+    cols: int
+
+
+class PackCache:
+    """Packed matrices of one load, by name: read from the file where it holds them, else
+    made and, at `save`, written for the next load."""
+
+    def __init__(self, gguf: Path, options: str):
+        self.folder = gguf.parent
+        real = gguf.resolve()
+        st = real.stat()
+        h = hashlib.blake2b(digest_size=8)
+        for part in (str(real), str(st.st_size), str(st.st_mtime_ns), options):
+            h.update(part.encode() + b"\0")
+        for src in _LAYOUT_SOURCES:
+            h.update(src.read_bytes())
+        self.options = options
+        self.bin = self.folder / f"packed-{h.hexdigest()}.bin"
+        self.index = self.bin.with_suffix(".json")
+        self.entries: dict[str, _Entry] = {}
+        self.map: torch.Tensor | None = None
+        self.made: dict[str, quant_cpu.QuantMatrix] = {}
+        self.hits = 0
+        if enabled():
+            self._open()
+
+    def _open(self) -> None:
+        try:
+            meta = json.loads(self.index.read_text())
+            if meta["bytes"] != self.bin.stat().st_size:
+                return
+            entries = {k: _Entry(*v) for k, v in meta["entries"].items()}
+            # Private, copy-on-write: never written, but torch wants a writable buffer.
+            self.map = torch.from_numpy(np.memmap(self.bin, dtype=np.uint8, mode="c"))
+            self.entries = entries
+        except (OSError, ValueError, KeyError, TypeError):
+            self.entries, self.map = {}, None
+
+    def matrix(self, name: str, make: Callable[[], quant_cpu.QuantMatrix]) -> quant_cpu.QuantMatrix:
+        """The packed matrix `name`: a view of the file, or make() (remembered for `save`)."""
+        e = self.entries.get(name)
+        if e is not None and self.map is not None:
+            self.hits += 1
+            return quant_cpu.QuantMatrix(GGML(e.qtype), e.rows, e.cols, self.map[e.offset:e.offset + e.nbytes])
+        m = self.made[name] = make()
+        return m
+
+    def save(self) -> None:
+        """Write what this load made, if it made everything (no file held any of it) and enough
+        of it to be worth a file, in a thread of its own: writing 5 GB took 9.6 s on the
+        development machine (the disk's pace), which the first load need not wait for. A
+        failure to write (a full disk, a read-only store) costs only the next load's
+        repacking: said on stderr, never raised."""
+        total = sum(m.nbytes for m in self.made.values())
+        if not enabled() or self.hits or total < MIN_BYTES or self.bin in _writing:
+            return
+        _writing.add(self.bin)
+        writer = threading.Thread(target=self._write, name="ssd-pack-cache", args=(dict(self.made),))
+        writer.start()  # not a daemon: the interpreter waits for it at exit rather than leave half a file
+        _writers.append(writer)
+
+    def _write(self, made: dict[str, quant_cpu.QuantMatrix]) -> None:
+        for old in self.folder.glob(".packed-*"):  # what a process killed while writing left
+            pid = old.suffix[1:]
+            if pid.isdigit() and not _alive(int(pid)):
+                old.unlink(missing_ok=True)
+        tmp_bin = self.bin.with_name(f".{self.bin.name}.{os.getpid()}")
+        tmp_index = self.index.with_name(f".{self.index.name}.{os.getpid()}")
+        try:
+            self._write_to(made, tmp_bin, tmp_index)
+        finally:
+            _writing.discard(self.bin)
+
+    def _write_to(self, made: dict[str, quant_cpu.QuantMatrix], tmp_bin: Path, tmp_index: Path) -> None:
+        try:
+            entries, offset = {}, 0
+            with open(tmp_bin, "wb") as f:
+                for name, m in made.items():
+                    offset = -(-offset // ALIGN) * ALIGN
+                    f.seek(offset)
+                    f.write(memoryview(m.packed.numpy()))
+                    entries[name] = [offset, m.nbytes, int(m.qtype), m.rows, m.cols]
+                    offset += m.nbytes
+                f.truncate(offset)
+            tmp_index.write_text(json.dumps({"bytes": offset, "options": self.options, "entries": entries}))
+            os.replace(tmp_bin, self.bin)
+            os.replace(tmp_index, self.index)  # last: the index names a whole file
+            self._drop_stale()
+        except OSError as e:
+            print(f"ssd: could not keep the packed weights in {self.folder} ({e}); the next load repacks them",
+                  file=sys.stderr)
+            for p in (tmp_bin, tmp_index):
+                p.unlink(missing_ok=True)
+
+
+    def _drop_stale(self) -> None:
+        """Remove the files of this load's options made for an older GGUF file or layout (only
+        the newest can ever be read again)."""
+        for index in self.folder.glob("packed-*.json"):
+            if index == self.index:
+                continue
+            try:
+                if json.loads(index.read_text()).get("options") != self.options:
+                    continue
+            except (OSError, ValueError, AttributeError):
+                pass
+            index.unlink(missing_ok=True)
+            index.with_suffix(".bin").unlink(missing_ok=True)
+
+
+_writers: list[threading.Thread] = []
+_writing: set[Path] = set()  # files this process is writing (a second load meanwhile repacks, writes none)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def writing() -> bool:
+    """Whether this process is still writing a cache file."""
+    return any(t.is_alive() for t in _writers)
+
+
+def wait() -> None:
+    """Until every cache file this process started writing is written (for tests, benchmarks)."""
+    while _writers:
+        _writers.pop().join()

@@ -1,7 +1,8 @@
 """Write a random-weight GGUF of Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads, MLP 14336) quantised as llama.cpp's Q4_K_M mixes them (Q4_K, with Q6_K for attn_v,
 ffn_down of every other layer and the output layer), to show that an 8B-class model loads
-and decodes on a 24 GB machine, and to time it against llama.cpp on the same file.
+and decodes on a 24 GB machine, and to time it against llama.cpp on the same file. `--type q2_k` / `iq4_xs` writes every layer
+matrix in that type instead (the output layer stays Q6_K, as llama.cpp's mixes keep it).
 
 No such model ships on PyPI; decode speed does not depend on the weights' values. The blocks
 are random bytes with fp16 scales small enough to keep activations finite; the tokenizer
@@ -9,6 +10,7 @@ are random bytes with fp16 scales small enough to keep activations finite; the t
 entries instead of Llama-3's 128,256 (an 8.3B-parameter model).
 
     python bench/make_8b_gguf.py /tmp/llama3-8b-shapes-q4km.gguf
+    python bench/make_8b_gguf.py /tmp/llama3-8b-shapes-q2k.gguf --type q2_k
     ssd generate --model /tmp/llama3-8b-shapes-q4km.gguf --prompt "Hello" --max-tokens 32 --ignore-eos
 """
 import argparse
@@ -23,14 +25,18 @@ from ssd.store import gguf_path
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, CONTEXT = 32, 4096, 32, 8, 14336, 8192
 TOKENIZER_SOURCE = "qwen2.5-coder-1.5b-instruct"
-SCALE_OFFSETS = {GGML.Q4_K: (0, 2), GGML.Q6_K: (208,)}  # fp16 d (and dmin) inside a block
+# fp16 d (and dmin) inside a block, and the range drawn for it (IQ4_XS multiplies d by a 6-bit
+# scale and its table's values up to 127: a smaller d keeps the activations finite).
+SCALE_OFFSETS = {GGML.Q4_K: (0, 2), GGML.Q6_K: (208,), GGML.Q2_K: (80, 82), GGML.IQ4_XS: (0,)}
+SCALE_RANGE = {GGML.IQ4_XS: (1e-6, 1e-5)}
+TYPES = {"q4_k_m": None, "q2_k": GGML.Q2_K, "iq4_xs": GGML.IQ4_XS}
 
 
 def random_blocks(qtype: GGML, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     per, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // per, size), dtype=np.uint8)
     for off in SCALE_OFFSETS[qtype]:
-        half = rng.uniform(1e-4, 1e-3, raw.shape[:2]).astype(np.float16)
+        half = rng.uniform(*SCALE_RANGE.get(qtype, (1e-4, 1e-3)), raw.shape[:2]).astype(np.float16)
         raw[..., off:off + 2] = half.view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(rows, -1)
 
@@ -48,11 +54,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--type", choices=TYPES, default="q4_k_m", help="the layers' matrices' type")
     args = ap.parse_args()
+    every = TYPES[args.type]
     rng = np.random.default_rng(args.seed)
     writer = gguf.GGUFWriter(str(args.out), "llama")
     writer.add_name("random-llama3-8b-shapes")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if every is None else
+                         gguf.LlamaFileType.MOSTLY_Q2_K if every == GGML.Q2_K else gguf.LlamaFileType.MOSTLY_IQ4_XS)
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
@@ -64,16 +73,17 @@ def main() -> None:
     vocab = add_tokenizer(writer)
 
     head = HIDDEN // HEADS
-    matrices = [("token_embd.weight", vocab, HIDDEN, GGML.Q4_K), ("output.weight", vocab, HIDDEN, GGML.Q6_K)]
+    matrices = [("token_embd.weight", vocab, HIDDEN, every or GGML.Q4_K), ("output.weight", vocab, HIDDEN, GGML.Q6_K)]
     norms = ["output_norm.weight"]
     for i in range(LAYERS):
-        six = GGML.Q6_K if i % 2 == 0 else GGML.Q4_K  # Q4_K_M: half of attn_v and ffn_down in Q6_K
-        matrices += [(f"blk.{i}.attn_q.weight", HEADS * head, HIDDEN, GGML.Q4_K),
-                     (f"blk.{i}.attn_k.weight", KV_HEADS * head, HIDDEN, GGML.Q4_K),
+        four = every or GGML.Q4_K
+        six = every or (GGML.Q6_K if i % 2 == 0 else GGML.Q4_K)  # Q4_K_M: half of attn_v and ffn_down in Q6_K
+        matrices += [(f"blk.{i}.attn_q.weight", HEADS * head, HIDDEN, four),
+                     (f"blk.{i}.attn_k.weight", KV_HEADS * head, HIDDEN, four),
                      (f"blk.{i}.attn_v.weight", KV_HEADS * head, HIDDEN, six),
-                     (f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head, GGML.Q4_K),
-                     (f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, GGML.Q4_K),
-                     (f"blk.{i}.ffn_up.weight", FFN, HIDDEN, GGML.Q4_K),
+                     (f"blk.{i}.attn_output.weight", HIDDEN, HEADS * head, four),
+                     (f"blk.{i}.ffn_gate.weight", FFN, HIDDEN, four),
+                     (f"blk.{i}.ffn_up.weight", FFN, HIDDEN, four),
                      (f"blk.{i}.ffn_down.weight", HIDDEN, FFN, six)]
         norms += [f"blk.{i}.attn_norm.weight", f"blk.{i}.ffn_norm.weight"]
     for name, rows, cols, qtype in matrices:

@@ -71,12 +71,16 @@ def stack_experts(state: dict) -> dict:
 # Types the gguf package cannot quantise: random blocks, their fp16 scale (at this byte offset of
 # a block) set so that the weights' spread is near the random models' 0.02.
 RANDOM_SCALE = {gguf.GGMLQuantizationType.Q3_K: (108, 5e-4), gguf.GGMLQuantizationType.IQ4_NL: (0, 3e-4),
-                gguf.GGMLQuantizationType.Q2_K: (80, 4e-3), gguf.GGMLQuantizationType.IQ4_XS: (0, 2e-5)}
+                gguf.GGMLQuantizationType.Q2_K: (80, 4e-3), gguf.GGMLQuantizationType.IQ4_XS: (0, 2e-5),
+                gguf.GGMLQuantizationType.MXFP4: (0, None)}  # (an 8-bit exponent: random_blocks)
 
 
 def random_blocks(shape: tuple[int, ...], qtype: gguf.GGMLQuantizationType, rng) -> np.ndarray:
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(int(np.prod(shape)) // block, size), dtype=np.uint8)
+    if qtype == gguf.GGMLQuantizationType.MXFP4:  # an E8M0 scale byte: 2^-8, then 4-bit floats
+        raw[:, 0] = 127 - 8
+        return raw.reshape(*shape[:-1], -1)
     at, d = RANDOM_SCALE[qtype]
     raw[:, at:at + 2] = np.full(len(raw), d, dtype=np.float16).view(np.uint8).reshape(-1, 2)
     if qtype == gguf.GGMLQuantizationType.Q2_K:  # dmin too

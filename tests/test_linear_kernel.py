@@ -68,6 +68,23 @@ def test_all_builds_give_the_same_bits(op):
                 assert torch.equal(op(x, w, b), other(x, w, b)), (v, K, N, M)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_weights_give_the_bits_of_their_fp32_values(op, dtype):
+    """fp16 / bf16 weights (a GGUF's F16 / BF16 matrices, kept at half the bytes) are read as
+    the fp32 values they hold: the bits of the fp32 copy, on every build, batch-invariant."""
+    for K, N in SHAPES + [(1536, 200)]:
+        for M in (1, 2, 5, 9, 64):
+            x, w, b = data(M, K, N, seed=M)
+            w16 = w.to(dtype)
+            want = op(x, w16.float(), b)
+            for v in runnable_builds():
+                assert torch.equal(L.get_op(v)(x, w16, b), want), (v, K, N, M)
+            assert torch.equal(L.linear(x, w16, b), want)
+    x, w, _ = data(16, 1000, 130)
+    alone = torch.cat([op(x[i:i + 1], w.to(dtype), None) for i in range(16)])
+    assert torch.equal(op(x, w.to(dtype), None), alone)
+
+
 def test_strided_and_batched_inputs(op):
     x, w, b = data(6, 40, 24)
     ref = op(x, w, b)

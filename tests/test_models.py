@@ -200,16 +200,17 @@ def wide_llama(smollm_dir, tmp_path_factory):
     return folder
 
 
-@pytest.mark.parametrize("qtype", ["Q3_K", "IQ4_NL"])
-def test_types_read_through_another_run_on_blocks(wide_llama, tmp_path, qtype):
-    """A GGUF whose every matrix is Q3_K or IQ4_NL loads on the kernel's blocks (as Q6_K / Q8_0,
-    the same values) and agrees with the fp32 copy of the same file."""
+@pytest.mark.parametrize("qtype", ["Q3_K", "IQ4_NL", "Q2_K", "IQ4_XS"])
+def test_the_low_bit_types_run_on_blocks(wide_llama, tmp_path, qtype):
+    """A GGUF whose every matrix is Q3_K, IQ4_NL (read as Q6_K / Q8_0, the same values), Q2_K or
+    IQ4_XS (their own layouts) loads on the kernel's blocks and agrees with the fp32 copy of
+    the same file."""
     from gguf import GGMLQuantizationType as GGML
     from gguf_models import quantized_copy
     folder = quantized_copy(wide_llama, tmp_path, GGML[qtype])
     model = load_model(folder, CPU, torch.float32, "gguf")
     kinds = {p.qtype.name for m in model.modules() if isinstance(m, QuantLinear) for p in m.parts}
-    assert kinds == {"Q6_K" if qtype == "Q3_K" else "Q8_0"}
+    assert kinds == {{"Q3_K": "Q6_K", "IQ4_NL": "Q8_0"}.get(qtype, qtype)}
     ids = torch.randint(0, 1000, (40,), generator=torch.Generator().manual_seed(4)).tolist()
     q, f = our_logits(folder, ids, 30, "gguf"), our_logits(folder, ids, 30)
     assert torch.nn.functional.cosine_similarity(q, f, dim=-1).min() > 0.999
@@ -220,7 +221,7 @@ def test_types_read_through_another_run_on_blocks(wide_llama, tmp_path, qtype):
     assert torch.equal(q.argmax(-1)[clear], f.argmax(-1)[clear]) and clear.float().mean() > 0.5
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["MXFP4"])
 def test_a_type_without_a_kernel_is_named(wide_llama, tmp_path, qtype):
     from gguf import GGMLQuantizationType as GGML
     from gguf_models import quantized_copy
@@ -229,3 +230,19 @@ def test_a_type_without_a_kernel_is_named(wide_llama, tmp_path, qtype):
     with pytest.raises(UnsupportedModelError, match=f"GGUF type {qtype} .*weights='dequantized'"):
         load_model(folder, CPU, torch.float32, "gguf")
     assert load_model(folder, CPU, torch.float32, "dequantized") is not None
+
+
+@pytest.mark.parametrize("qtype", ["F16", "BF16"])
+def test_half_matrices_stay_half_and_give_the_fp32_copys_bits(wide_llama, tmp_path, qtype):
+    """A GGUF of F16 / BF16 matrices on the blocks path holds them in their own dtype (half the
+    bytes of an fp32 copy), read by the linear kernel as their fp32 values: the logits of the
+    fp32 copy, bit for bit."""
+    from gguf import GGMLQuantizationType as GGML
+    from gguf_models import quantized_copy
+    from ssd.layers.linear import Linear
+    folder = quantized_copy(wide_llama, tmp_path, GGML[qtype])
+    model = load_model(folder, CPU, torch.float32, "gguf")
+    dtypes = {m.weight.dtype for m in model.modules() if isinstance(m, Linear)}
+    assert dtypes == {torch.float16 if qtype == "F16" else torch.bfloat16}
+    ids = torch.randint(0, 1000, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    assert torch.equal(our_logits(folder, ids, 16, "gguf"), our_logits(folder, ids, 16))

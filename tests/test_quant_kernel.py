@@ -16,7 +16,7 @@ from kernel_helpers import assert_same_bits_on_any_thread_count, kernel_op
 TYPES = sorted(Q.SUPPORTED, key=int)
 # Offsets of each type's fp16 scales inside its GGUF block (d, and m / dmin where there is one).
 HALVES = {GGML.Q4_0: (0,), GGML.Q4_1: (0, 2), GGML.Q5_0: (0,), GGML.Q5_1: (0, 2), GGML.Q8_0: (0,),
-          GGML.Q4_K: (0, 2), GGML.Q5_K: (0, 2), GGML.Q6_K: (208,)}
+          GGML.Q4_K: (0, 2), GGML.Q5_K: (0, 2), GGML.Q6_K: (208,), GGML.Q2_K: (80, 82), GGML.IQ4_XS: (0,)}
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,8 @@ def test_batch_invariant_and_the_same_bits_as_the_portable_code(op, qtype, threa
     assert_same_bits_on_any_thread_count(lambda: [Q.qlinear(x, [m])])
 
 
-@pytest.mark.parametrize("qtype", [GGML.Q4_0, GGML.Q8_0, GGML.Q4_K, GGML.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [GGML.Q4_0, GGML.Q8_0, GGML.Q2_K, GGML.Q4_K, GGML.Q6_K, GGML.IQ4_XS],
+                         ids=lambda t: t.name)
 def test_a_large_matrix_on_several_threads_equals_the_portable_code(op, qtype, threads):
     """Enough 16-row groups for every thread (small matrices run on the caller's thread alone)."""
     n, k = 16 * 8 * 4 + 5, 2560
@@ -162,7 +163,7 @@ def test_embedding_rows_equal_the_gguf_dequantisation(op, qtype):
 def test_bad_inputs_are_errors_not_crashes(op):
     raw = blocks(GGML.Q4_K, 16, 256)
     with pytest.raises(RuntimeError, match="unsupported GGUF type"):
-        Q.repack(raw, GGML.Q2_K, 16, 256)
+        Q.repack(raw, GGML.IQ2_XS, 16, 256)
     with pytest.raises(RuntimeError, match="expected"):
         Q.repack(raw[:-1], GGML.Q4_K, 16, 256)
     with pytest.raises(RuntimeError, match="out of range"):

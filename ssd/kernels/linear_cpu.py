@@ -32,7 +32,8 @@ from ssd.kernels.fallback import rows_apart
 __all__ = ["VARIANTS", "available", "default_variant", "get_op", "linear", "runnable_variants"]
 
 
-_KERNEL = CppKernel("linear")
+# fp16 weights are widened with F16C's vcvtph2ps (every AVX2 CPU has it).
+_KERNEL = CppKernel("linear", requires={"avx512": ({"f16c"}, ["-mf16c"]), "avx2": ({"f16c"}, ["-mf16c"])})
 
 
 def get_op(variant: str | None = None):
@@ -62,24 +63,31 @@ class _LinearFn(torch.autograd.Function):
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`linear` would use the kernel for these tensors (CPU, fp32)."""
-    return (x.dtype is _F32 and weight.dtype is _F32 and x.is_cpu and weight.is_cpu
+    """Whether :func:`linear` would use the kernel for these tensors (CPU, fp32 x and bias;
+    fp32, fp16 or bf16 weights, read as the fp32 values they hold)."""
+    return (x.dtype is _F32 and weight.dtype in _WEIGHT_DTYPES and x.is_cpu and weight.is_cpu
             and weight.dim() == 2 and (bias is None or (bias.dtype is _F32 and bias.is_cpu)))
 
 
 _F32 = torch.float32
+_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
            variant: str | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, batch-invariant when the tensors are fp32 on the CPU: by
-    the kernel, or where it cannot run here by ``F.linear`` on each row alone. Other tensors
-    (CUDA, bf16) go to ``F.linear``. x: [..., K]."""
+    """``F.linear(x, weight, bias)``, batch-invariant when x is fp32 on the CPU (the weight fp32,
+    or fp16 / bf16 computed as its fp32 values: the same bits as its fp32 copy): by the kernel,
+    or where it cannot run here by ``F.linear`` on each row alone. Other tensors (CUDA, bf16
+    activations) go to ``F.linear``. x: [..., K]."""
     if not supported(x, weight, bias):
         return F.linear(x, weight, bias)
     op = get_op(variant)
     x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-    y = rows_apart(lambda row: F.linear(row, weight, bias), x2) if op is None else _run(op, x2, weight, bias)
+    if op is None:
+        w = weight.float()  # (a copy for fp16 / bf16: their exact fp32 values)
+        y = rows_apart(lambda row: F.linear(row, w, bias), x2)
+    else:
+        y = _run(op, x2, weight, bias)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], weight.shape[0])
 
 

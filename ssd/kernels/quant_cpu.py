@@ -32,7 +32,8 @@ from gguf import GGMLQuantizationType as GGML
 
 from ssd.kernels.build import CppKernel
 
-SUPPORTED = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K}
+SUPPORTED = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K,
+             GGML.IQ4_XS}
 ACTIVATION_BLOCK = 32  # activation values per 8-bit block, whatever the weight type (csrc/quant.cpp)
 
 _KERNEL = CppKernel("quant", requires={

@@ -5,7 +5,8 @@ w = d * c_j * (u - 32), with c_j = s_j - 32 and u = q + 28. IQ4_NL is w = d * k[
 table of 16 int8 values: Q8_0's form with the table's values as its quants. So these are
 rewritten block by block at load (bit-identical dequantised values, tested against the gguf
 package) and run on the Q6_K / Q8_0 kernels: exact, at 6.6 and 8.5 bits a weight read instead
-of the file's 3.4 and 4.5 (a layout of their own would read fewer; not written yet).
+of the file's 3.4 and 4.5 (a layout of their own, as Q2_K and IQ4_XS have in csrc/quant.cpp,
+would read fewer; not written yet).
 """
 import numpy as np
 from gguf import GGML_QUANT_SIZES

@@ -235,8 +235,8 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                      requantize: bool = False) -> DecoderLM:
     """The model on its GGUF file's own blocks (CPU), read in one pass: each matrix is
     repacked for the kernel from the file's pages (no fp32 copy is ever made), the embedding
-    keeps its blocks, norms and biases are fp32. A matrix stored as F32/F16/BF16 stays a plain
-    fp32 Linear. requantize: each matrix of more than 5 bits a weight (Q4_0_SOURCES) is
+    keeps its blocks, norms and biases are fp32. A matrix stored as F32 stays a plain fp32 Linear,
+    one stored as F16 / BF16 a Linear holding that dtype (read as its fp32 values). requantize: each matrix of more than 5 bits a weight (Q4_0_SOURCES) is
     requantised to Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept)."""
     index = open_gguf(path)
     found = {t.name: t for t in tensors(index, path)}
@@ -283,12 +283,20 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                 f"Load it with weights='dequantized'")
         if rows is not None:
             parts = [replace(t, raw=t.raw[rows.numpy()], shape=(len(rows), *t.shape[1:])) for t in parts]
-        w = torch.cat([dequantize(t) for t in parts])
+        kinds = {t.qtype.name for t in parts}
+        w = torch.cat([as_stored(t) if kinds in ({"F16"}, {"BF16"}) else dequantize(t) for t in parts])
         layer = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
         layer.weight = nn.Parameter(w, requires_grad=False)
         if bias is not None:
             layer.bias = nn.Parameter(bias, requires_grad=False)
         return layer
+
+    def as_stored(t: GGUFTensor) -> torch.Tensor:
+        """An F16 / BF16 matrix in its own dtype (a copy: the file's pages are dropped): the
+        linear kernel reads it as its fp32 values, at half the bytes of an fp32 copy."""
+        w = torch.from_numpy(np.array(t.raw)).view(t.shape[0], -1)
+        index.unmap(t.raw)
+        return w if t.qtype.name == "F16" else w.view(torch.bfloat16)
 
     def for_kernel(t: GGUFTensor) -> GGUFTensor:
         """A matrix as the kernel will hold it: requantised for a draft where asked, in a type

@@ -2,6 +2,8 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -18,12 +20,35 @@ namespace {
 constexpr int64_t KC = 512;  // K chunk: an NR x KC tile of W stays in L1 across M tiles
 constexpr int64_t MC = 48;   // M block (even): rows of x that pass over one W tile
 constexpr int64_t NB = 48;   // rows of W per work unit handed to a thread (multiple of NR)
-constexpr int64_t PF = 256;  // software prefetch distance along W rows (floats)
+constexpr int64_t PF = 256;  // software prefetch distance along W rows (weights)
+
+// W's element types: fp32, or fp16 / bf16 read as the fp32 values they hold (exactly), so a
+// matrix kept in half the bytes gives the bits of its fp32 copy.
+using Half = c10::Half;
+using BF16 = c10::BFloat16;
+static inline float wscalar(const float* p) { return *p; }
+static inline float wscalar(const Half* p) { return float(*p); }
+static inline float wscalar(const BF16* p) { return float(*p); }
+#if SSD_AVX2
+static inline V8 wload(const float* p) { return vload(p); }
+static inline V8 wload(const Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+static inline V8 wload(const BF16* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+#else
+template <typename WT>
+static inline V8 wload(const WT* p) {
+  V8 r;
+  for (int j = 0; j < 8; ++j) r.v[j] = wscalar(p + j);
+  return r;
+}
+#endif
 
 // One register tile: MT rows of x times NR rows of W over k in [k0, k1), (k1-k0) % 8 == 0.
 // acc holds the [MT][NR] 8-lane vectors between K chunks.
-template <int MT, int NR>
-static void micro(const float* __restrict x, int64_t ldx, const float* __restrict w,
+template <typename WT, int MT, int NR>
+static void micro(const float* __restrict x, int64_t ldx, const WT* __restrict w,
                   int64_t ldw, int64_t k0, int64_t k1, float* __restrict acc) {
   V8 a[MT][NR];
 #pragma GCC unroll 16
@@ -37,7 +62,7 @@ static void micro(const float* __restrict x, int64_t ldx, const float* __restric
     }
     V8 wv[NR];
 #pragma GCC unroll 16
-    for (int r = 0; r < NR; ++r) wv[r] = vload(w + r * ldw + k);
+    for (int r = 0; r < NR; ++r) wv[r] = wload(w + r * ldw + k);
 #pragma GCC unroll 16
     for (int m = 0; m < MT; ++m) {
       V8 xv = vload(x + m * ldx + k);
@@ -55,8 +80,8 @@ static void micro(const float* __restrict x, int64_t ldx, const float* __restric
 // The same 8-lane arithmetic, two rows of x per zmm: the low half carries row 2p, the high
 // half row 2p+1, and every 8-float piece of W is broadcast to both halves. xp holds the
 // rows packed in pairs: pair p, k block kb at xp[p * ldp + kb * 16] (16 floats).
-template <int MP, int NR>
-static void micro2(const float* __restrict xp, int64_t ldp, const float* __restrict w,
+template <typename WT, int MP, int NR>
+static void micro2(const float* __restrict xp, int64_t ldp, const WT* __restrict w,
                    int64_t ldw, int64_t k0, int64_t k1, float* __restrict acc) {
   __m512 a[MP][NR];
 #pragma GCC unroll 16
@@ -76,7 +101,7 @@ static void micro2(const float* __restrict xp, int64_t ldp, const float* __restr
     for (int p = 0; p < MP; ++p) xv[p] = _mm512_loadu_ps(xp + p * ldp + 2 * k);
 #pragma GCC unroll 16
     for (int r = 0; r < NR; ++r) {
-      const __m512 wv = _mm512_broadcast_f32x8(_mm256_loadu_ps(w + r * ldw + k));
+      const __m512 wv = _mm512_broadcast_f32x8(wload(w + r * ldw + k));
 #pragma GCC unroll 16
       for (int p = 0; p < MP; ++p) a[p][r] = _mm512_fmadd_ps(xv[p], wv, a[p][r]);
     }
@@ -91,31 +116,32 @@ static void micro2(const float* __restrict xp, int64_t ldp, const float* __restr
 }
 #endif
 
-using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+template <typename WT>
+using MicroFn = void (*)(const float*, int64_t, const WT*, int64_t, int64_t, int64_t, float*);
 
-template <int NR, bool PAIRED>
-static MicroFn micro_for(int mt) {  // mt: rows of x per tile (even when PAIRED)
+template <typename WT, int NR, bool PAIRED>
+static MicroFn<WT> micro_for(int mt) {  // mt: rows of x per tile (even when PAIRED)
 #if SSD_AVX512
   if (PAIRED) {
     switch (mt) {
-      case 2: return &micro2<1, NR>;
-      case 4: return &micro2<2, NR>;
-      case 6: return &micro2<3, NR>;
-      default: return &micro2<4, NR>;
+      case 2: return &micro2<WT, 1, NR>;
+      case 4: return &micro2<WT, 2, NR>;
+      case 6: return &micro2<WT, 3, NR>;
+      default: return &micro2<WT, 4, NR>;
     }
   }
 #endif
   switch (mt) {
-    case 1: return &micro<1, NR>;
-    case 2: return &micro<2, NR>;
-    case 3: return &micro<3, NR>;
-    default: return &micro<4, NR>;
+    case 1: return &micro<WT, 1, NR>;
+    case 2: return &micro<WT, 2, NR>;
+    case 3: return &micro<WT, 3, NR>;
+    default: return &micro<WT, 4, NR>;
   }
 }
 
 struct Args {
   const float* x; int64_t ldx;
-  const float* w; int64_t ldw;
+  const void* w; int64_t ldw;  // float, Half or BF16
   const float* b;
   float* y; int64_t ldy;
   int64_t M, N, K;
@@ -123,15 +149,15 @@ struct Args {
 };
 
 // Rows [mb0, mb0 + mb) of x times W rows n0 .. n0+NR-1, in register tiles of mt rows.
-template <int NR, bool PAIRED>
+template <typename WT, int NR, bool PAIRED>
 static void tile(const Args& A, int64_t mb0, int64_t mb, int64_t n0, int mt, float* acc) {
   const int64_t K8 = A.K & ~int64_t(7);
-  const float* w = A.w + n0 * A.ldw;
+  const WT* w = static_cast<const WT*>(A.w) + n0 * A.ldw;
   const int64_t rows = PAIRED ? (mb + 1) & ~int64_t(1) : mb;  // + a zero pad row if odd
   const float* xs = PAIRED ? A.xp + (mb0 / 2) * A.ldp : A.x + mb0 * A.ldx;
   const int64_t ld = PAIRED ? A.ldp : A.ldx;
   std::fill(acc, acc + rows * NR * 8, 0.f);
-  const MicroFn full = micro_for<NR, PAIRED>(mt), last = micro_for<NR, PAIRED>(int(rows % mt));
+  const MicroFn<WT> full = micro_for<WT, NR, PAIRED>(mt), last = micro_for<WT, NR, PAIRED>(int(rows % mt));
   for (int64_t k0 = 0; k0 < K8; k0 += KC) {
     const int64_t k1 = std::min(K8, k0 + KC);
     int64_t m0 = 0;
@@ -144,8 +170,8 @@ static void tile(const Args& A, int64_t mb0, int64_t mb, int64_t n0, int mt, flo
     for (int r = 0; r < NR; ++r) {
       float* l = acc + (m * NR + r) * 8;
       const float* xt = A.x + (mb0 + m) * A.ldx + K8;
-      const float* wt = w + r * A.ldw + K8;
-      for (int64_t j = 0; j < rem; ++j) l[j] = std::fma(xt[j], wt[j], l[j]);
+      const WT* wt = w + r * A.ldw + K8;
+      for (int64_t j = 0; j < rem; ++j) l[j] = std::fma(xt[j], wscalar(wt + j), l[j]);
       const float s0 = l[0] + l[4], s1 = l[1] + l[5], s2 = l[2] + l[6], s3 = l[3] + l[7];
       const float t0 = s0 + s2, t1 = s1 + s3;
       float s = t0 + t1;
@@ -154,26 +180,27 @@ static void tile(const Args& A, int64_t mb0, int64_t mb, int64_t n0, int mt, flo
     }
 }
 
-template <int NR, bool PAIRED>
+template <typename WT, int NR, bool PAIRED>
 static void unit(const Args& A, int64_t nbeg, int64_t nend, int mt, float* acc) {
   for (int64_t mb0 = 0; mb0 < A.M; mb0 += MC) {
     const int64_t mb = std::min(MC, A.M - mb0);
     int64_t n0 = nbeg;
-    for (; n0 + NR <= nend; n0 += NR) tile<NR, PAIRED>(A, mb0, mb, n0, mt, acc);
-    for (; n0 < nend; ++n0) tile<1, PAIRED>(A, mb0, mb, n0, mt, acc);
+    for (; n0 + NR <= nend; n0 += NR) tile<WT, NR, PAIRED>(A, mb0, mb, n0, mt, acc);
+    for (; n0 < nend; ++n0) tile<WT, 1, PAIRED>(A, mb0, mb, n0, mt, acc);
   }
 }
 
-template <bool PAIRED>
+template <typename WT, bool PAIRED>
 static void unit_nr(const Args& A, int64_t nbeg, int64_t nend, int mt, int nr, float* acc) {
   switch (nr) {
-    case 8: unit<8, PAIRED>(A, nbeg, nend, mt, acc); break;
-    case 6: unit<6, PAIRED>(A, nbeg, nend, mt, acc); break;
-    case 4: unit<4, PAIRED>(A, nbeg, nend, mt, acc); break;
-    default: unit<3, PAIRED>(A, nbeg, nend, mt, acc); break;
+    case 8: unit<WT, 8, PAIRED>(A, nbeg, nend, mt, acc); break;
+    case 6: unit<WT, 6, PAIRED>(A, nbeg, nend, mt, acc); break;
+    case 4: unit<WT, 4, PAIRED>(A, nbeg, nend, mt, acc); break;
+    default: unit<WT, 3, PAIRED>(A, nbeg, nend, mt, acc); break;
   }
 }
 
+template <typename WT>
 static void run(Args A) {
   // Register tile (rows of x mt, rows of W nr) by M; 16 ymm (AVX2) or 32 zmm (AVX-512).
   int mt, nr;
@@ -222,8 +249,8 @@ static void run(Args A) {
       const int64_t u = next.fetch_add(1, std::memory_order_relaxed);
       if (u >= units) break;
       const int64_t nbeg = u * NB, nend = std::min(A.N, nbeg + NB);
-      if (paired) unit_nr<true>(A, nbeg, nend, mt, nr, acc);
-      else unit_nr<false>(A, nbeg, nend, mt, nr, acc);
+      if (paired) unit_nr<WT, true>(A, nbeg, nend, mt, nr, acc);
+      else unit_nr<WT, false>(A, nbeg, nend, mt, nr, acc);
     }
   };
   const int64_t nt = std::min<int64_t>(at::get_num_threads(), units);
@@ -233,8 +260,9 @@ static void run(Args A) {
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2, "ssd linear: x and w must be 2-D");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "ssd linear: fp32 only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "ssd linear: x must be fp32");
+  TORCH_CHECK(w.scalar_type() == at::kFloat || w.scalar_type() == at::kHalf || w.scalar_type() == at::kBFloat16,
+              "ssd linear: w must be fp32, fp16 or bf16");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "ssd linear: CPU only");
   TORCH_CHECK(x.size(1) == w.size(1), "ssd linear: x.size(1) != w.size(1)");
   TORCH_CHECK(x.stride(1) == 1 || x.size(1) <= 1, "ssd linear: rows of x must be contiguous");
@@ -248,8 +276,13 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     bp = b->data_ptr<float>();
   }
   if (M == 0 || N == 0) return y;
-  run(Args{x.data_ptr<float>(), x.stride(0), w.data_ptr<float>(), w.stride(0), bp,
-           y.data_ptr<float>(), N, M, N, K, nullptr, 0});
+  const Args args{x.data_ptr<float>(), x.stride(0), w.data_ptr(), w.stride(0), bp, y.data_ptr<float>(), N, M, N, K,
+                  nullptr, 0};
+  switch (w.scalar_type()) {
+    case at::kHalf: run<Half>(args); break;
+    case at::kBFloat16: run<BF16>(args); break;
+    default: run<float>(args); break;
+  }
   return y;
 }
 

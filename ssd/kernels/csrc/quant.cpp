@@ -1,7 +1,7 @@
 // Built by ssd/kernels/build.py; the Python side and the why: ssd/kernels/quant_cpu.py.
 //
 // Batch-invariant matrix products on GGUF-quantised weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q4_K, Q5_K, Q6_K), with 8-bit activations:
+// Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS), with 8-bit activations:
 //
 //   repack(raw, type, N, K)          GGUF blocks [N rows of K] -> groups of 16 rows, interleaved
 //   qlinear(x, parts, types, rows, K, bias)   y[M, sum rows] = x @ W.T (+ b), W the parts stacked
@@ -25,9 +25,16 @@
 //     t_j = sum_{i in j} w_i q_i;  s = 0, mn = 0, then per j:
 //     s = fma(float(t_j) * float(sc_j) [exact], dx_j, s);  mn = fma(float(mn_j), sx_j, mn)
 //     acc = fma(s, d, acc);  acc = fma(-mn, dmin, acc)
+//   IQ4_XS (w = k[q], k the 16 int8 values of IQ4_NL's table): as Q4_K with sc_j = ls_j - 32
+//     (signed) and no mins: s = fma(float(t_j) * float(sc_j) [exact: below 2^24], dx_j, s);
+//     acc = fma(s, d, acc)
 //   Q6_K (w = q - 32), per pair p of its 16-wide sub-blocks a = 2p, b = 2p + 1 (an activation
 //     block): S_p = float(t_a) * float(sc_a) + float(t_b) * float(sc_b) [exact];
 //     acc = fma(S_p, d * dx_p, acc)
+//   Q2_K (w = q, 0..3; 16-wide sub-blocks with a scale and a min each): s = 0, mn = 0;
+//     per pair p as Q6_K: s = fma(S_p, dx_p, s); per sub-block j, with hx_j = dx * float(sum of
+//     q over j's half of the activation block): mn = fma(float(m_j), hx_j, mn);
+//     acc = fma(s, d, acc);  acc = fma(-mn, dmin, acc)
 // and y = acc (+ b[n]). Nothing depends on M, the other rows or the thread count.
 //
 // Packed layout: rows in groups of G = 16 (the last one padded with zeros); per group, per
@@ -36,7 +43,9 @@
 // With AVX-512 VNNI one vpdpbusd then adds 4 products into each row's int32 lane, for all 16
 // rows at once, and no horizontal sum is ever needed. 4-bit quants are stored as nibble
 // pairs (low nibble: k-group 2v, high: 2v + 1); 5th bits as one 64-bit mask per k-group; Q6_K's
-// top two bits as 2-bit fields, four k-groups per byte plane (bits 2c, 2c + 1: k-group 4u + c).
+// top two bits, and Q2_K's quants, as 2-bit fields, four k-groups per byte plane (bits 2c,
+// 2c + 1: k-group 4u + c): Q2_K packed holds the file's 2.625 bits a weight. IQ4_XS keeps its
+// 4-bit indices; the kernel maps them through the table with a byte shuffle.
 // A K-type block is its scales, then 8 chunks, one per activation block of 32 weights, each
 // holding that block's quants in the order the kernel reads them (Q4_K: 4 nibble vectors;
 // Q5_K: those and the 8 k-groups' 5th-bit masks; Q6_K: per 16-wide sub-block, its top-bit plane
@@ -76,7 +85,11 @@
 namespace {
 
 constexpr int G = 16;  // rows per group
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q5_K = 13, Q6_K = 14,
+                      IQ4_XS = 23 };
+
+// IQ4_NL's (and IQ4_XS's) 16 weights, as the gguf package has them.
+constexpr int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 struct Info {
   int block;       // weights per block
@@ -86,7 +99,8 @@ struct Info {
 
 static bool known(int64_t t) {
   switch (t) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q4_K: case Q5_K: case Q6_K: return true;
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q2_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS:
+      return true;
     default: return false;
   }
 }
@@ -101,11 +115,13 @@ static Info info(int64_t t) {
     case Q4_K: return {256, 144, 64 + 256 + 2048};
     case Q5_K: return {256, 176, 64 + 256 + 2048 + 512};
     case Q6_K: return {256, 210, 32 + 256 + 2048 + 1024};
+    case Q2_K: return {256, 84, 64 + 256 + 1024};
+    case IQ4_XS: return {256, 136, 32 + 128 + 2048};
   }
   TORCH_CHECK(false, "ssd quant: unsupported GGUF type ", t);
 }
 
-static bool k_type(int64_t t) { return t == Q4_K || t == Q5_K || t == Q6_K; }
+static bool k_type(int64_t t) { return t == Q2_K || t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_XS; }
 
 // ---- fp16 -> fp32, exact (normal, subnormal, inf, nan) -----------------------------------------
 static inline float half_to_float(uint16_t h) {
@@ -141,9 +157,16 @@ static inline void scale_min_k4(int j, const uint8_t* s, uint8_t* sc, uint8_t* m
   }
 }
 
+// IQ4_XS's signed 6-bit scale of sub-block j: 4 low bits from scales_l (byte 4 + j / 2), 2 high
+// ones from scales_h (bits 2j, 2j + 1), minus 32.
+static inline int iq4xs_scale(const uint8_t* b, int j) {
+  const int lo = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F, hi = (rd16(b + 2) >> (2 * j)) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
 // ---- one GGUF block -> integer quants (the values the gguf package multiplies by its scales) ----
 // Legacy types: q[32] (0..15 / 0..31 / -128..127, before any offset). K types: q[256] unsigned
-// (Q6_K: 0..63, before -32), in the element order of the dequantised row.
+// (Q6_K: 0..63, before -32; IQ4_XS: the table's indices), in the element order of the dequantised row.
 static void unpack_block(int64_t t, const uint8_t* b, int32_t* q) {
   switch (t) {
     case Q4_0: case Q4_1: {
@@ -178,6 +201,16 @@ static void unpack_block(int64_t t, const uint8_t* b, int32_t* q) {
         }
       break;
     }
+    case Q2_K:  // element 128 h + 32 c + l: bits 2c of qs[32 h + l]
+      for (int i = 0; i < 256; ++i) q[i] = (b[16 + 32 * (i / 128) + i % 32] >> (2 * (i % 128 / 32))) & 3;
+      break;
+    case IQ4_XS:  // sub-block j, element l: the low nibble of qs[16 j + l], l + 16 its high one
+      for (int j = 0; j < 8; ++j)
+        for (int l = 0; l < 16; ++l) {
+          q[32 * j + l] = b[8 + 16 * j + l] & 0x0F;
+          q[32 * j + 16 + l] = b[8 + 16 * j + l] >> 4;
+        }
+      break;
     case Q6_K: {
       const uint8_t* ql = b;
       const uint8_t* qh = b + 128;
@@ -219,6 +252,22 @@ static void dequant_block(int64_t t, const uint8_t* b, float* y) {
         scale_min_k4(j, b + 4, &sc, &mn);
         const float d1 = d * float(sc), m1 = dmin * float(mn);
         for (int l = 0; l < 32; ++l) y[32 * j + l] = d1 * float(q[32 * j + l]) - m1;
+      }
+      break;
+    }
+    case Q2_K: {
+      const float d = half_to_float(rd16(b + 80)), dmin = half_to_float(rd16(b + 82));
+      for (int j = 0; j < 16; ++j) {
+        const float d1 = d * float(b[j] & 0x0F), m1 = dmin * float(b[j] >> 4);
+        for (int l = 0; l < 16; ++l) y[16 * j + l] = d1 * float(q[16 * j + l]) - m1;
+      }
+      break;
+    }
+    case IQ4_XS: {
+      const float d = half_to_float(rd16(b));
+      for (int j = 0; j < 8; ++j) {
+        const float d1 = d * float(iq4xs_scale(b, j));
+        for (int l = 0; l < 32; ++l) y[32 * j + l] = d1 * float(KVALUES[q[32 * j + l]]);
       }
       break;
     }
@@ -281,28 +330,33 @@ static void put_bits(uint8_t* dst, const int32_t (*q)[256], int nkg, int bit) {
   }
 }
 
-// Q6_K's top two bits: plane u (64 bytes) holds k-groups 4u .. 4u + 3, k-group 4u + c in bits 2c, 2c + 1.
-static void put_hi2(uint8_t* dst, const int32_t (*q)[256]) {
+// Two bits of each quant (bits `shift`, `shift` + 1: Q6_K's top two, Q2_K's only two): plane u
+// (64 bytes) holds k-groups 4u .. 4u + 3, k-group 4u + c in bits 2c, 2c + 1.
+static void put_2bits(uint8_t* dst, const int32_t (*q)[256], int shift) {
   for (int u = 0; u < 16; ++u)
     for (int r = 0; r < G; ++r)
       for (int e = 0; e < 4; ++e) {
         int byte = 0;
-        for (int c = 0; c < 4; ++c) byte |= ((q[r][4 * (4 * u + c) + e] >> 4) & 3) << (2 * c);
+        for (int c = 0; c < 4; ++c) byte |= ((q[r][4 * (4 * u + c) + e] >> shift) & 3) << (2 * c);
         dst[64 * u + vpos(r, e)] = uint8_t(byte);
       }
 }
 
 // Bytes of one chunk of a K-type block (the quants of one activation block of 32), and of the
 // scales before the first chunk.
-static constexpr int k_chunk(int64_t t) { return t == Q4_K ? 256 : t == Q5_K ? 320 : 384; }
-static constexpr int k_head(int64_t t) { return t == Q6_K ? 288 : 320; }
+static constexpr int k_chunk(int64_t t) { return t == Q4_K || t == IQ4_XS ? 256 : t == Q5_K ? 320 : t == Q2_K ? 128 : 384; }
+static constexpr int k_head(int64_t t) { return t == Q6_K ? 288 : t == IQ4_XS ? 160 : 320; }
 
 // A K-type block's 8 chunks from the planes above (see the layout at the top).
 static void put_k_chunks(int64_t t, uint8_t* dst, const int32_t (*q)[256]) {
   uint8_t nib[2048], ext[1024];
+  if (t == Q2_K) {  // the planes alone, in order: chunk c is planes 2c, 2c + 1
+    put_2bits(dst, q, 0);
+    return;
+  }
   put_nibbles(nib, q, 64);  // 128 bytes per 16-wide sub-block
   if (t == Q5_K) put_bits(ext, q, 64, 4);  // 64 bytes per chunk
-  if (t == Q6_K) put_hi2(ext, q);  // 64 bytes per 16-wide sub-block
+  if (t == Q6_K) put_2bits(ext, q, 4);  // 64 bytes per 16-wide sub-block
   for (int c = 0; c < 8; ++c) {
     uint8_t* ch = dst + c * k_chunk(t);
     if (t == Q6_K) {
@@ -365,6 +419,28 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
       put_k_chunks(t, p, q);
       break;
     }
+    case Q2_K: {
+      for (int r = 0; r < G; ++r) {
+        const uint16_t d = half(r, 80), dm = half(r, 82);
+        std::memcpy(p + 2 * r, &d, 2);
+        std::memcpy(p + 32 + 2 * r, &dm, 2);
+      }
+      p += 64;
+      for (int r = 0; r < G; ++r)  // each sub-block's scale (low nibble) and min (high), as in the file
+        for (int j = 0; j < 16; ++j) p[16 * j + r] = rows[r] ? rows[r][j] : 0;
+      p += 256;
+      put_k_chunks(t, p, q);
+      break;
+    }
+    case IQ4_XS: {
+      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 0); std::memcpy(p + 2 * r, &d, 2); }
+      p += 32;
+      for (int r = 0; r < G; ++r)
+        for (int j = 0; j < 8; ++j) p[16 * j + r] = rows[r] ? uint8_t(int8_t(iq4xs_scale(rows[r], j))) : 0;
+      p += 128;
+      put_k_chunks(t, p, q);
+      break;
+    }
     case Q6_K: {
       for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 208); std::memcpy(p + 2 * r, &d, 2); }
       p += 32;
@@ -415,12 +491,14 @@ struct Act {
   std::vector<int8_t> q;      // [M][K]
   std::vector<float> d;       // [M][nb]
   std::vector<float> sx;      // [M][nb] d * float(sum of q over the block)
+  std::vector<float> hx;      // [M][2 nb] d * float(sum of q over each half block) (Q2_K's mins)
   // Tiled, tile t = rows MT*t .. MT*t + MT - 1 (a tile lacks the rows past M; never read):
   std::vector<int8_t> qt;     // [tiles][K/4][rows of the tile][4], MT * K bytes per tile
   std::vector<float> dt;      // [tiles][nb][MT] d
   std::vector<int32_t> st;    // [tiles][nb][MT] sum of q over the block
   std::vector<float> sxt;     // [tiles][nb][MT] sx
   std::vector<int32_t> s16t;  // [tiles][2 nb][MT] -32 * the sum of q over each half block (Q6_K's w + 32)
+  std::vector<float> hxt;     // [tiles][2 nb][MT] hx
 };
 
 // Rows of x in tile t: a tile's k-groups hold only its rows, so a single row's activations take
@@ -491,6 +569,7 @@ static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, Act&
   a.q.resize(M * K);
   a.d.resize(M * a.nb);
   a.sx.resize(M * a.nb);
+  a.hx.resize(M * 2 * a.nb);
 #if SSD_FAST
   const int64_t tiles = (M + MT - 1) / MT, kgs = K / 4;
   a.qt.resize(tiles * kgs * MT * 4);  // (no zero fill: every byte read is written below)
@@ -498,6 +577,7 @@ static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, Act&
   a.st.resize(tiles * a.nb * MT);
   a.sxt.resize(tiles * a.nb * MT);
   a.s16t.resize(tiles * a.nb * 2 * MT);
+  a.hxt.resize(tiles * a.nb * 2 * MT);
 #endif
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < a.nb; ++b) {
@@ -506,6 +586,8 @@ static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, Act&
       const int32_t s = half[0] + half[1];
       a.d[m * a.nb + b] = d;
       a.sx[m * a.nb + b] = d * float(s);
+      a.hx[(m * a.nb + b) * 2] = d * float(half[0]);
+      a.hx[(m * a.nb + b) * 2 + 1] = d * float(half[1]);
 #if SSD_FAST
       const int64_t i = (m / MT * a.nb + b) * MT + m % MT;  // [tile][b][row in tile]
       a.dt[i] = d;
@@ -513,6 +595,8 @@ static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, Act&
       a.sxt[i] = a.sx[m * a.nb + b];
       a.s16t[(m / MT * a.nb + b) * 2 * MT + m % MT] = -32 * half[0];
       a.s16t[(m / MT * a.nb + b) * 2 * MT + MT + m % MT] = -32 * half[1];
+      a.hxt[(m / MT * a.nb + b) * 2 * MT + m % MT] = a.hx[(m * a.nb + b) * 2];
+      a.hxt[(m / MT * a.nb + b) * 2 * MT + MT + m % MT] = a.hx[(m * a.nb + b) * 2 + 1];
 #endif
     }
 #if SSD_FAST
@@ -530,7 +614,7 @@ static void quantize_act(const float* x, int64_t ldx, int64_t M, int64_t K, Act&
 struct GroupBlock {
   float d[G], dmin[G], m[G];
   int32_t w[G][256];
-  int32_t sc[G][16], mn[G][8];
+  int32_t sc[G][16], mn[G][16];
 };
 
 static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
@@ -579,6 +663,28 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
         }
       }
       break;
+    case Q2_K:
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        gb.dmin[r] = half_to_float(rd16(p + 32 + 2 * r));
+        for (int j = 0; j < 16; ++j) {
+          gb.sc[r][j] = p[64 + 16 * j + r] & 0x0F;
+          gb.mn[r][j] = p[64 + 16 * j + r] >> 4;
+        }
+        for (int kg = 0; kg < 64; ++kg)
+          for (int e = 0; e < 4; ++e) gb.w[r][4 * kg + e] = (p[k_head(t) + 64 * (kg / 4) + vpos(r, e)] >> (2 * (kg % 4))) & 3;
+      }
+      break;
+    case IQ4_XS:
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        for (int j = 0; j < 8; ++j) gb.sc[r][j] = int8_t(p[32 + 16 * j + r]);
+        for (int kg = 0; kg < 64; ++kg) {
+          const uint8_t* ch = p + k_head(t) + k_chunk(t) * (kg / 8);
+          for (int e = 0; e < 4; ++e) gb.w[r][4 * kg + e] = KVALUES[nib(ch, kg % 8, r, e)];
+        }
+      }
+      break;
     case Q6_K:
       for (int r = 0; r < G; ++r) {
         gb.d[r] = half_to_float(rd16(p + 2 * r));
@@ -605,6 +711,7 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
       const int8_t* q = a.q.data() + m * a.K + b * in.block;
       const float* dx = a.d.data() + m * a.nb + b * per;
       const float* sx = a.sx.data() + m * a.nb + b * per;
+      const float* hx = a.hx.data() + (m * a.nb + b * per) * 2;
       for (int r = 0; r < G; ++r) {
         float& y = acc[m * G + r];
         auto dot = [&](int from, int n) {
@@ -615,20 +722,27 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
         if (!k_type(t)) {
           y = std::fma(float(dot(0, 32)), gb.d[r] * dx[0], y);
           if (t == Q4_1 || t == Q5_1) y = std::fma(gb.m[r], sx[0], y);
-        } else if (t == Q6_K) {
+        } else if (t == Q6_K || t == Q2_K) {
+          float s = 0.f, mn = 0.f;
           for (int p = 0; p < 8; ++p) {
             const float sp = float(dot(32 * p, 16)) * float(gb.sc[r][2 * p]) +
                              float(dot(32 * p + 16, 16)) * float(gb.sc[r][2 * p + 1]);
-            y = std::fma(sp, gb.d[r] * dx[p], y);
+            if (t == Q6_K) y = std::fma(sp, gb.d[r] * dx[p], y);
+            else s = std::fma(sp, dx[p], s);
+          }
+          if (t == Q2_K) {
+            for (int j = 0; j < 16; ++j) mn = std::fma(float(gb.mn[r][j]), hx[j], mn);
+            y = std::fma(s, gb.d[r], y);
+            y = std::fma(-mn, gb.dmin[r], y);
           }
         } else {
           float s = 0.f, mn = 0.f;
           for (int j = 0; j < 8; ++j) {
             s = std::fma(float(dot(32 * j, 32)) * float(gb.sc[r][j]), dx[j], s);
-            mn = std::fma(float(gb.mn[r][j]), sx[j], mn);
+            if (t != IQ4_XS) mn = std::fma(float(gb.mn[r][j]), sx[j], mn);
           }
           y = std::fma(s, gb.d[r], y);
-          y = std::fma(-mn, gb.dmin[r], y);
+          if (t != IQ4_XS) y = std::fma(-mn, gb.dmin[r], y);
         }
       }
     }
@@ -691,6 +805,10 @@ struct V {
   }
   static I bcast(const void* p) { return bcast_512(p); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
+  static I table(const uint8_t* t16) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t16))); }
+  static I lookup(I t, I idx) { return _mm512_shuffle_epi8(t, idx); }  // idx < 16 in every byte
+  static I and32(I a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
+  template <int N> static I shr32(I a) { return _mm512_srli_epi32(a, N); }
   static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // acc + 4 products per lane
   static I dot_q8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
@@ -740,6 +858,16 @@ struct V {
     return {v, v};
   }
   static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+  static I table(const uint8_t* t16) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t16)));
+    return {t, t};
+  }
+  static I lookup(I t, I idx) { return {_mm256_shuffle_epi8(t.lo, idx.lo), _mm256_shuffle_epi8(t.hi, idx.hi)}; }
+  static I and32(I a, int32_t m) {
+    const __m256i v = _mm256_set1_epi32(m);
+    return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
+  }
+  template <int N> static I shr32(I a) { return {_mm256_srli_epi32(a.lo, N), _mm256_srli_epi32(a.hi, N)}; }
   // u8 x s8: two products to int16 (no saturation at the magnitudes used here: at most
   // 2 * 63 * 127), then pairs of those to int32.
   static __m256i dot8(__m256i acc, __m256i u, __m256i s) {
@@ -778,13 +906,14 @@ struct Tile {
   const int32_t* sum;  // [block / 32][MT]
   const float* sx;     // [block / 32][MT]
   const int32_t* s16;  // [block / 16][MT]
+  const float* hx;     // [block / 16][MT]
 };
 
 template <int BLOCK, int NM>
 static inline Tile tile_at(const Act& a, int64_t tile, int64_t b) {
   const int64_t kgs = a.K / 4, kg0 = b * (BLOCK / 4), i = tile * a.nb + b * (BLOCK / AB);
   return {a.qt.data() + (tile * kgs * MT + kg0 * NM) * 4, a.dt.data() + i * MT, a.st.data() + i * MT,
-          a.sxt.data() + i * MT, a.s16t.data() + 2 * i * MT};
+          a.sxt.data() + i * MT, a.s16t.data() + 2 * i * MT, a.hxt.data() + 2 * i * MT};
 }
 
 // Legacy types: one block of 32 weights (8 k-groups).
@@ -829,9 +958,15 @@ static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
   }
 }
 
-// Q4_K / Q5_K: one super-block of 256 (8 sub-blocks of 8 k-groups, each an activation block).
+// IQ4_NL's table as the kernel's Q8_0 code takes weights: w + 128, unsigned.
+alignas(16) constexpr uint8_t KVALUES_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
+// Q4_K / Q5_K / IQ4_XS: one super-block of 256 (8 sub-blocks of 8 k-groups, each an activation
+// block). IQ4_XS's nibbles index the table (one byte shuffle), taken as Q8_0's w + 128.
 template <int64_t T, int NM>
 static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
+  constexpr bool nl = T == IQ4_XS;
+  const VI tab = nl ? V::table(KVALUES_U8) : V::zero();
   VF s[NM];
   for (int m = 0; m < NM; ++m) s[m] = V::zerof();
 #pragma GCC unroll 1
@@ -850,18 +985,28 @@ static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
         w0 = V::add_where(w0, ch + 256 + 16 * vv, V::bytes(16));
         w1 = V::add_where(w1, ch + 256 + 16 * vv + 8, V::bytes(16));
       }
+      if constexpr (nl) {
+        w0 = V::lookup(tab, w0);
+        w1 = V::lookup(tab, w1);
+      }
 #pragma GCC unroll 8
-      for (int m = 0; m < NM; ++m)
-        t[m] = V::dot(V::dot(t[m], w0, V::bcast(x.q + ((2 * v) * NM + m) * 4)), w1,
-                      V::bcast(x.q + ((2 * v + 1) * NM + m) * 4));
+      for (int m = 0; m < NM; ++m) {
+        const VI x0 = V::bcast(x.q + ((2 * v) * NM + m) * 4), x1 = V::bcast(x.q + ((2 * v + 1) * NM + m) * 4);
+        if constexpr (nl) t[m] = V::dot_q8(V::dot_q8(t[m], w0, x0), w1, x1);
+        else t[m] = V::dot(V::dot(t[m], w0, x0), w1, x1);
+      }
     }
-    const VF sc = V::cvt(V::u8_to_32(p + 64 + 16 * j));
+    if constexpr (nl && V::kQ8Offset)
+      for (int m = 0; m < NM; ++m) t[m] = V::sub32(t[m], V::set1(128 * x.sum[j * MT + m]));
+    const VF sc = nl ? V::cvt(V::s8_to_32(p + 32 + 16 * j)) : V::cvt(V::u8_to_32(p + 64 + 16 * j));
 #pragma GCC unroll 8
     for (int m = 0; m < NM; ++m) s[m] = V::fma(V::mul(V::cvt(t[m]), sc), V::set1f(x.d[j * MT + m]), s[m]);
   }
-  const VF d = V::half(p), dmin = V::half(p + 32);
+  const VF d = V::half(p);
 #pragma GCC unroll 8
   for (int m = 0; m < NM; ++m) acc[m] = V::fma(s[m], d, acc[m]);
+  if constexpr (nl) return;
+  const VF dmin = V::half(p + 32);
   // The mins: each sub-block's min times the sum of x over it (sx), after the sums (fewer registers live).
   VF mn[NM];
   for (int m = 0; m < NM; ++m) mn[m] = V::zerof();
@@ -919,30 +1064,80 @@ static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
   }
 }
 
+// Q2_K: one super-block of 256, 16 sub-blocks of 4 k-groups (one 64-byte plane of 2-bit
+// quants each), taken in pairs (activation blocks); the scale (low nibble) and min (high) of
+// each sub-block in one byte.
+template <int NM>
+static inline void q2k_block(const uint8_t* p, const Tile& x, VF* acc) {
+  VF s[NM];
+  for (int m = 0; m < NM; ++m) s[m] = V::zerof();
+#pragma GCC unroll 1
+  for (int pr = 0; pr < 8; ++pr) {
+    VF sp[NM];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * pr + h;
+      const uint8_t* plane = p + k_head(Q2_K) + 64 * j;
+      ahead(plane);
+      const VI hb = V::load(plane), three = V::bytes(3);
+      const VI w[4] = {V::and_(hb, three), V::and_(V::shr16<2>(hb), three), V::and_(V::shr16<4>(hb), three),
+                       V::and_(V::shr16<6>(hb), three)};
+      VI t[NM];
+      for (int m = 0; m < NM; ++m) t[m] = V::zero();
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+#pragma GCC unroll 8
+        for (int m = 0; m < NM; ++m) t[m] = V::dot(t[m], w[c], V::bcast(x.q + ((4 * j + c) * NM + m) * 4));
+      const VF sc = V::cvt(V::and32(V::u8_to_32(p + 64 + 16 * j), 0x0F));
+#pragma GCC unroll 8
+      for (int m = 0; m < NM; ++m) {
+        const VF tf = V::cvt(t[m]);
+        sp[m] = h == 0 ? V::mul(tf, sc) : V::fma(tf, sc, sp[m]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) s[m] = V::fma(sp[m], V::set1f(x.d[pr * MT + m]), s[m]);
+  }
+  const VF d = V::half(p), dmin = V::half(p + 32);
+#pragma GCC unroll 8
+  for (int m = 0; m < NM; ++m) acc[m] = V::fma(s[m], d, acc[m]);
+  VF mn[NM];
+  for (int m = 0; m < NM; ++m) mn[m] = V::zerof();
+#pragma GCC unroll 4
+  for (int j = 0; j < 16; ++j) {
+    const VF mnj = V::cvt(V::shr32<4>(V::u8_to_32(p + 64 + 16 * j)));
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) mn[m] = V::fma(mnj, V::set1f(x.hx[j * MT + m]), mn[m]);
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < NM; ++m) acc[m] = V::fnma(mn[m], dmin, acc[m]);
+}
+
 // NG groups side by side, block by block: each group is a stream of its own in memory, and
 // several streams at once keep more of DRAM's latency covered than one (the hardware
 // prefetcher follows each), and give the core independent chains to overlap.
 template <int64_t T, int NM, int NG>
 static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
   constexpr int pb = T == Q4_0 ? 288 : T == Q4_1 ? 320 : T == Q5_0 ? 352 : T == Q5_1 ? 384 : T == Q8_0 ? 544
-                   : T == Q4_K ? 2368 : T == Q5_K ? 2880 : 3360;
+                   : T == Q4_K ? 2368 : T == Q5_K ? 2880 : T == Q6_K ? 3360 : T == Q2_K ? 1344 : 2208;
   VF acc[NG][NM];
   for (int g = 0; g < NG; ++g)
     for (int m = 0; m < NM; ++m) acc[g][m] = V::zerof();
   for (int64_t b = 0; b < nb; ++b) {
-    const Tile x = tile_at<(T == Q4_K || T == Q5_K || T == Q6_K) ? 256 : 32, NM>(a, tile, b);
+    const Tile x = tile_at<(T == Q4_K || T == Q5_K || T == Q6_K || T == Q2_K || T == IQ4_XS) ? 256 : 32, NM>(a, tile, b);
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
       const uint8_t* p = packed + g * stride + b * pb;
-      if constexpr (pb < 2048) {  // a small legacy block: all of its lines
+      if constexpr (pb < 1024) {  // a small legacy block: all of its lines
 #pragma GCC unroll 16
         for (int off = 0; off < pb; off += 64) ahead(p + off);
       } else {  // the scales (the quants are fetched ahead as they are read)
 #pragma GCC unroll 5
         for (int off = 0; off < k_head(T); off += 64) ahead(p + off);
       }
-      if constexpr (T == Q4_K || T == Q5_K) k4_block<T, NM>(p, x, acc[g]);
+      if constexpr (T == Q4_K || T == Q5_K || T == IQ4_XS) k4_block<T, NM>(p, x, acc[g]);
       else if constexpr (T == Q6_K) q6k_block<NM>(p, x, acc[g]);
+      else if constexpr (T == Q2_K) q2k_block<NM>(p, x, acc[g]);
       else legacy_block<T, NM>(p, x, acc[g]);
     }
   }
@@ -990,6 +1185,8 @@ static void group_fast(int64_t t, const uint8_t* packed, int64_t ng, int64_t nb,
     case Q4_K: group_simd<Q4_K>(packed, ng, nb, a, M, out); break;
     case Q5_K: group_simd<Q5_K>(packed, ng, nb, a, M, out); break;
     case Q6_K: group_simd<Q6_K>(packed, ng, nb, a, M, out); break;
+    case Q2_K: group_simd<Q2_K>(packed, ng, nb, a, M, out); break;
+    case IQ4_XS: group_simd<IQ4_XS>(packed, ng, nb, a, M, out); break;
   }
 }
 #else

@@ -2,7 +2,7 @@
 
 Why: a 4-bit model read as its own blocks streams ~7x fewer bytes per token than its fp32
 copy, and decoding on a CPU is bound by those bytes. The weights are the GGUF file's, exactly
-(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K); the activations are quantised to 8 bits per
+(Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS); the activations are quantised to 8 bits per
 block of 32, each row alone (llama.cpp does the same with blocks of 256 for the K types), so
 the block products are exact integer sums (AVX-512 VNNI ``vpdpbusd``) and only the
 per-block scaling is floating point. The C++ source,
@@ -32,8 +32,8 @@ from gguf import GGMLQuantizationType as GGML
 
 from ssd.kernels.build import CppKernel
 
-SUPPORTED = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.Q2_K, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K,
-             GGML.IQ4_XS}
+SUPPORTED = {GGML.Q4_0, GGML.Q4_1, GGML.Q5_0, GGML.Q5_1, GGML.Q8_0, GGML.IQ4_NL,
+             GGML.Q2_K, GGML.Q3_K, GGML.Q4_K, GGML.Q5_K, GGML.Q6_K, GGML.IQ4_XS}
 ACTIVATION_BLOCK = 32  # activation values per 8-bit block, whatever the weight type (csrc/quant.cpp)
 
 _KERNEL = CppKernel("quant", requires={

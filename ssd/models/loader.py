@@ -23,7 +23,6 @@ from ssd.layers.norm import RMSNorm
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, tensors
-from ssd.models.gguf_types import AS, as_kernel_type
 from ssd.models.pack_cache import PackCache
 
 # How a model's weights are held:
@@ -255,7 +254,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
 
     def kernel_holds(t: GGUFTensor) -> bool:
         """Whether the kernel runs this matrix (after for_kernel)."""
-        return t.qtype in quant_cpu.SUPPORTED or (t.qtype in AS and len(t.shape) == 2) or (
+        return t.qtype in quant_cpu.SUPPORTED or (
             requantize and t.qtype in Q4_0_SOURCES and t.shape[-1] % 32 == 0)
 
     def packed(name: str, t: GGUFTensor, rows: torch.Tensor | None = None) -> quant_cpu.QuantMatrix:
@@ -279,7 +278,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             bad = sorted({t.qtype.name for t in plain})
             raise UnsupportedModelError(
                 f"{path}: GGUF type {', '.join(bad)} (in {plain[0].name}) has no CPU kernel here; the kernels cover "
-                f"{', '.join(sorted(q.name for q in (*quant_cpu.SUPPORTED, *AS)))}, F32, F16 and BF16. "
+                f"{', '.join(sorted(q.name for q in quant_cpu.SUPPORTED))}, F32, F16 and BF16. "
                 f"Load it with weights='dequantized'")
         if rows is not None:
             parts = [replace(t, raw=t.raw[rows.numpy()], shape=(len(rows), *t.shape[1:])) for t in parts]
@@ -300,8 +299,8 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
 
     def for_kernel(t: GGUFTensor) -> GGUFTensor:
         """A matrix as the kernel will hold it: requantised for a draft where asked, in a type
-        the kernel has (models/gguf_types.py)."""
-        return on_kernel_type(to_q4_0(t, index) if requantize else t)
+        the kernel has."""
+        return to_q4_0(t, index) if requantize else t
 
     def gated_mlp(mlp: nn.Module, pre: str) -> None:
         gate_up = [f"{pre}gate_up_proj.weight"] if f"{pre}gate_up_proj.weight" in found else \
@@ -313,7 +312,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         """A mixture's experts: each one's slice of the file's stacked tensors, repacked alone
         (or, stored as F32/F16/BF16, one fp32 copy of them all)."""
         stacked = [get(f"{pre}{kind}_proj.weight") for kind in ("gate", "up", "down")]
-        if all(t.qtype in quant_cpu.SUPPORTED or t.qtype in AS for t in stacked):
+        if all(t.qtype in quant_cpu.SUPPORTED for t in stacked):
             mats = []
             for t in stacked:
                 n, rows, cols = t.shape
@@ -353,10 +352,9 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         if isinstance(module, RMSNorm):
             module.weight = vector(f"model.{name}.weight")
     embed = get("model.embed_tokens.weight")
-    if embed.qtype in quant_cpu.SUPPORTED or embed.qtype in AS:
+    if embed.qtype in quant_cpu.SUPPORTED:
         def blocks() -> quant_cpu.QuantMatrix:  # a copy: the file's pages are unmapped once loading is done
-            k = on_kernel_type(embed)
-            m = quant_cpu.QuantMatrix(k.qtype, *k.shape, torch.from_numpy(np.array(k.raw).reshape(-1)))
+            m = quant_cpu.QuantMatrix(embed.qtype, *embed.shape, torch.from_numpy(embed.raw.reshape(-1).copy()))
             index.unmap(embed.raw)
             return m
         m = cache.matrix("model.embed_tokens.weight (blocks)", blocks)
@@ -372,14 +370,6 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
     cache.save()
     return model
-
-
-def on_kernel_type(t: GGUFTensor) -> GGUFTensor:
-    """The matrix in a type the kernel has, with the same values (models/gguf_types.py)."""
-    if t.qtype not in AS or len(t.shape) != 2:
-        return t
-    raw, qtype = as_kernel_type(t.raw, t.qtype, t.shape[0])
-    return replace(t, raw=raw, qtype=qtype)
 
 
 def to_q4_0(t: GGUFTensor, index) -> GGUFTensor:

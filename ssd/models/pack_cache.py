@@ -7,7 +7,7 @@ the size of the packed matrices: about the GGUF file's) with an index (packed-<k
 written last, so a file cut short is never used); later loads map that file, and the pages
 are read only when a pass first touches them, as llama.cpp maps its GGUF file. The key
 covers the GGUF file (path, size, modification time), the packed layout (the source of the
-kernel and of the type rewrites) and the load's options (a draft's requantisation, a reduced
+kernel) and the load's options (a draft's requantisation, a reduced
 head's rows), so a change to any of them makes a new file. `SSD_PACK_CACHE=0` turns it off.
 """
 from __future__ import annotations
@@ -29,8 +29,7 @@ from ssd.kernels import quant_cpu
 
 MIN_BYTES = 64 << 20  # smaller models repack in well under a second
 ALIGN = 4096
-_LAYOUT_SOURCES = (Path(quant_cpu.__file__).parent / "csrc" / "quant.cpp",
-                   Path(__file__).parent / "gguf_types.py")
+_LAYOUT_SOURCES = (Path(quant_cpu.__file__).parent / "csrc" / "quant.cpp",)
 
 
 def enabled() -> bool:

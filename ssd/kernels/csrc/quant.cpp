@@ -1,7 +1,7 @@
 // Built by ssd/kernels/build.py; the Python side and the why: ssd/kernels/quant_cpu.py.
 //
 // Batch-invariant matrix products on GGUF-quantised weights (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
-// Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS), with 8-bit activations:
+// IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), with 8-bit activations:
 //
 //   repack(raw, type, N, K)          GGUF blocks [N rows of K] -> groups of 16 rows, interleaved
 //   qlinear(x, parts, types, rows, K, bias)   y[M, sum rows] = x @ W.T (+ b), W the parts stacked
@@ -18,7 +18,8 @@
 // For an output (m, n), integer products are summed exactly in int32, and each activation
 // block's sum goes into the fp32 accumulator acc (from 0, in ascending order along the row,
 // every step rounded once; the products marked [exact] are integers below 2^24):
-//   Legacy types, per block b of 32 (w = q - 8 for Q4_0, q - 16 for Q5_0, q for Q8_0/Q4_1/Q5_1):
+//   Legacy types, per block b of 32 (w = q - 8 for Q4_0, q - 16 for Q5_0, q for Q8_0/Q4_1/Q5_1,
+//   k[q] for IQ4_NL, k the table's 16 int8 values):
 //     S_b = sum_i w_i q_i;   acc = fma(float(S_b), dw_b * dx_b, acc)
 //     Q4_1, Q5_1 then:       acc = fma(m_b, sx_b, acc)
 //   Q4_K, Q5_K, per super-block of 256: 8 sub-blocks j of 32 (each an activation block),
@@ -28,9 +29,9 @@
 //   IQ4_XS (w = k[q], k the 16 int8 values of IQ4_NL's table): as Q4_K with sc_j = ls_j - 32
 //     (signed) and no mins: s = fma(float(t_j) * float(sc_j) [exact: below 2^24], dx_j, s);
 //     acc = fma(s, d, acc)
-//   Q6_K (w = q - 32), per pair p of its 16-wide sub-blocks a = 2p, b = 2p + 1 (an activation
-//     block): S_p = float(t_a) * float(sc_a) + float(t_b) * float(sc_b) [exact];
-//     acc = fma(S_p, d * dx_p, acc)
+//   Q6_K (w = q - 32) and Q3_K (w = q - 4, signed 6-bit scales), per pair p of their 16-wide
+//     sub-blocks a = 2p, b = 2p + 1 (an activation block):
+//     S_p = float(t_a) * float(sc_a) + float(t_b) * float(sc_b) [exact];  acc = fma(S_p, d * dx_p, acc)
 //   Q2_K (w = q, 0..3; 16-wide sub-blocks with a scale and a min each): s = 0, mn = 0;
 //     per pair p as Q6_K: s = fma(S_p, dx_p, s); per sub-block j, with hx_j = dx * float(sum of
 //     q over j's half of the activation block): mn = fma(float(m_j), hx_j, mn);
@@ -43,9 +44,10 @@
 // With AVX-512 VNNI one vpdpbusd then adds 4 products into each row's int32 lane, for all 16
 // rows at once, and no horizontal sum is ever needed. 4-bit quants are stored as nibble
 // pairs (low nibble: k-group 2v, high: 2v + 1); 5th bits as one 64-bit mask per k-group; Q6_K's
-// top two bits, and Q2_K's quants, as 2-bit fields, four k-groups per byte plane (bits 2c,
-// 2c + 1: k-group 4u + c): Q2_K packed holds the file's 2.625 bits a weight. IQ4_XS keeps its
-// 4-bit indices; the kernel maps them through the table with a byte shuffle.
+// top two bits, and Q2_K's and Q3_K's low two, as 2-bit fields, four k-groups per byte plane
+// (bits 2c, 2c + 1: k-group 4u + c), Q3_K's third bit as Q5's 5th: each takes about the
+// file's bits. IQ4_NL and IQ4_XS keep their 4-bit indices; the kernel maps them through the
+// table with a byte shuffle.
 // A K-type block is its scales, then 8 chunks, one per activation block of 32 weights, each
 // holding that block's quants in the order the kernel reads them (Q4_K: 4 nibble vectors;
 // Q5_K: those and the 8 k-groups' 5th-bit masks; Q6_K: per 16-wide sub-block, its top-bit plane
@@ -85,8 +87,8 @@
 namespace {
 
 constexpr int G = 16;  // rows per group
-enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q4_K = 12, Q5_K = 13, Q6_K = 14,
-                      IQ4_XS = 23 };
+enum Type : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13,
+                      Q6_K = 14, IQ4_NL = 20, IQ4_XS = 23 };
 
 // IQ4_NL's (and IQ4_XS's) 16 weights, as the gguf package has them.
 constexpr int8_t KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
@@ -99,7 +101,8 @@ struct Info {
 
 static bool known(int64_t t) {
   switch (t) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case Q2_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS:
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: case IQ4_NL:
+    case Q2_K: case Q3_K: case Q4_K: case Q5_K: case Q6_K: case IQ4_XS:
       return true;
     default: return false;
   }
@@ -112,16 +115,18 @@ static Info info(int64_t t) {
     case Q5_0: return {32, 22, 32 + 256 + 64};
     case Q5_1: return {32, 24, 64 + 256 + 64};
     case Q8_0: return {32, 34, 32 + 512};
+    case IQ4_NL: return {32, 18, 32 + 256};
     case Q4_K: return {256, 144, 64 + 256 + 2048};
     case Q5_K: return {256, 176, 64 + 256 + 2048 + 512};
     case Q6_K: return {256, 210, 32 + 256 + 2048 + 1024};
     case Q2_K: return {256, 84, 64 + 256 + 1024};
+    case Q3_K: return {256, 110, 32 + 256 + 16 * 96};
     case IQ4_XS: return {256, 136, 32 + 128 + 2048};
   }
   TORCH_CHECK(false, "ssd quant: unsupported GGUF type ", t);
 }
 
-static bool k_type(int64_t t) { return t == Q2_K || t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_XS; }
+static bool k_type(int64_t t) { return t == Q2_K || t == Q3_K || t == Q4_K || t == Q5_K || t == Q6_K || t == IQ4_XS; }
 
 // ---- fp16 -> fp32, exact (normal, subnormal, inf, nan) -----------------------------------------
 static inline float half_to_float(uint16_t h) {
@@ -164,13 +169,20 @@ static inline int iq4xs_scale(const uint8_t* b, int j) {
   return (lo | (hi << 4)) - 32;
 }
 
+// Q3_K's signed 6-bit scale of sub-block j: 4 low bits from byte 96 + j % 8 (low nibble for
+// j < 8), 2 high ones from byte 104 + j % 4 (bits 2 (j / 4), + 1), minus 32.
+static inline int q3k_scale(const uint8_t* b, int j) {
+  const int lo = (b[96 + j % 8] >> (4 * (j / 8))) & 0x0F, hi = (b[104 + j % 4] >> (2 * (j / 4))) & 3;
+  return (lo | (hi << 4)) - 32;
+}
+
 // ---- one GGUF block -> integer quants (the values the gguf package multiplies by its scales) ----
 // Legacy types: q[32] (0..15 / 0..31 / -128..127, before any offset). K types: q[256] unsigned
 // (Q6_K: 0..63, before -32; IQ4_XS: the table's indices), in the element order of the dequantised row.
 static void unpack_block(int64_t t, const uint8_t* b, int32_t* q) {
   switch (t) {
-    case Q4_0: case Q4_1: {
-      const uint8_t* qs = b + (t == Q4_0 ? 2 : 4);
+    case Q4_0: case Q4_1: case IQ4_NL: {
+      const uint8_t* qs = b + (t == Q4_1 ? 4 : 2);
       for (int j = 0; j < 16; ++j) { q[j] = qs[j] & 0x0F; q[j + 16] = qs[j] >> 4; }
       break;
     }
@@ -203,6 +215,10 @@ static void unpack_block(int64_t t, const uint8_t* b, int32_t* q) {
     }
     case Q2_K:  // element 128 h + 32 c + l: bits 2c of qs[32 h + l]
       for (int i = 0; i < 256; ++i) q[i] = (b[16 + 32 * (i / 128) + i % 32] >> (2 * (i % 128 / 32))) & 3;
+      break;
+    case Q3_K:  // as Q2_K's (qs at 32), plus 4 where bit i / 32 of hmask[i % 32] is set: 0..7, w = q - 4
+      for (int i = 0; i < 256; ++i)
+        q[i] = ((b[32 + 32 * (i / 128) + i % 32] >> (2 * (i % 128 / 32))) & 3) | (((b[i % 32] >> (i / 32)) & 1) << 2);
       break;
     case IQ4_XS:  // sub-block j, element l: the low nibble of qs[16 j + l], l + 16 its high one
       for (int j = 0; j < 8; ++j)
@@ -240,6 +256,11 @@ static void dequant_block(int64_t t, const uint8_t* b, float* y) {
       for (int j = 0; j < 32; ++j) y[j] = d * float(q[j] - off);
       break;
     }
+    case IQ4_NL: {
+      const float d = half_to_float(rd16(b));
+      for (int j = 0; j < 32; ++j) y[j] = d * float(KVALUES[q[j]]);
+      break;
+    }
     case Q4_1: case Q5_1: {
       const float d = half_to_float(rd16(b)), m = half_to_float(rd16(b + 2));
       for (int j = 0; j < 32; ++j) y[j] = d * float(q[j]) + m;
@@ -260,6 +281,14 @@ static void dequant_block(int64_t t, const uint8_t* b, float* y) {
       for (int j = 0; j < 16; ++j) {
         const float d1 = d * float(b[j] & 0x0F), m1 = dmin * float(b[j] >> 4);
         for (int l = 0; l < 16; ++l) y[16 * j + l] = d1 * float(q[16 * j + l]) - m1;
+      }
+      break;
+    }
+    case Q3_K: {
+      const float d = half_to_float(rd16(b + 108));
+      for (int j = 0; j < 16; ++j) {
+        const float d1 = d * float(q3k_scale(b, j));
+        for (int l = 0; l < 16; ++l) y[16 * j + l] = d1 * float(q[16 * j + l] - 4);
       }
       break;
     }
@@ -344,14 +373,25 @@ static void put_2bits(uint8_t* dst, const int32_t (*q)[256], int shift) {
 
 // Bytes of one chunk of a K-type block (the quants of one activation block of 32), and of the
 // scales before the first chunk.
-static constexpr int k_chunk(int64_t t) { return t == Q4_K || t == IQ4_XS ? 256 : t == Q5_K ? 320 : t == Q2_K ? 128 : 384; }
-static constexpr int k_head(int64_t t) { return t == Q6_K ? 288 : t == IQ4_XS ? 160 : 320; }
+static constexpr int k_chunk(int64_t t) {
+  return t == Q4_K || t == IQ4_XS ? 256 : t == Q5_K ? 320 : t == Q2_K ? 128 : t == Q3_K ? 192 : 384;
+}
+static constexpr int k_head(int64_t t) { return t == Q6_K || t == Q3_K ? 288 : t == IQ4_XS ? 160 : 320; }
 
 // A K-type block's 8 chunks from the planes above (see the layout at the top).
 static void put_k_chunks(int64_t t, uint8_t* dst, const int32_t (*q)[256]) {
   uint8_t nib[2048], ext[1024];
   if (t == Q2_K) {  // the planes alone, in order: chunk c is planes 2c, 2c + 1
     put_2bits(dst, q, 0);
+    return;
+  }
+  if (t == Q3_K) {  // per 16-wide sub-block: its plane of low bits, then its 4 k-groups' third-bit masks
+    put_2bits(ext, q, 0);
+    put_bits(nib, q, 64, 2);
+    for (int j = 0; j < 16; ++j) {
+      std::memcpy(dst + 96 * j, ext + 64 * j, 64);
+      std::memcpy(dst + 96 * j + 64, nib + 32 * j, 32);
+    }
     return;
   }
   put_nibbles(nib, q, 64);  // 128 bytes per 16-wide sub-block
@@ -381,7 +421,7 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
   auto half = [&](int r, int off) -> uint16_t { return rows[r] ? rd16(rows[r] + off) : 0; };
   uint8_t* p = out;
   switch (t) {
-    case Q4_0: case Q4_1: case Q5_0: case Q5_1: {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL: {
       for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 0); std::memcpy(p + 2 * r, &d, 2); }
       p += 32;
       if (t == Q4_1 || t == Q5_1) {
@@ -428,6 +468,15 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
       p += 64;
       for (int r = 0; r < G; ++r)  // each sub-block's scale (low nibble) and min (high), as in the file
         for (int j = 0; j < 16; ++j) p[16 * j + r] = rows[r] ? rows[r][j] : 0;
+      p += 256;
+      put_k_chunks(t, p, q);
+      break;
+    }
+    case Q3_K: {
+      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 108); std::memcpy(p + 2 * r, &d, 2); }
+      p += 32;
+      for (int r = 0; r < G; ++r)
+        for (int j = 0; j < 16; ++j) p[16 * j + r] = rows[r] ? uint8_t(int8_t(q3k_scale(rows[r], j))) : 0;
       p += 256;
       put_k_chunks(t, p, q);
       break;
@@ -648,6 +697,24 @@ static void decode_group_block(int64_t t, const uint8_t* p, GroupBlock& gb) {
           for (int e = 0; e < 4; ++e) gb.w[r][4 * kg + e] = int32_t(p[32 + 64 * kg + vpos(r, e)]) - 128;
       }
       break;
+    case IQ4_NL:
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        for (int kg = 0; kg < 8; ++kg)
+          for (int e = 0; e < 4; ++e) gb.w[r][4 * kg + e] = KVALUES[nib(p + 32, kg, r, e)];
+      }
+      break;
+    case Q3_K:
+      for (int r = 0; r < G; ++r) {
+        gb.d[r] = half_to_float(rd16(p + 2 * r));
+        for (int j = 0; j < 16; ++j) gb.sc[r][j] = int8_t(p[32 + 16 * j + r]);
+        for (int kg = 0; kg < 64; ++kg) {
+          const uint8_t* sub = p + k_head(t) + 96 * (kg / 4);  // the plane of low bits, then 4 masks
+          for (int e = 0; e < 4; ++e)
+            gb.w[r][4 * kg + e] = ((sub[vpos(r, e)] >> (2 * (kg % 4))) & 3) + (bit(sub + 64, kg % 4, r, e) << 2) - 4;
+        }
+      }
+      break;
     case Q4_K: case Q5_K:
       for (int r = 0; r < G; ++r) {
         gb.d[r] = half_to_float(rd16(p + 2 * r));
@@ -722,12 +789,12 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
         if (!k_type(t)) {
           y = std::fma(float(dot(0, 32)), gb.d[r] * dx[0], y);
           if (t == Q4_1 || t == Q5_1) y = std::fma(gb.m[r], sx[0], y);
-        } else if (t == Q6_K || t == Q2_K) {
+        } else if (t == Q6_K || t == Q3_K || t == Q2_K) {
           float s = 0.f, mn = 0.f;
           for (int p = 0; p < 8; ++p) {
             const float sp = float(dot(32 * p, 16)) * float(gb.sc[r][2 * p]) +
                              float(dot(32 * p + 16, 16)) * float(gb.sc[r][2 * p + 1]);
-            if (t == Q6_K) y = std::fma(sp, gb.d[r] * dx[p], y);
+            if (t != Q2_K) y = std::fma(sp, gb.d[r] * dx[p], y);
             else s = std::fma(sp, dx[p], s);
           }
           if (t == Q2_K) {
@@ -916,11 +983,14 @@ static inline Tile tile_at(const Act& a, int64_t tile, int64_t b) {
           a.sxt.data() + i * MT, a.s16t.data() + 2 * i * MT, a.hxt.data() + 2 * i * MT};
 }
 
+// IQ4_NL's table as the kernel's Q8_0 code takes weights: w + 128, unsigned.
+alignas(16) constexpr uint8_t KVALUES_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+
 // Legacy types: one block of 32 weights (8 k-groups).
 template <int64_t T, int NM>
 static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
-  constexpr bool has_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1;
-  constexpr int off = T == Q4_0 ? 8 : T == Q5_0 ? 16 : (T == Q8_0 && V::kQ8Offset) ? 128 : 0;
+  constexpr bool has_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1, signed8 = T == Q8_0 || T == IQ4_NL;
+  constexpr int off = T == Q4_0 ? 8 : T == Q5_0 ? 16 : (signed8 && V::kQ8Offset) ? 128 : 0;
   const uint8_t* qs = p + (has_m ? 64 : 32);
   VI s[NM];
   for (int m = 0; m < NM; ++m) s[m] = V::zero();
@@ -938,11 +1008,16 @@ static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
         w0 = V::add_where(w0, qs + 256 + 16 * v, V::bytes(16));
         w1 = V::add_where(w1, qs + 256 + 16 * v + 8, V::bytes(16));
       }
+      if constexpr (T == IQ4_NL) {
+        const VI tab = V::table(KVALUES_U8);
+        w0 = V::lookup(tab, w0);
+        w1 = V::lookup(tab, w1);
+      }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < NM; ++m) {
       const VI x0 = V::bcast(x.q + ((2 * v) * NM + m) * 4), x1 = V::bcast(x.q + ((2 * v + 1) * NM + m) * 4);
-      if constexpr (T == Q8_0) {
+      if constexpr (signed8) {
         s[m] = V::dot_q8(V::dot_q8(s[m], w0, x0), w1, x1);
       } else {
         s[m] = V::dot(V::dot(s[m], w0, x0), w1, x1);
@@ -957,9 +1032,6 @@ static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
     if constexpr (has_m) acc[m] = V::fma(V::half(p + 32), V::set1f(x.sx[m]), acc[m]);
   }
 }
-
-// IQ4_NL's table as the kernel's Q8_0 code takes weights: w + 128, unsigned.
-alignas(16) constexpr uint8_t KVALUES_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 // Q4_K / Q5_K / IQ4_XS: one super-block of 256 (8 sub-blocks of 8 k-groups, each an activation
 // block). IQ4_XS's nibbles index the table (one byte shuffle), taken as Q8_0's w + 128.
@@ -1113,18 +1185,57 @@ static inline void q2k_block(const uint8_t* p, const Tile& x, VF* acc) {
   for (int m = 0; m < NM; ++m) acc[m] = V::fnma(mn[m], dmin, acc[m]);
 }
 
+// Q3_K: as Q6_K, each 16-wide sub-block one plane of low bits and 4 k-groups' masks of third
+// bits; the quants go in as stored (q = w + 4), each sub-block's sum starting from -4 * sum x.
+template <int NM>
+static inline void q3k_block(const uint8_t* p, const Tile& x, VF* acc) {
+  const VF d = V::half(p);
+#pragma GCC unroll 1
+  for (int pr = 0; pr < 8; ++pr) {
+    VF sp[NM];
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const int j = 2 * pr + h;
+      VI t[NM];
+      for (int m = 0; m < NM; ++m) t[m] = V::set1(x.s16[j * MT + m] / 8);  // -32 * sum / 8
+      const uint8_t* sub = p + k_head(Q3_K) + 96 * j;
+      ahead(sub);
+      ahead(sub + 64);
+      const VI hb = V::load(sub), three = V::bytes(3), four = V::bytes(4);
+      const VI w[4] = {V::add_where(V::and_(hb, three), sub + 64, four),
+                       V::add_where(V::and_(V::shr16<2>(hb), three), sub + 72, four),
+                       V::add_where(V::and_(V::shr16<4>(hb), three), sub + 80, four),
+                       V::add_where(V::and_(V::shr16<6>(hb), three), sub + 88, four)};
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c)
+#pragma GCC unroll 8
+        for (int m = 0; m < NM; ++m) t[m] = V::dot(t[m], w[c], V::bcast(x.q + ((4 * j + c) * NM + m) * 4));
+      const VF sc = V::cvt(V::s8_to_32(p + 32 + 16 * j));
+#pragma GCC unroll 8
+      for (int m = 0; m < NM; ++m) {
+        const VF tf = V::cvt(t[m]);
+        sp[m] = h == 0 ? V::mul(tf, sc) : V::fma(tf, sc, sp[m]);
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) acc[m] = V::fma(sp[m], V::mul(d, V::set1f(x.d[pr * MT + m])), acc[m]);
+  }
+}
+
 // NG groups side by side, block by block: each group is a stream of its own in memory, and
 // several streams at once keep more of DRAM's latency covered than one (the hardware
 // prefetcher follows each), and give the core independent chains to overlap.
 template <int64_t T, int NM, int NG>
 static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
-  constexpr int pb = T == Q4_0 ? 288 : T == Q4_1 ? 320 : T == Q5_0 ? 352 : T == Q5_1 ? 384 : T == Q8_0 ? 544
-                   : T == Q4_K ? 2368 : T == Q5_K ? 2880 : T == Q6_K ? 3360 : T == Q2_K ? 1344 : 2208;
+  constexpr int pb = T == Q4_0 || T == IQ4_NL ? 288 : T == Q4_1 ? 320 : T == Q5_0 ? 352 : T == Q5_1 ? 384
+                   : T == Q8_0 ? 544 : T == Q4_K ? 2368 : T == Q5_K ? 2880 : T == Q6_K ? 3360 : T == Q2_K ? 1344
+                   : T == Q3_K ? 1824 : 2208;
   VF acc[NG][NM];
   for (int g = 0; g < NG; ++g)
     for (int m = 0; m < NM; ++m) acc[g][m] = V::zerof();
   for (int64_t b = 0; b < nb; ++b) {
-    const Tile x = tile_at<(T == Q4_K || T == Q5_K || T == Q6_K || T == Q2_K || T == IQ4_XS) ? 256 : 32, NM>(a, tile, b);
+    const Tile x = tile_at<(T == Q2_K || T == Q3_K || T == Q4_K || T == Q5_K || T == Q6_K || T == IQ4_XS) ? 256 : 32,
+                           NM>(a, tile, b);
 #pragma GCC unroll 4
     for (int g = 0; g < NG; ++g) {
       const uint8_t* p = packed + g * stride + b * pb;
@@ -1138,6 +1249,7 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
       if constexpr (T == Q4_K || T == Q5_K || T == IQ4_XS) k4_block<T, NM>(p, x, acc[g]);
       else if constexpr (T == Q6_K) q6k_block<NM>(p, x, acc[g]);
       else if constexpr (T == Q2_K) q2k_block<NM>(p, x, acc[g]);
+      else if constexpr (T == Q3_K) q3k_block<NM>(p, x, acc[g]);
       else legacy_block<T, NM>(p, x, acc[g]);
     }
   }
@@ -1185,7 +1297,9 @@ static void group_fast(int64_t t, const uint8_t* packed, int64_t ng, int64_t nb,
     case Q4_K: group_simd<Q4_K>(packed, ng, nb, a, M, out); break;
     case Q5_K: group_simd<Q5_K>(packed, ng, nb, a, M, out); break;
     case Q6_K: group_simd<Q6_K>(packed, ng, nb, a, M, out); break;
+    case IQ4_NL: group_simd<IQ4_NL>(packed, ng, nb, a, M, out); break;
     case Q2_K: group_simd<Q2_K>(packed, ng, nb, a, M, out); break;
+    case Q3_K: group_simd<Q3_K>(packed, ng, nb, a, M, out); break;
     case IQ4_XS: group_simd<IQ4_XS>(packed, ng, nb, a, M, out); break;
   }
 }

@@ -1,7 +1,7 @@
 """Write a random-weight GGUF of Llama-3-8B's shapes (32 layers, hidden 4096, 32 query / 8 KV
 heads, MLP 14336) quantised as llama.cpp's Q4_K_M mixes them (Q4_K, with Q6_K for attn_v,
 ffn_down of every other layer and the output layer), to show that an 8B-class model loads
-and decodes on a 24 GB machine, and to time it against llama.cpp on the same file. `--type q2_k` / `iq4_xs` writes every layer
+and decodes on a 24 GB machine, and to time it against llama.cpp on the same file. `--type q2_k` / `q3_k` / `iq4_xs` writes every layer
 matrix in that type instead (the output layer stays Q6_K, as llama.cpp's mixes keep it).
 
 No such model ships on PyPI; decode speed does not depend on the weights' values. The blocks
@@ -27,9 +27,9 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, CONTEXT = 32, 4096, 32, 8, 14336, 8192
 TOKENIZER_SOURCE = "qwen2.5-coder-1.5b-instruct"
 # fp16 d (and dmin) inside a block, and the range drawn for it (IQ4_XS multiplies d by a 6-bit
 # scale and its table's values up to 127: a smaller d keeps the activations finite).
-SCALE_OFFSETS = {GGML.Q4_K: (0, 2), GGML.Q6_K: (208,), GGML.Q2_K: (80, 82), GGML.IQ4_XS: (0,)}
+SCALE_OFFSETS = {GGML.Q4_K: (0, 2), GGML.Q6_K: (208,), GGML.Q2_K: (80, 82), GGML.Q3_K: (108,), GGML.IQ4_XS: (0,)}
 SCALE_RANGE = {GGML.IQ4_XS: (1e-6, 1e-5)}
-TYPES = {"q4_k_m": None, "q2_k": GGML.Q2_K, "iq4_xs": GGML.IQ4_XS}
+TYPES = {"q4_k_m": None, "q2_k": GGML.Q2_K, "q3_k": GGML.Q3_K, "iq4_xs": GGML.IQ4_XS}
 
 
 def random_blocks(qtype: GGML, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -60,8 +60,8 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     writer = gguf.GGUFWriter(str(args.out), "llama")
     writer.add_name("random-llama3-8b-shapes")
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if every is None else
-                         gguf.LlamaFileType.MOSTLY_Q2_K if every == GGML.Q2_K else gguf.LlamaFileType.MOSTLY_IQ4_XS)
+    writer.add_file_type({None: gguf.LlamaFileType.MOSTLY_Q4_K_M, GGML.Q2_K: gguf.LlamaFileType.MOSTLY_Q2_K,
+                          GGML.Q3_K: gguf.LlamaFileType.MOSTLY_Q3_K_S, GGML.IQ4_XS: gguf.LlamaFileType.MOSTLY_IQ4_XS}[every])
     writer.add_block_count(LAYERS)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)

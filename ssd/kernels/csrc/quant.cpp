@@ -420,6 +420,12 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
   }
   auto half = [&](int r, int off) -> uint16_t { return rows[r] ? rd16(rows[r] + off) : 0; };
   uint8_t* p = out;
+  auto scaled = [&](int d_off, int nsub, int (*scale)(const uint8_t*, int)) {
+    for (int r = 0; r < G; ++r) { const uint16_t d = half(r, d_off); std::memcpy(p + 2 * r, &d, 2); }
+    for (int r = 0; r < G; ++r)
+      for (int j = 0; j < nsub; ++j) p[32 + 16 * j + r] = rows[r] ? uint8_t(int8_t(scale(rows[r], j))) : 0;
+    put_k_chunks(t, p + 32 + 16 * nsub, q);
+  };
   switch (t) {
     case Q4_0: case Q4_1: case Q5_0: case Q5_1: case IQ4_NL: {
       for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 0); std::memcpy(p + 2 * r, &d, 2); }
@@ -472,33 +478,10 @@ static void pack_group_block(int64_t t, const uint8_t* const* rows, uint8_t* out
       put_k_chunks(t, p, q);
       break;
     }
-    case Q3_K: {
-      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 108); std::memcpy(p + 2 * r, &d, 2); }
-      p += 32;
-      for (int r = 0; r < G; ++r)
-        for (int j = 0; j < 16; ++j) p[16 * j + r] = rows[r] ? uint8_t(int8_t(q3k_scale(rows[r], j))) : 0;
-      p += 256;
-      put_k_chunks(t, p, q);
-      break;
-    }
-    case IQ4_XS: {
-      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 0); std::memcpy(p + 2 * r, &d, 2); }
-      p += 32;
-      for (int r = 0; r < G; ++r)
-        for (int j = 0; j < 8; ++j) p[16 * j + r] = rows[r] ? uint8_t(int8_t(iq4xs_scale(rows[r], j))) : 0;
-      p += 128;
-      put_k_chunks(t, p, q);
-      break;
-    }
-    case Q6_K: {
-      for (int r = 0; r < G; ++r) { const uint16_t d = half(r, 208); std::memcpy(p + 2 * r, &d, 2); }
-      p += 32;
-      for (int r = 0; r < G; ++r)
-        for (int j = 0; j < 16; ++j) p[16 * j + r] = rows[r] ? rows[r][192 + j] : 0;
-      p += 256;
-      put_k_chunks(t, p, q);
-      break;
-    }
+    // One fp16 d a row, then signed sub-block scales (`nsub` a row), then the chunks.
+    case Q3_K: scaled(108, 16, q3k_scale); break;
+    case IQ4_XS: scaled(0, 8, iq4xs_scale); break;
+    case Q6_K: scaled(208, 16, [](const uint8_t* b, int j) { return int(int8_t(b[192 + j])); }); break;
   }
 }
 
@@ -1092,56 +1075,41 @@ static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
   for (int m = 0; m < NM; ++m) acc[m] = V::fnma(mn[m], dmin, acc[m]);
 }
 
-// Q6_K: one super-block of 256, 16 sub-blocks of 4 k-groups, taken in pairs (activation
-// blocks). The quants go in as stored (q = w + 32, unsigned); each sub-block's sum starts from
-// -32 * sum x (a broadcast load, where a subtraction would take a vector slot).
-template <int NM>
-static inline void q6k_block(const uint8_t* p, const Tile& x, VF* acc) {
-  const VF d = V::half(p);
-#pragma GCC unroll 1
-  for (int pr = 0; pr < 8; ++pr) {
-    VF sp[NM];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const int j = 2 * pr + h;
-      VI t[NM];
-      for (int m = 0; m < NM; ++m) t[m] = V::set1(x.s16[j * MT + m]);
-      // The sub-block's 4 k-groups: low nibbles from two nibble vectors, top bits from one
-      // plane (k-group 4j + c in bits 2c, 2c + 1, shifted to bits 4 and 5).
-      const uint8_t* sub = p + k_head(Q6_K) + 192 * j;  // the top-bit plane, then 2 nibble vectors
-      ahead(sub);
-      const VI hb = V::load(sub);
-      const VI top[4] = {V::shl16<4>(hb), V::shl16<2>(hb), hb, V::shr16<2>(hb)};
-#pragma GCC unroll 2
-      for (int vv = 0; vv < 2; ++vv) {  // (as in k4_block)
-        const int v = 2 * j + vv;
-        ahead(sub + 64 + 64 * vv);
-        const VI raw = V::load(sub + 64 + 64 * vv);
-        const VI w0 = V::or_bits45(V::and_(raw, V::bytes(0x0F)), top[2 * vv]);
-        const VI w1 = V::or_bits45(V::hi_nibbles(raw), top[2 * vv + 1]);
-#pragma GCC unroll 8
-        for (int m = 0; m < NM; ++m)
-          t[m] = V::dot(V::dot(t[m], w0, V::bcast(x.q + ((2 * v) * NM + m) * 4)), w1,
-                        V::bcast(x.q + ((2 * v + 1) * NM + m) * 4));
-      }
-      const VF sc = V::cvt(V::s8_to_32(p + 32 + 16 * j));
-#pragma GCC unroll 8
-      for (int m = 0; m < NM; ++m) {
-        const VF tf = V::cvt(t[m]);
-        sp[m] = h == 0 ? V::mul(tf, sc) : V::fma(tf, sc, sp[m]);
-      }
+// The K types of 16-wide sub-blocks (Q6_K, Q3_K, Q2_K): one super-block of 256, 16 sub-blocks
+// of 4 k-groups, taken in pairs (activation blocks). The quants go in as stored, unsigned (Q6_K
+// w + 32, Q3_K w + 4, Q2_K w), so a sub-block's sum starts from -32 or -4 times the sum of x
+// over it (a broadcast load, where a subtraction would take a vector slot), or from 0.
+// Q6_K: 2 nibble vectors and a plane of top bits a sub-block; Q3_K: a plane of low bits and 4
+// k-groups' masks of third bits; Q2_K: its plane alone, and a min in each scale byte's high nibble.
+template <int64_t T>
+static inline void sub_block_weights(const uint8_t* sub, VI* w) {
+  const VI hb = V::load(sub);
+  if constexpr (T == Q6_K) {  // the top-bit plane (k-group c in bits 2c, 2c + 1, moved to bits 4, 5), 2 nibble vectors
+    ahead(sub + 64);
+    ahead(sub + 128);
+    const VI raw0 = V::load(sub + 64), raw1 = V::load(sub + 128);
+    w[0] = V::or_bits45(V::and_(raw0, V::bytes(0x0F)), V::shl16<4>(hb));
+    w[1] = V::or_bits45(V::hi_nibbles(raw0), V::shl16<2>(hb));
+    w[2] = V::or_bits45(V::and_(raw1, V::bytes(0x0F)), hb);
+    w[3] = V::or_bits45(V::hi_nibbles(raw1), V::shr16<2>(hb));
+  } else {
+    const VI three = V::bytes(3);
+    w[0] = V::and_(hb, three);
+    w[1] = V::and_(V::shr16<2>(hb), three);
+    w[2] = V::and_(V::shr16<4>(hb), three);
+    w[3] = V::and_(V::shr16<6>(hb), three);
+    if constexpr (T == Q3_K) {
+      ahead(sub + 64);
+      for (int c = 0; c < 4; ++c) w[c] = V::add_where(w[c], sub + 64 + 8 * c, V::bytes(4));
     }
-#pragma GCC unroll 8
-    for (int m = 0; m < NM; ++m) acc[m] = V::fma(sp[m], V::mul(d, V::set1f(x.d[pr * MT + m])), acc[m]);
   }
 }
 
-// Q2_K: one super-block of 256, 16 sub-blocks of 4 k-groups (one 64-byte plane of 2-bit
-// quants each), taken in pairs (activation blocks); the scale (low nibble) and min (high) of
-// each sub-block in one byte.
-template <int NM>
-static inline void q2k_block(const uint8_t* p, const Tile& x, VF* acc) {
-  VF s[NM];
+template <int64_t T, int NM>
+static inline void k16_block(const uint8_t* p, const Tile& x, VF* acc) {
+  constexpr int sub_bytes = T == Q6_K ? 192 : T == Q3_K ? 96 : 64;
+  const VF d = V::half(p);
+  VF s[NM];  // Q2_K: the scales' partial sum
   for (int m = 0; m < NM; ++m) s[m] = V::zerof();
 #pragma GCC unroll 1
   for (int pr = 0; pr < 8; ++pr) {
@@ -1149,68 +1117,17 @@ static inline void q2k_block(const uint8_t* p, const Tile& x, VF* acc) {
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const int j = 2 * pr + h;
-      const uint8_t* plane = p + k_head(Q2_K) + 64 * j;
-      ahead(plane);
-      const VI hb = V::load(plane), three = V::bytes(3);
-      const VI w[4] = {V::and_(hb, three), V::and_(V::shr16<2>(hb), three), V::and_(V::shr16<4>(hb), three),
-                       V::and_(V::shr16<6>(hb), three)};
       VI t[NM];
-      for (int m = 0; m < NM; ++m) t[m] = V::zero();
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c)
-#pragma GCC unroll 8
-        for (int m = 0; m < NM; ++m) t[m] = V::dot(t[m], w[c], V::bcast(x.q + ((4 * j + c) * NM + m) * 4));
-      const VF sc = V::cvt(V::and32(V::u8_to_32(p + 64 + 16 * j), 0x0F));
-#pragma GCC unroll 8
-      for (int m = 0; m < NM; ++m) {
-        const VF tf = V::cvt(t[m]);
-        sp[m] = h == 0 ? V::mul(tf, sc) : V::fma(tf, sc, sp[m]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < NM; ++m) s[m] = V::fma(sp[m], V::set1f(x.d[pr * MT + m]), s[m]);
-  }
-  const VF d = V::half(p), dmin = V::half(p + 32);
-#pragma GCC unroll 8
-  for (int m = 0; m < NM; ++m) acc[m] = V::fma(s[m], d, acc[m]);
-  VF mn[NM];
-  for (int m = 0; m < NM; ++m) mn[m] = V::zerof();
-#pragma GCC unroll 4
-  for (int j = 0; j < 16; ++j) {
-    const VF mnj = V::cvt(V::shr32<4>(V::u8_to_32(p + 64 + 16 * j)));
-#pragma GCC unroll 8
-    for (int m = 0; m < NM; ++m) mn[m] = V::fma(mnj, V::set1f(x.hx[j * MT + m]), mn[m]);
-  }
-#pragma GCC unroll 8
-  for (int m = 0; m < NM; ++m) acc[m] = V::fnma(mn[m], dmin, acc[m]);
-}
-
-// Q3_K: as Q6_K, each 16-wide sub-block one plane of low bits and 4 k-groups' masks of third
-// bits; the quants go in as stored (q = w + 4), each sub-block's sum starting from -4 * sum x.
-template <int NM>
-static inline void q3k_block(const uint8_t* p, const Tile& x, VF* acc) {
-  const VF d = V::half(p);
-#pragma GCC unroll 1
-  for (int pr = 0; pr < 8; ++pr) {
-    VF sp[NM];
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; ++h) {
-      const int j = 2 * pr + h;
-      VI t[NM];
-      for (int m = 0; m < NM; ++m) t[m] = V::set1(x.s16[j * MT + m] / 8);  // -32 * sum / 8
-      const uint8_t* sub = p + k_head(Q3_K) + 96 * j;
+      for (int m = 0; m < NM; ++m) t[m] = T == Q2_K ? V::zero() : V::set1(T == Q6_K ? x.s16[j * MT + m] : x.s16[j * MT + m] / 8);
+      const uint8_t* sub = p + k_head(T) + sub_bytes * j;
       ahead(sub);
-      ahead(sub + 64);
-      const VI hb = V::load(sub), three = V::bytes(3), four = V::bytes(4);
-      const VI w[4] = {V::add_where(V::and_(hb, three), sub + 64, four),
-                       V::add_where(V::and_(V::shr16<2>(hb), three), sub + 72, four),
-                       V::add_where(V::and_(V::shr16<4>(hb), three), sub + 80, four),
-                       V::add_where(V::and_(V::shr16<6>(hb), three), sub + 88, four)};
+      VI w[4];
+      sub_block_weights<T>(sub, w);
 #pragma GCC unroll 4
       for (int c = 0; c < 4; ++c)
 #pragma GCC unroll 8
         for (int m = 0; m < NM; ++m) t[m] = V::dot(t[m], w[c], V::bcast(x.q + ((4 * j + c) * NM + m) * 4));
-      const VF sc = V::cvt(V::s8_to_32(p + 32 + 16 * j));
+      const VF sc = T == Q2_K ? V::cvt(V::and32(V::u8_to_32(p + 64 + 16 * j), 0x0F)) : V::cvt(V::s8_to_32(p + 32 + 16 * j));
 #pragma GCC unroll 8
       for (int m = 0; m < NM; ++m) {
         const VF tf = V::cvt(t[m]);
@@ -1218,7 +1135,25 @@ static inline void q3k_block(const uint8_t* p, const Tile& x, VF* acc) {
       }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < NM; ++m) acc[m] = V::fma(sp[m], V::mul(d, V::set1f(x.d[pr * MT + m])), acc[m]);
+    for (int m = 0; m < NM; ++m) {
+      if constexpr (T == Q2_K) s[m] = V::fma(sp[m], V::set1f(x.d[pr * MT + m]), s[m]);
+      else acc[m] = V::fma(sp[m], V::mul(d, V::set1f(x.d[pr * MT + m])), acc[m]);
+    }
+  }
+  if constexpr (T == Q2_K) {
+    const VF dmin = V::half(p + 32);
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) acc[m] = V::fma(s[m], d, acc[m]);
+    VF mn[NM];  // the mins: each sub-block's min times its half block's dx * sum(q)
+    for (int m = 0; m < NM; ++m) mn[m] = V::zerof();
+#pragma GCC unroll 4
+    for (int j = 0; j < 16; ++j) {
+      const VF mnj = V::cvt(V::shr32<4>(V::u8_to_32(p + 64 + 16 * j)));
+#pragma GCC unroll 8
+      for (int m = 0; m < NM; ++m) mn[m] = V::fma(mnj, V::set1f(x.hx[j * MT + m]), mn[m]);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < NM; ++m) acc[m] = V::fnma(mn[m], dmin, acc[m]);
   }
 }
 
@@ -1247,9 +1182,7 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
         for (int off = 0; off < k_head(T); off += 64) ahead(p + off);
       }
       if constexpr (T == Q4_K || T == Q5_K || T == IQ4_XS) k4_block<T, NM>(p, x, acc[g]);
-      else if constexpr (T == Q6_K) q6k_block<NM>(p, x, acc[g]);
-      else if constexpr (T == Q2_K) q2k_block<NM>(p, x, acc[g]);
-      else if constexpr (T == Q3_K) q3k_block<NM>(p, x, acc[g]);
+      else if constexpr (T == Q6_K || T == Q3_K || T == Q2_K) k16_block<T, NM>(p, x, acc[g]);
       else legacy_block<T, NM>(p, x, acc[g]);
     }
   }

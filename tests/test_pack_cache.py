@@ -84,7 +84,7 @@ def test_it_can_be_turned_off(tiny_models, tmp_path, counted, monkeypatch):
     assert cache_files(folder) == []
 
 
-def test_the_kept_matrices_are_views_of_one_mapped_file(tiny_models, tmp_path, counted):
+def test_the_kept_matrices_are_views_of_one_copy_of_the_file(tiny_models, tmp_path, counted):
     from gguf_models import quantized_copy
     from ssd.layers.linear import QuantLinear
     folder = quantized_copy(tiny_models["llama"], tmp_path / "m", GGML.Q8_0)

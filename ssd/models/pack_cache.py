@@ -156,11 +156,10 @@ def _read(path: Path, nbytes: int) -> torch.Tensor:
     is memcpy's pace). Not a memory map: mapped pages are the page cache's, which the kernel
     drops under pressure, and a model that nearly fills RAM (a 17 GB MoE file on 24 GB) then
     decoded at disk speed while other files held the cache; this memory stays resident, as
-    repacked matrices do. Transparent huge pages are asked for (fewer TLB misses when the
-    kernel streams it)."""
+    repacked matrices do. (Asking for transparent huge pages cost a 12 s compaction stall
+    once, on a host whose memory a 19 GB process had just left fragmented; their gain on
+    streaming was within noise.)"""
     mem = mmap.mmap(-1, max(nbytes, 1))
-    if hasattr(mem, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        mem.madvise(mmap.MADV_HUGEPAGE)
     buf = memoryview(mem)
     parts = max(1, min(torch.get_num_threads(), 8))
     step = -(-nbytes // parts // ALIGN) * ALIGN

@@ -76,6 +76,26 @@ def test_a_file_cut_short_or_a_changed_model_is_repacked(tiny_models, tmp_path, 
     assert len(cache_files(folder)) == 2  # the old file dropped
 
 
+def test_a_deleted_models_kept_file_goes_with_the_next_save(tiny_models, tmp_path, counted):
+    """A GGUF given by path gets a prepared folder (a link to it) in the store; once the file is
+    deleted, the next cache file written in the store removes the orphan's."""
+    from gguf_models import quantized_copy
+    a = quantized_copy(tiny_models["llama"], tmp_path / "a", GGML.Q8_0)
+    b = quantized_copy(tiny_models["llama"], tmp_path / "b", GGML.Q8_0)
+    store = tmp_path / "prepared"
+    for name, src in (("a", a), ("b", b)):
+        (store / name).mkdir(parents=True)
+        (store / name / "model.gguf").symlink_to(next(src.glob("*.gguf")))
+        for f in src.iterdir():
+            if f.suffix != ".gguf":
+                (store / name / f.name).symlink_to(f)
+    run(store / "a")
+    assert len(cache_files(store / "a")) == 2
+    next(a.glob("*.gguf")).unlink()
+    run(store / "b")
+    assert cache_files(store / "a") == [] and len(cache_files(store / "b")) == 2
+
+
 def test_it_can_be_turned_off(tiny_models, tmp_path, counted, monkeypatch):
     from gguf_models import quantized_copy
     monkeypatch.setenv("SSD_PACK_CACHE", "0")

@@ -2,7 +2,7 @@
 
 Repacking every matrix into the kernel's layout (csrc/quant.cpp) runs at about 0.7 GB/s on
 two cores: 7 s of an 8B model's load, each time. The first load of a model whose packed
-matrices reach MIN_BYTES writes them to one file beside its prepared folder (packed-<key>.bin,
+matrices reach MIN_BYTES (256 MiB) writes them to one file beside its prepared folder (packed-<key>.bin,
 the size of the packed matrices: about the GGUF file's) with an index (packed-<key>.json,
 written last, so a file cut short is never used); later loads read that file into memory
 instead (at the page cache's or the disk's pace: 5 GB in about a second warm). The key
@@ -12,6 +12,7 @@ head's rows), so a change to any of them makes a new file. `SSD_PACK_CACHE=0` tu
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -27,7 +28,7 @@ from gguf import GGMLQuantizationType as GGML
 
 from ssd.kernels import quant_cpu
 
-MIN_BYTES = 64 << 20  # smaller models repack in well under a second
+MIN_BYTES = 256 << 20  # smaller models repack in a third of a second or less
 ALIGN = 4096
 _LAYOUT_SOURCES = (Path(quant_cpu.__file__).parent / "csrc" / "quant.cpp",)
 
@@ -59,6 +60,7 @@ class PackCache:
         for src in _LAYOUT_SOURCES:
             h.update(src.read_bytes())
         self.options = options
+        self.folder_link = gguf.name
         self.bin = self.folder / f"packed-{h.hexdigest()}.bin"
         self.index = self.bin.with_suffix(".json")
         self.entries: dict[str, _Entry] = {}
@@ -128,7 +130,9 @@ class PackCache:
             tmp_index.write_text(json.dumps({"bytes": offset, "options": self.options, "entries": entries}))
             os.replace(tmp_bin, self.bin)
             os.replace(tmp_index, self.index)  # last: the index names a whole file
-            self._drop_stale()
+            with contextlib.suppress(OSError):  # tidying only: the file is kept either way
+                self._drop_stale()
+                self._drop_orphans()
         except OSError as e:
             print(f"ssd: could not keep the packed weights in {self.folder} ({e}); the next load repacks them",
                   file=sys.stderr)
@@ -149,6 +153,16 @@ class PackCache:
                 pass
             index.unlink(missing_ok=True)
             index.with_suffix(".bin").unlink(missing_ok=True)
+
+    def _drop_orphans(self) -> None:
+        """Remove the files kept beside folders (this one's siblings: the store's prepared
+        folders) whose GGUF link points nowhere now: a model file given by path and since
+        deleted leaves nothing behind but its small prepared folder."""
+        for folder in self.folder.parent.iterdir():  # (glob skips a link that points nowhere)
+            link = folder / self.folder_link
+            if link.is_symlink() and not link.exists():
+                for old in folder.glob("packed-*"):
+                    old.unlink(missing_ok=True)
 
 
 def _read(path: Path, nbytes: int) -> torch.Tensor:

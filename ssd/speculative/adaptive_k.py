@@ -26,8 +26,9 @@ draft step plus a measured cost per token read. Once the engine-wide rates rest 
 ENGINE_EVIDENCE (decayed) rounds, a sequence starts (or resumes) drafting only if the time
 the chosen K saves over its remaining tokens (max_tokens left) pays for that catch-up, so a
 long prompt with a short answer is decoded plainly rather than prefilled twice. Before
-that, a sequence whose K came out 0 probes (below) every round, to learn: a K of 0 may rest
-on a round or two, such as a warm-up's.
+that, the same rule holds at the prior's rates (the best the draft could do as far as
+anything is known), and a sequence whose K came out 0 probes (below) every round, to
+learn: a K of 0 may rest on a round or two, such as a warm-up's.
 
 A sequence at K = 0 learns nothing about its acceptance, so it probes now and then: it
 drafts PROBE_K tokens once the time it has decoded plainly since its last drafting round
@@ -216,9 +217,14 @@ class AutoK(FixedK):
         for b, s in enumerate(seqs):
             missed = s.num_tokens - self.seqs[s.seq_id].seen
             catchup = self._catchup_s(missed) if missed > 2 else 0.0
-            if ks[b] and not learning and catchup > max(self.verify(1), self._saving(gains[b], ks[b], s)):
-                ks[b] = 0  # what drafting saves over the tokens left does not pay a long catch-up
-            if ks[b] == 0 and (learning or catchup <= self._saving(hopeful, hopeful_k, s)):
+            best_case = self._saving(hopeful, hopeful_k, s)
+            # What drafting saves over the tokens left must pay a long catch-up: by the measured
+            # rates, or while too little is measured by the prior's (a long prompt with a short
+            # answer is never prefilled for the draft, even by a fresh engine's first request).
+            saving = best_case if learning else self._saving(gains[b], ks[b], s)
+            if ks[b] and catchup > max(self.verify(1), saving):
+                ks[b] = 0
+            if ks[b] == 0 and catchup <= best_case:
                 k = min(PROBE_K, self.k_max)
                 # The catch-up grows with the wait whatever it is: the backoff stretches the rest.
                 costs[b] = catchup + (self._round_s(k) - self.verify(1)) \

@@ -234,9 +234,10 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                      requantize: bool = False) -> DecoderLM:
     """The model on its GGUF file's own blocks (CPU), read in one pass: each matrix is
     repacked for the kernel from the file's pages (no fp32 copy is ever made), the embedding
-    keeps its blocks, norms and biases are fp32. A matrix stored as F32 stays a plain fp32 Linear,
-    one stored as F16 / BF16 a Linear holding that dtype (read as its fp32 values). requantize: each matrix of more than 5 bits a weight (Q4_0_SOURCES) is
-    requantised to Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept)."""
+    keeps its blocks, norms and biases are fp32. A matrix stored as F32 stays a plain fp32
+    Linear, one stored as F16 / BF16 a Linear holding that dtype (read as its fp32 values).
+    requantize: each matrix of more than 5 bits a weight (Q4_0_SOURCES) is requantised to
+    Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept)."""
     index = open_gguf(path)
     found = {t.name: t for t in tensors(index, path)}
     rows_key = "" if head_rows is None else hashlib.blake2b(head_rows.numpy().tobytes(), digest_size=8).hexdigest()
@@ -253,7 +254,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                             requires_grad=False)
 
     def kernel_holds(t: GGUFTensor) -> bool:
-        """Whether the kernel runs this matrix (after for_kernel)."""
+        """Whether the kernel runs this matrix (requantised to Q4_0 where asked)."""
         return t.qtype in quant_cpu.SUPPORTED or (
             requantize and t.qtype in Q4_0_SOURCES and t.shape[-1] % 32 == 0)
 
@@ -263,7 +264,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         def make() -> quant_cpu.QuantMatrix:
             src = t if rows is None else replace(t, raw=np.ascontiguousarray(t.raw[rows.numpy()]),
                                                  shape=(len(rows), *t.shape[1:]))
-            k = for_kernel(src)
+            k = to_q4_0(src, index) if requantize else src
             m = quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(k.raw).reshape(-1)), k.qtype, *k.shape)
             index.unmap(t.raw)  # read once: its pages need not stay in this process
             return m
@@ -296,11 +297,6 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         w = torch.from_numpy(np.array(t.raw)).view(t.shape[0], -1)
         index.unmap(t.raw)
         return w if t.qtype.name == "F16" else w.view(torch.bfloat16)
-
-    def for_kernel(t: GGUFTensor) -> GGUFTensor:
-        """A matrix as the kernel will hold it: requantised for a draft where asked, in a type
-        the kernel has."""
-        return to_q4_0(t, index) if requantize else t
 
     def gated_mlp(mlp: nn.Module, pre: str) -> None:
         gate_up = [f"{pre}gate_up_proj.weight"] if f"{pre}gate_up_proj.weight" in found else \

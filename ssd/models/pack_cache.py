@@ -2,13 +2,13 @@
 
 Repacking every matrix into the kernel's layout (csrc/quant.cpp) runs at about 0.7 GB/s on
 two cores: 7 s of an 8B model's load, each time. The first load of a model whose packed
-matrices reach MIN_BYTES (256 MiB) writes them to one file beside its prepared folder (packed-<key>.bin,
-the size of the packed matrices: about the GGUF file's) with an index (packed-<key>.json,
-written last, so a file cut short is never used); later loads read that file into memory
-instead (at the page cache's or the disk's pace: 5 GB in about a second warm). The key
-covers the GGUF file (path, size, modification time), the packed layout (the source of the
-kernel) and the load's options (a draft's requantisation, a reduced
-head's rows), so a change to any of them makes a new file. `SSD_PACK_CACHE=0` turns it off.
+matrices reach MIN_BYTES (256 MiB) writes them to one file beside its prepared folder
+(packed-<key>.bin, about the GGUF file's size) with an index (packed-<key>.json, written
+last, so a file cut short is never used); later loads read that file into memory instead
+(at the page cache's or the disk's pace: 4.8 GB in about 2 s warm). The key covers the GGUF
+file (path, size, modification time), the packed layout (the kernel's source) and the load's
+options (a draft's requantisation, a reduced head's rows), so a change to any of them makes
+a new file. `SSD_PACK_CACHE=0` turns it off.
 """
 from __future__ import annotations
 
@@ -112,12 +112,6 @@ class PackCache:
         tmp_bin = self.bin.with_name(f".{self.bin.name}.{os.getpid()}")
         tmp_index = self.index.with_name(f".{self.index.name}.{os.getpid()}")
         try:
-            self._write_to(made, tmp_bin, tmp_index)
-        finally:
-            _writing.discard(self.bin)
-
-    def _write_to(self, made: dict[str, quant_cpu.QuantMatrix], tmp_bin: Path, tmp_index: Path) -> None:
-        try:
             entries, offset = {}, 0
             with open(tmp_bin, "wb") as f:
                 for name, m in made.items():
@@ -138,7 +132,8 @@ class PackCache:
                   file=sys.stderr)
             for p in (tmp_bin, tmp_index):
                 p.unlink(missing_ok=True)
-
+        finally:
+            _writing.discard(self.bin)
 
     def _drop_stale(self) -> None:
         """Remove the files of this load's options made for an older GGUF file or layout (only

@@ -514,7 +514,10 @@ at::Tensor repack(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
 // the fast code reads the same values laid out per tile of MT rows, each k-group's 4 bytes of
 // the tile's rows side by side, so that every broadcast is one load.
 constexpr int AB = 32;  // values per activation block
-constexpr int MT = 8;   // rows of x per register tile
+// Rows of x per tile: a tile's rows pass over each block of weights together, so a pass of up
+// to MT rows streams the weights once. With VNNI the whole tile's accumulators stay in registers;
+// AVX2 takes a tile's rows in parts of PART rows (its 16 ymm registers), each block in L1 by then.
+constexpr int MT = SSD_VNNI ? 8 : 16;
 constexpr int64_t MIN_GROUPS_PER_THREAD = 8;
 
 
@@ -801,9 +804,10 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
 
 #if SSD_FAST
 // ---- the products: AVX-512 VNNI and AVX2 ---------------------------------------------------
-// The block code below is written once over `V`, 16 int32 or fp32 lanes = the 16 rows of a
-// group: one zmm with AVX-512, two ymm halves (rows 0-7, 8-15) with AVX2. A tile of NM <= MT
-// rows of x passes over each group.
+// The block code below is written once over `V`, lanes of int32 or fp32 = rows of a group of 16:
+// VL<0>, one zmm of all 16 with AVX-512; VL<0> and VL<1>, a ymm of rows 0-7 and one of rows
+// 8-15, with AVX2, which takes each block twice (HALVES), the second time from L1. Each lane's
+// arithmetic is the same either way. A tile of NM <= MT rows of x passes over each group.
 // Tuned per CPU vendor by build.py (timing only: no bit of a result depends on them): how far
 // ahead the weight stream is prefetched, into which cache level, and how many groups of 16 rows
 // a pass over one row of x reads side by side (SSD_M1_STREAMS; it also caps the 2 used for up
@@ -835,7 +839,9 @@ static inline void warm(const uint8_t* p, int64_t bytes) {
 }
 
 #if SSD_VNNI
-struct V {
+template <int H> struct VL;  // H: which lanes of a group it holds (VNNI: all 16 in one pass)
+template <>
+struct VL<0> {
   using I = __m512i;
   using F = __m512;
   static constexpr bool kQ8Offset = true;  // Q8_0 goes in as w + 128 (unsigned): subtract 128 * sum x
@@ -860,6 +866,10 @@ struct V {
   static I and32(I a, int32_t m) { return _mm512_and_si512(a, _mm512_set1_epi32(m)); }
   template <int N> static I shr32(I a) { return _mm512_srli_epi32(a, N); }
   static I dot(I acc, I u, I s) { return _mm512_dpbusd_epi32(acc, u, s); }  // acc + 4 products per lane
+  // A run of dot()s (see the AVX2 struct): VNNI sums straight into the 32-bit lanes.
+  static I open(I acc) { return acc; }
+  static I pdot(I run, I u, I s) { return dot(run, u, s); }
+  static I close(I, I run) { return run; }
   static I dot_q8(I acc, I w, I x) { return _mm512_dpbusd_epi32(acc, w, x); }
   static I sub32(I a, I b) { return _mm512_sub_epi32(a, b); }
   static I u8_to_32(const uint8_t* p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
@@ -872,80 +882,64 @@ struct V {
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
 };
+static constexpr int HALVES = 1;  // passes of VL over a group's block
+static constexpr int PART = MT;   // rows of a tile a block function takes at once
 #else
-struct V {
-  struct I { __m256i lo, hi; };
-  struct F { __m256 lo, hi; };
+template <int H>  // lanes (rows of the group) 8H .. 8H + 7
+struct VL {
+  // AVX2 has 16 ymm registers: a tile's accumulators for 16 lanes (two ymm a row) spilled.
+  using I = __m256i;
+  using F = __m256;
   static constexpr bool kQ8Offset = false;  // maddubs would saturate on w + 128: Q8_0 uses signs
-  static I zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-  static F zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static I load(const uint8_t* p) {
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-  }
-  static I bytes(int8_t v) { return {_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
-  static I and_(I a, I b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
-  static I hi_nibbles(I a) {
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
-  }
-  template <int N> static I shl16(I a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
-  template <int N> static I shr16(I a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
-  static I or_bits45(I lo, I b) {
-    const __m256i m = _mm256_set1_epi8(0x30);
-    return {_mm256_or_si256(lo.lo, _mm256_and_si256(b.lo, m)), _mm256_or_si256(lo.hi, _mm256_and_si256(b.hi, m))};
-  }
+  static I zero() { return _mm256_setzero_si256(); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * H)); }
+  static I bytes(int8_t v) { return _mm256_set1_epi8(v); }
+  static I and_(I a, I b) { return _mm256_and_si256(a, b); }
+  static I hi_nibbles(I a) { return _mm256_and_si256(_mm256_srli_epi16(a, 4), _mm256_set1_epi8(0x0F)); }
+  template <int N> static I shl16(I a) { return _mm256_slli_epi16(a, N); }
+  template <int N> static I shr16(I a) { return _mm256_srli_epi16(a, N); }
+  static I or_bits45(I lo, I b) { return _mm256_or_si256(lo, _mm256_and_si256(b, _mm256_set1_epi8(0x30))); }
   static __m256i bit_bytes(uint32_t x) {  // 0xFF in byte i where bit i of x is set
     const __m256i sel = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
     const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
     return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), sel), bit), bit);
   }
-  static I add_where(I w, const uint8_t* bits, I v) {
-    const __m256i lo = bit_bytes(rd32(bits)), hi = bit_bytes(rd32(bits + 4));
-    return {_mm256_add_epi8(w.lo, _mm256_and_si256(lo, v.lo)), _mm256_add_epi8(w.hi, _mm256_and_si256(hi, v.hi))};
-  }
-  static I bcast(const void* p) {
-    const __m256i v = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
-    return {v, v};
-  }
-  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
-  static I table(const uint8_t* t16) {
-    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t16)));
-    return {t, t};
-  }
-  static I lookup(I t, I idx) { return {_mm256_shuffle_epi8(t.lo, idx.lo), _mm256_shuffle_epi8(t.hi, idx.hi)}; }
-  static I and32(I a, int32_t m) {
-    const __m256i v = _mm256_set1_epi32(m);
-    return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
-  }
-  template <int N> static I shr32(I a) { return {_mm256_srli_epi32(a.lo, N), _mm256_srli_epi32(a.hi, N)}; }
+  static I add_where(I w, const uint8_t* bits, I v) { return _mm256_add_epi8(w, _mm256_and_si256(bit_bytes(rd32(bits + 4 * H)), v)); }
+  static I bcast(const void* p) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+  static I set1(int32_t v) { return _mm256_set1_epi32(v); }
+  static I table(const uint8_t* t16) { return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t16))); }
+  static I lookup(I t, I idx) { return _mm256_shuffle_epi8(t, idx); }
+  static I and32(I a, int32_t m) { return _mm256_and_si256(a, _mm256_set1_epi32(m)); }
+  template <int N> static I shr32(I a) { return _mm256_srli_epi32(a, N); }
   // u8 x s8: two products to int16 (no saturation at the magnitudes used here: at most
   // 2 * 63 * 127), then pairs of those to int32.
-  static __m256i dot8(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-  }
-  static I dot(I acc, I u, I s) { return {dot8(acc.lo, u.lo, s.lo), dot8(acc.hi, u.hi, s.hi)}; }
+  static I dot(I acc, I u, I s) { return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1))); }
+  // A run of dot()s summed in maddubs's 16-bit pair sums, widened to 32 bits once at close():
+  // one multiply and one add a dot instead of two multiplies and an add. Exact (the same
+  // integers) while the run's sum stays within int16: each caller bounds its run length by its
+  // weights' range (the pair sums are at most 2 * wmax * 127).
+  static I open(I) { return zero(); }
+  static I pdot(I run, I u, I s) { return _mm256_add_epi16(run, _mm256_maddubs_epi16(u, s)); }
+  static I close(I acc, I run) { return _mm256_add_epi32(acc, _mm256_madd_epi16(run, _mm256_set1_epi16(1))); }
   static I dot_q8(I acc, I w, I x) {  // w + 128 as stored: |w| times x with w's sign (|w| <= 128)
-    const __m256i f = _mm256_set1_epi8(int8_t(0x80));
-    const __m256i wl = _mm256_xor_si256(w.lo, f), wh = _mm256_xor_si256(w.hi, f);
-    return {dot8(acc.lo, _mm256_abs_epi8(wl), _mm256_sign_epi8(x.lo, wl)),
-            dot8(acc.hi, _mm256_abs_epi8(wh), _mm256_sign_epi8(x.hi, wh))};
+    const I ws = _mm256_xor_si256(w, _mm256_set1_epi8(int8_t(0x80)));
+    return dot(acc, _mm256_abs_epi8(ws), _mm256_sign_epi8(x, ws));
   }
-  static I sub32(I a, I b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
-  static __m128i ld64(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
-  static __m128i ld128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-  static I u8_to_32(const uint8_t* p) { return {_mm256_cvtepu8_epi32(ld64(p)), _mm256_cvtepu8_epi32(ld64(p + 8))}; }
-  static I s8_to_32(const uint8_t* p) { return {_mm256_cvtepi8_epi32(ld64(p)), _mm256_cvtepi8_epi32(ld64(p + 8))}; }
-  static F half(const uint8_t* p) { return {_mm256_cvtph_ps(ld128(p)), _mm256_cvtph_ps(ld128(p + 16))}; }
-  static F cvt(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-  static F set1f(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-  static F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-  static F fnma(F a, F b, F c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
-  static void store(float* p, F a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+  static I sub32(I a, I b) { return _mm256_sub_epi32(a, b); }
+  static I u8_to_32(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * H))); }
+  static I s8_to_32(const uint8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * H))); }
+  static F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * H))); }
+  static F cvt(I a) { return _mm256_cvtepi32_ps(a); }
+  static F set1f(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+  static void store(float* p, F a) { _mm256_storeu_ps(p + 8 * H, a); }
 };
+static constexpr int HALVES = 2;
+static constexpr int PART = 4;
 #endif
-using VI = V::I;
-using VF = V::F;
 
 // One tile's activations from weight block b on: k-group kg of row m is 4 bytes at
 // q + (kg * NM + m) * 4 (NM: the tile's rows); the per-block values of activation block j (of the weight block's
@@ -957,6 +951,8 @@ struct Tile {
   const float* sx;     // [block / 32][MT]
   const int32_t* s16;  // [block / 16][MT]
   const float* hx;     // [block / 16][MT]
+
+  Tile from(int m0) const { return {q + 4 * m0, d + m0, sum + m0, sx + m0, s16 + m0, hx + m0}; }  // rows m0 on
 };
 
 template <int BLOCK, int NM>
@@ -970,13 +966,15 @@ static inline Tile tile_at(const Act& a, int64_t tile, int64_t b) {
 alignas(16) constexpr uint8_t KVALUES_U8[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 
 // Legacy types: one block of 32 weights (8 k-groups).
-template <int64_t T, int NM>
-static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
+template <class V, int64_t T, int NM, int S>
+static inline void legacy_block(const uint8_t* p, const Tile& x, typename V::F* acc) {
+  using VI = typename V::I;
+  using VF = typename V::F;
   constexpr bool has_m = T == Q4_1 || T == Q5_1, five = T == Q5_0 || T == Q5_1, signed8 = T == Q8_0 || T == IQ4_NL;
   constexpr int off = T == Q4_0 ? 8 : T == Q5_0 ? 16 : (signed8 && V::kQ8Offset) ? 128 : 0;
   const uint8_t* qs = p + (has_m ? 64 : 32);
-  VI s[NM];
-  for (int m = 0; m < NM; ++m) s[m] = V::zero();
+  VI s[NM], run[NM];
+  for (int m = 0; m < NM; ++m) run[m] = V::open(s[m] = V::zero());
 #pragma GCC unroll 4
   for (int v = 0; v < 4; ++v) {
     VI w0, w1;
@@ -999,13 +997,20 @@ static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
     }
 #pragma GCC unroll 8
     for (int m = 0; m < NM; ++m) {
-      const VI x0 = V::bcast(x.q + ((2 * v) * NM + m) * 4), x1 = V::bcast(x.q + ((2 * v + 1) * NM + m) * 4);
+      const VI x0 = V::bcast(x.q + ((2 * v) * S + m) * 4), x1 = V::bcast(x.q + ((2 * v + 1) * S + m) * 4);
       if constexpr (signed8) {
         s[m] = V::dot_q8(V::dot_q8(s[m], w0, x0), w1, x1);
       } else {
-        s[m] = V::dot(V::dot(s[m], w0, x0), w1, x1);
+        run[m] = V::pdot(V::pdot(run[m], w0, x0), w1, x1);
       }
     }
+    // Runs of 8 dots for 4-bit weights (8 * 2 * 15 * 127 = 30480), 4 for 5-bit (4 * 2 * 31 * 127 = 31496).
+    if constexpr (!signed8)
+      if (v == 3 || (five && v == 1))
+        for (int m = 0; m < NM; ++m) {
+          s[m] = V::close(s[m], run[m]);
+          run[m] = V::open(s[m]);
+        }
   }
   const VF d = V::half(p);
 #pragma GCC unroll 8
@@ -1018,8 +1023,10 @@ static inline void legacy_block(const uint8_t* p, const Tile& x, VF* acc) {
 
 // Q4_K / Q5_K / IQ4_XS: one super-block of 256 (8 sub-blocks of 8 k-groups, each an activation
 // block). IQ4_XS's nibbles index the table (one byte shuffle), taken as Q8_0's w + 128.
-template <int64_t T, int NM>
-static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
+template <class V, int64_t T, int NM, int S>
+static inline void k4_block(const uint8_t* p, const Tile& x, typename V::F* acc) {
+  using VI = typename V::I;
+  using VF = typename V::F;
   constexpr bool nl = T == IQ4_XS;
   const VI tab = nl ? V::table(KVALUES_U8) : V::zero();
   VF s[NM];
@@ -1028,8 +1035,8 @@ static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
   for (int j = 0; j < 8; ++j) {
     const uint8_t* ch = p + k_head(T) + k_chunk(T) * j;  // 4 nibble vectors (Q5_K: then 8 masks)
     if constexpr (T == Q5_K) ahead(ch + 256);
-    VI t[NM];
-    for (int m = 0; m < NM; ++m) t[m] = V::zero();
+    VI t[NM], run[NM];
+    for (int m = 0; m < NM; ++m) run[m] = V::open(t[m] = V::zero());
 #pragma GCC unroll 4
     for (int vv = 0; vv < 4; ++vv) {  // (a constant trip count: GCC unrolls it, accumulators stay put)
       const int v = 4 * j + vv;
@@ -1046,10 +1053,17 @@ static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
       }
 #pragma GCC unroll 8
       for (int m = 0; m < NM; ++m) {
-        const VI x0 = V::bcast(x.q + ((2 * v) * NM + m) * 4), x1 = V::bcast(x.q + ((2 * v + 1) * NM + m) * 4);
+        const VI x0 = V::bcast(x.q + ((2 * v) * S + m) * 4), x1 = V::bcast(x.q + ((2 * v + 1) * S + m) * 4);
         if constexpr (nl) t[m] = V::dot_q8(V::dot_q8(t[m], w0, x0), w1, x1);
-        else t[m] = V::dot(V::dot(t[m], w0, x0), w1, x1);
+        else run[m] = V::pdot(V::pdot(run[m], w0, x0), w1, x1);
       }
+      // Runs of 8 dots for Q4_K (8 * 2 * 15 * 127 = 30480), 4 for Q5_K (4 * 2 * 31 * 127 = 31496).
+      if constexpr (!nl)
+        if (vv == 3 || (T == Q5_K && vv == 1))
+          for (int m = 0; m < NM; ++m) {
+            t[m] = V::close(t[m], run[m]);
+            run[m] = V::open(t[m]);
+          }
     }
     if constexpr (nl && V::kQ8Offset)
       for (int m = 0; m < NM; ++m) t[m] = V::sub32(t[m], V::set1(128 * x.sum[j * MT + m]));
@@ -1081,23 +1095,24 @@ static inline void k4_block(const uint8_t* p, const Tile& x, VF* acc) {
 // over it (a broadcast load, where a subtraction would take a vector slot), or from 0.
 // Q6_K: 2 nibble vectors and a plane of top bits a sub-block; Q3_K: a plane of low bits and 4
 // k-groups' masks of third bits; Q2_K: its plane alone, and a min in each scale byte's high nibble.
-template <int64_t T>
-static inline void sub_block_weights(const uint8_t* sub, VI* w) {
+template <class V, int64_t T>
+static inline void sub_block_weights(const uint8_t* sub, typename V::I* w) {
+  using VI = typename V::I;
   const VI hb = V::load(sub);
   if constexpr (T == Q6_K) {  // the top-bit plane (k-group c in bits 2c, 2c + 1, moved to bits 4, 5), 2 nibble vectors
     ahead(sub + 64);
     ahead(sub + 128);
     const VI raw0 = V::load(sub + 64), raw1 = V::load(sub + 128);
-    w[0] = V::or_bits45(V::and_(raw0, V::bytes(0x0F)), V::shl16<4>(hb));
-    w[1] = V::or_bits45(V::hi_nibbles(raw0), V::shl16<2>(hb));
+    w[0] = V::or_bits45(V::and_(raw0, V::bytes(0x0F)), V::template shl16<4>(hb));
+    w[1] = V::or_bits45(V::hi_nibbles(raw0), V::template shl16<2>(hb));
     w[2] = V::or_bits45(V::and_(raw1, V::bytes(0x0F)), hb);
-    w[3] = V::or_bits45(V::hi_nibbles(raw1), V::shr16<2>(hb));
+    w[3] = V::or_bits45(V::hi_nibbles(raw1), V::template shr16<2>(hb));
   } else {
     const VI three = V::bytes(3);
     w[0] = V::and_(hb, three);
-    w[1] = V::and_(V::shr16<2>(hb), three);
-    w[2] = V::and_(V::shr16<4>(hb), three);
-    w[3] = V::and_(V::shr16<6>(hb), three);
+    w[1] = V::and_(V::template shr16<2>(hb), three);
+    w[2] = V::and_(V::template shr16<4>(hb), three);
+    w[3] = V::and_(V::template shr16<6>(hb), three);
     if constexpr (T == Q3_K) {
       ahead(sub + 64);
       for (int c = 0; c < 4; ++c) w[c] = V::add_where(w[c], sub + 64 + 8 * c, V::bytes(4));
@@ -1105,8 +1120,10 @@ static inline void sub_block_weights(const uint8_t* sub, VI* w) {
   }
 }
 
-template <int64_t T, int NM>
-static inline void k16_block(const uint8_t* p, const Tile& x, VF* acc) {
+template <class V, int64_t T, int NM, int S>
+static inline void k16_block(const uint8_t* p, const Tile& x, typename V::F* acc) {
+  using VI = typename V::I;
+  using VF = typename V::F;
   constexpr int sub_bytes = T == Q6_K ? 192 : T == Q3_K ? 96 : 64;
   const VF d = V::half(p);
   VF s[NM];  // Q2_K: the scales' partial sum
@@ -1118,15 +1135,26 @@ static inline void k16_block(const uint8_t* p, const Tile& x, VF* acc) {
     for (int h = 0; h < 2; ++h) {
       const int j = 2 * pr + h;
       VI t[NM];
-      for (int m = 0; m < NM; ++m) t[m] = T == Q2_K ? V::zero() : V::set1(T == Q6_K ? x.s16[j * MT + m] : x.s16[j * MT + m] / 8);
+      VI run[NM];
+      for (int m = 0; m < NM; ++m) {
+        t[m] = T == Q2_K ? V::zero() : V::set1(T == Q6_K ? x.s16[j * MT + m] : x.s16[j * MT + m] / 8);
+        run[m] = V::open(t[m]);
+      }
       const uint8_t* sub = p + k_head(T) + sub_bytes * j;
       ahead(sub);
       VI w[4];
-      sub_block_weights<T>(sub, w);
+      sub_block_weights<V, T>(sub, w);
 #pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c)
+      for (int c = 0; c < 4; ++c) {
 #pragma GCC unroll 8
-        for (int m = 0; m < NM; ++m) t[m] = V::dot(t[m], w[c], V::bcast(x.q + ((4 * j + c) * NM + m) * 4));
+        for (int m = 0; m < NM; ++m) run[m] = V::pdot(run[m], w[c], V::bcast(x.q + ((4 * j + c) * S + m) * 4));
+        // Runs of 2 dots for Q6_K (2 * 2 * 63 * 127 = 32004), 4 for Q3_K and Q2_K (4 * 2 * 7 * 127 = 7112).
+        if (c == 3 || (T == Q6_K && c == 1))
+          for (int m = 0; m < NM; ++m) {
+            t[m] = V::close(t[m], run[m]);
+            run[m] = V::open(t[m]);
+          }
+      }
       const VF sc = T == Q2_K ? V::cvt(V::and32(V::u8_to_32(p + 64 + 16 * j), 0x0F)) : V::cvt(V::s8_to_32(p + 32 + 16 * j));
 #pragma GCC unroll 8
       for (int m = 0; m < NM; ++m) {
@@ -1148,13 +1176,24 @@ static inline void k16_block(const uint8_t* p, const Tile& x, VF* acc) {
     for (int m = 0; m < NM; ++m) mn[m] = V::zerof();
 #pragma GCC unroll 4
     for (int j = 0; j < 16; ++j) {
-      const VF mnj = V::cvt(V::shr32<4>(V::u8_to_32(p + 64 + 16 * j)));
+      const VF mnj = V::cvt(V::template shr32<4>(V::u8_to_32(p + 64 + 16 * j)));
 #pragma GCC unroll 8
       for (int m = 0; m < NM; ++m) mn[m] = V::fma(mnj, V::set1f(x.hx[j * MT + m]), mn[m]);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < NM; ++m) acc[m] = V::fnma(mn[m], dmin, acc[m]);
   }
+}
+
+// Rows NM0 .. NM - 1 of an NM-row tile on one block, in parts of at most PART rows.
+template <class V, int64_t T, int NM, int NM0 = 0>
+static inline void block(const uint8_t* p, const Tile& x, typename V::F* acc) {
+  constexpr int n = std::min(PART, NM - NM0);
+  const Tile part = x.from(NM0);
+  if constexpr (T == Q4_K || T == Q5_K || T == IQ4_XS) k4_block<V, T, n, NM>(p, part, acc + NM0);
+  else if constexpr (T == Q6_K || T == Q3_K || T == Q2_K) k16_block<V, T, n, NM>(p, part, acc + NM0);
+  else legacy_block<V, T, n, NM>(p, part, acc + NM0);
+  if constexpr (NM0 + n < NM) block<V, T, NM, NM0 + n>(p, x, acc);
 }
 
 // NG groups side by side, block by block: each group is a stream of its own in memory, and
@@ -1165,9 +1204,14 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
   constexpr int pb = T == Q4_0 || T == IQ4_NL ? 288 : T == Q4_1 ? 320 : T == Q5_0 ? 352 : T == Q5_1 ? 384
                    : T == Q8_0 ? 544 : T == Q4_K ? 2368 : T == Q5_K ? 2880 : T == Q6_K ? 3360 : T == Q2_K ? 1344
                    : T == Q3_K ? 1824 : 2208;
-  VF acc[NG][NM];
+  // acc[h]: the lanes of VL<h> (one set with VNNI).
+  typename VL<0>::F acc0[NG][NM];
+  typename VL<HALVES - 1>::F acc1[NG][NM];
   for (int g = 0; g < NG; ++g)
-    for (int m = 0; m < NM; ++m) acc[g][m] = V::zerof();
+    for (int m = 0; m < NM; ++m) {
+      acc0[g][m] = VL<0>::zerof();
+      acc1[g][m] = VL<HALVES - 1>::zerof();
+    }
   for (int64_t b = 0; b < nb; ++b) {
     const Tile x = tile_at<(T == Q2_K || T == Q3_K || T == Q4_K || T == Q5_K || T == Q6_K || T == IQ4_XS) ? 256 : 32,
                            NM>(a, tile, b);
@@ -1181,13 +1225,15 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
 #pragma GCC unroll 5
         for (int off = 0; off < k_head(T); off += 64) ahead(p + off);
       }
-      if constexpr (T == Q4_K || T == Q5_K || T == IQ4_XS) k4_block<T, NM>(p, x, acc[g]);
-      else if constexpr (T == Q6_K || T == Q3_K || T == Q2_K) k16_block<T, NM>(p, x, acc[g]);
-      else legacy_block<T, NM>(p, x, acc[g]);
+      block<VL<0>, T, NM>(p, x, acc0[g]);
+      if constexpr (HALVES == 2) block<VL<HALVES - 1>, T, NM>(p, x, acc1[g]);
     }
   }
   for (int g = 0; g < NG; ++g)
-    for (int m = 0; m < NM; ++m) V::store(out + (g * a.M + tile * MT + m) * G, acc[g][m]);
+    for (int m = 0; m < NM; ++m) {
+      VL<0>::store(out + (g * a.M + tile * MT + m) * G, acc0[g][m]);
+      if constexpr (HALVES == 2) VL<HALVES - 1>::store(out + (g * a.M + tile * MT + m) * G, acc1[g][m]);
+    }
 }
 
 // Groups per pass by rows of x: up to as many streams as the registers hold accumulators for.
@@ -1195,29 +1241,29 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
 // sequential stream per thread, which its prefetchers follow, is faster.)
 static int groups_per_pass(int64_t M) { return M == 1 ? SSD_M1_STREAMS : M <= 4 ? std::min(2, SSD_M1_STREAMS) : 1; }
 
+// A tile of NM rows over ng groups: side by side as groups_per_pass allows, else one at a time.
+template <int64_t T, int NM>
+static void tile_groups(const uint8_t* packed, int64_t stride, int64_t ng, int64_t nb, const Act& a, int64_t t, float* out) {
+  if constexpr (NM == 1) {
+    if (ng == 4) return group_tile<T, 1, 4>(packed, stride, nb, a, t, out);
+    if (ng == 3) return group_tile<T, 1, 3>(packed, stride, nb, a, t, out);
+  }
+  if constexpr (NM <= 4)
+    if (ng == 2) return group_tile<T, NM, 2>(packed, stride, nb, a, t, out);
+  for (int64_t g = 0; g < ng; ++g) group_tile<T, NM, 1>(packed + g * stride, stride, nb, a, t, out + g * a.M * G);
+}
+
+template <int64_t T, int NM = 1>
+static void tile_of(int64_t rows, const uint8_t* packed, int64_t stride, int64_t ng, int64_t nb, const Act& a, int64_t t, float* out) {
+  if constexpr (NM < MT)
+    if (rows > NM) return tile_of<T, NM + 1>(rows, packed, stride, ng, nb, a, t, out);
+  tile_groups<T, NM>(packed, stride, ng, nb, a, t, out);
+}
+
 template <int64_t T>
 static void group_simd(const uint8_t* packed, int64_t ng, int64_t nb, const Act& a, int64_t M, float* out) {
   const int64_t stride = nb * info(T).pack_bytes;
-  for (int64_t t = 0; t * MT < M; ++t) {
-    switch (std::min<int64_t>(MT, M - t * MT) * 10 + ng) {
-      case 14: group_tile<T, 1, 4>(packed, stride, nb, a, t, out); break;
-      case 13: group_tile<T, 1, 3>(packed, stride, nb, a, t, out); break;
-      case 12: group_tile<T, 1, 2>(packed, stride, nb, a, t, out); break;
-      case 11: group_tile<T, 1, 1>(packed, stride, nb, a, t, out); break;
-      case 22: group_tile<T, 2, 2>(packed, stride, nb, a, t, out); break;
-      case 21: group_tile<T, 2, 1>(packed, stride, nb, a, t, out); break;
-      case 32: group_tile<T, 3, 2>(packed, stride, nb, a, t, out); break;
-      case 31: group_tile<T, 3, 1>(packed, stride, nb, a, t, out); break;
-      case 42: group_tile<T, 4, 2>(packed, stride, nb, a, t, out); break;
-      case 41: group_tile<T, 4, 1>(packed, stride, nb, a, t, out); break;
-      case 51: group_tile<T, 5, 1>(packed, stride, nb, a, t, out); break;
-      case 61: group_tile<T, 6, 1>(packed, stride, nb, a, t, out); break;
-      case 71: group_tile<T, 7, 1>(packed, stride, nb, a, t, out); break;
-      default:  // full tiles of MT rows of a larger M, one group at a time
-        for (int64_t g = 0; g < ng; ++g) group_tile<T, 8, 1>(packed + g * stride, stride, nb, a, t, out + g * M * G);
-        break;
-    }
-  }
+  for (int64_t t = 0; t * MT < M; ++t) tile_of<T>(tile_rows(M, t), packed, stride, ng, nb, a, t, out);
 }
 
 static void group_fast(int64_t t, const uint8_t* packed, int64_t ng, int64_t nb, const Act& a, int64_t M, float* out) {

@@ -1,4 +1,4 @@
-"""The `ssd` command: generate, chat, serve, bench, pull, models, worker."""
+"""The `ssd` command: generate, chat, serve, bench, check, pull, models, worker."""
 import argparse
 import json
 import sys
@@ -171,6 +171,52 @@ def cmd_generate(args: argparse.Namespace) -> None:
                   file=sys.stderr)
 
 
+CHECK_PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+                 "A train covers 60 km in 45 minutes. Its average speed in km/h is",
+                 "Three tips for writing clear documentation:"]
+
+
+def cmd_check(args: argparse.Namespace) -> None:
+    from ssd.exactness import check
+    if args.mode not in ("sd", "ssd"):
+        raise SSDError("ssd check compares --mode sd or --mode ssd with plain decoding")
+    if args.samples < 10 or args.sample_tokens < 1 or not 0 < args.alpha < 1 or args.max_tokens < 1:
+        raise SSDError("--samples must be >= 10, --sample-tokens and --max-tokens >= 1, --alpha in (0, 1)")
+    prompts = _check_prompts(args.prompts) if args.prompts else list(CHECK_PROMPTS)
+    if args.chat:
+        prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
+    kw = llm_kwargs(args)
+    draft, mode = kw.pop("draft"), kw.pop("mode")
+    engine_keys = ("device", "dtype", "threads", "max_model_len", "weights", "enable_prefix_caching")
+    engine = {key: kw.pop(key) for key in engine_keys}
+    report = check(args.model, draft, prompts, mode=mode, engine=engine, spec=kw, params=sampling_params(args),
+                   greedy_tokens=args.max_tokens, samples=args.samples, sample_tokens=args.sample_tokens,
+                   alpha=args.alpha, foil=args.foil, seed=args.seed or 0,
+                   log=lambda line: print(f"ssd check: {line}", file=sys.stderr, flush=True))
+    print("\n".join(report.lines()))
+    if not report.passed:
+        sys.exit(1)
+
+
+def _check_prompts(path: str) -> list:
+    text = _read(path, "--prompts")
+    if not path.endswith(".jsonl"):
+        prompts = [line for line in text.splitlines() if line.strip()]
+    else:
+        prompts = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                prompts.append(record["messages"] if "messages" in record else record["prompt"])
+            except (ValueError, KeyError, TypeError):
+                raise SSDError(f"--prompts {path}, line {n}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}}") from None
+    if not prompts:
+        raise SSDError(f"--prompts {path} holds no prompt")
+    return prompts
+
+
 def cmd_pull(args: argparse.Namespace) -> None:
     from ssd.store import pull
     for name in args.names:
@@ -223,6 +269,27 @@ def build_parser() -> argparse.ArgumentParser:
     from ssd.bench.serving import add_serve_bench_parser
     add_serve_bench_parser(sub)
     add_vocab_parser(sub)
+
+    k = sub.add_parser("check", help="check a speculative configuration against plain decoding on this machine",
+                       description="Run your speculative configuration (--mode sd or ssd, with its options) and "
+                                   "plain decoding of the same target on your prompts: greedy outputs must be equal "
+                                   "token for token, and seeded samples of the first tokens must pass a chi-square "
+                                   "test of homogeneity; the draft model alone is sampled as a foil, to show the "
+                                   "test's power. Exit status 0: pass, 1: fail.")
+    add_engine_args(k)
+    add_speculation_args(k)
+    k.set_defaults(mode="sd")
+    k.add_argument("--prompts", metavar="FILE", help="one prompt per line, or a .jsonl file of {\"prompt\": ...} "
+                                                     "or {\"messages\": [...]} (default: three built-in prompts)")
+    k.add_argument("--chat", action="store_true", help="wrap each text prompt as a user message in the chat template")
+    add_sampling_args(k)
+    k.set_defaults(max_tokens=64)
+    k.add_argument("--samples", type=int, default=400, help="samples per prompt and engine (default: 400)")
+    k.add_argument("--sample-tokens", type=int, default=4,
+                   help="the first tokens whose joint distribution is tested (default: 4; the first comes from the prompt's pass, speculation makes the rest)")
+    k.add_argument("--alpha", type=float, default=0.01, help="the test's level over all prompts (default: 0.01)")
+    k.add_argument("--no-foil", dest="foil", action="store_false", help="skip sampling the draft alone")
+    k.set_defaults(func=cmd_check)
 
     c = sub.add_parser("chat", help="talk with a model in the terminal",
                        description="A multi-turn chat in the terminal with the model's chat template; replies "

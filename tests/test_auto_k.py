@@ -7,11 +7,12 @@ import torch
 import transformers
 
 from ssd import LLM, SamplingParams
+from ssd.exactness import pooled_p_value
 from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, Timings, expected_tokens
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from ssd.speculative.round import Proposal, Round
 from test_ngram import REPEATING
-from tiny_pair import NEW, PROMPT, V, exact_joint, pooled_p_value
+from tiny_pair import NEW, PROMPT, V, exact_joint
 
 
 class _Seq:

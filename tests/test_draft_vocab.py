@@ -7,8 +7,9 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
+from ssd.exactness import pooled_p_value
 from ssd.speculative.vocab import counts_path, reduced_vocabulary
-from tiny_pair import NEW, PROMPT, V, exact_joint, pooled_p_value
+from tiny_pair import NEW, PROMPT, V, exact_joint
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea."]
 

@@ -10,7 +10,8 @@ import torch
 from ssd import LLM, SamplingParams
 from ssd.engine.logits_process import LogitsProcessor
 from ssd.errors import GrammarError, SamplingParamsError
-from tiny_pair import CHARS_PROMPT, NEW, V, exact_joint, pooled_p_value
+from ssd.exactness import pooled_p_value
+from tiny_pair import CHARS_PROMPT, NEW, V, exact_joint
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "languages"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from ssd.engine.sampler import probs_from_logits, sample
+from ssd.exactness import chi_square, p_value
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.verifier import Verdict, verify, verify_greedy, verify_many
-from stats import chi_square, p_value
 
 V = 6
 ROUNDS = 200_000

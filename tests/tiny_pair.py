@@ -7,7 +7,6 @@ import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from stats import chi_square, p_value
 
 V, NEW = 8, 6  # a vocabulary small enough to enumerate the target's distribution exactly
 PROMPT = "w2 w5 w3"
@@ -64,12 +63,3 @@ def exact_joint(folder, prompt_ids: list[int], temperature: float, adjust=None) 
     for i in range(NEW - 1):
         joint = joint + logp[:, i].gather(1, conts[:, i:i + 1])
     return joint.exp().view(*[V] * NEW)
-
-
-def pooled_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square p-value with the cells expected below 5 pooled into one."""
-    expected = counts.sum() * probs
-    small = expected < 5
-    c = torch.cat([counts[~small], counts[small].sum(0, keepdim=True)])
-    p = torch.cat([probs[~small], probs[small].sum(0, keepdim=True)])
-    return p_value(*chi_square(c, p))

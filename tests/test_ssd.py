@@ -21,7 +21,6 @@ from ssd.engine.sampler import probs_from_logits
 from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
 from ssd.models.loader import load_model
-from ssd.speculative import protocol, worker
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.fanout import FanOut
 from ssd.speculative.protocol import SpecRequest
@@ -270,6 +269,7 @@ def test_a_worker_started_by_hand_on_another_address(smollm_dir, truncated_draft
 # A worker started by hand whose third reply announces ~4 TiB of floats (none follow).
 OVERSIZED_REPLY = """
 import itertools, sys, torch
+from ssd.speculative import protocol, worker
 send, replies = protocol.Channel.send, itertools.count(1)
 def oversized(self, msg, floats=None):
     if msg["type"] == "reply" and next(replies) == 3:

@@ -1,4 +1,4 @@
-"""Layers point one way: serving -> llm -> llm_engine -> config -> speculative -> engine -> store -> models ->
+"""Layers point one way: cli -> bench -> exactness -> serving -> llm -> llm_engine -> config -> speculative -> engine -> store -> models ->
 layers -> kernels
 (README.md, "Layout"). A module may import its own package, a lower layer, and the plain-data
 modules every layer shares; never a higher layer (that is how import cycles start)."""
@@ -8,7 +8,7 @@ from pathlib import Path
 import ssd
 
 ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "config", "llm_engine", "tools", "llm", "serving",
-         "bench", "cli"]
+         "exactness", "bench", "cli"]
 SHARED = {"errors", "checks", "outputs", "sampling_params"}  # plain data, checks and exceptions: no imports of the engine
 
 

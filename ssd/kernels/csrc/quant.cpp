@@ -516,7 +516,7 @@ at::Tensor repack(const at::Tensor& raw, int64_t type, int64_t N, int64_t K) {
 constexpr int AB = 32;  // values per activation block
 // Rows of x per tile: a tile's rows pass over each block of weights together, so a pass of up
 // to MT rows streams the weights once. With VNNI the whole tile's accumulators stay in registers;
-// AVX2 takes a tile's rows in parts of PART rows (its 16 ymm registers), each block in L1 by then.
+// AVX2 takes a large tile's rows in parts (V::kPart, its 16 ymm registers), the block in L1 by then.
 constexpr int MT = SSD_VNNI ? 8 : 16;
 constexpr int64_t MIN_GROUPS_PER_THREAD = 8;
 
@@ -805,9 +805,10 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
 #if SSD_FAST
 // ---- the products: AVX-512 VNNI and AVX2 ---------------------------------------------------
 // The block code below is written once over `V`, lanes of int32 or fp32 = rows of a group of 16:
-// VL<0>, one zmm of all 16 with AVX-512; VL<0> and VL<1>, a ymm of rows 0-7 and one of rows
-// 8-15, with AVX2, which takes each block twice (HALVES), the second time from L1. Each lane's
-// arithmetic is the same either way. A tile of NM <= MT rows of x passes over each group.
+// VL<0>, one zmm of all 16 with AVX-512; with AVX2, VW (two ymm) for up to 8 rows of x, and for
+// more rows VL<0> and VL<1>, a ymm of rows 0-7 and one of rows 8-15, each block taken twice
+// (group_tile), the second time from L1. Each lane's arithmetic is the same either way. A tile
+// of NM <= MT rows of x passes over each group.
 // Tuned per CPU vendor by build.py (timing only: no bit of a result depends on them): how far
 // ahead the weight stream is prefetched, into which cache level, and how many groups of 16 rows
 // a pass over one row of x reads side by side (SSD_M1_STREAMS; it also caps the 2 used for up
@@ -844,6 +845,7 @@ template <>
 struct VL<0> {
   using I = __m512i;
   using F = __m512;
+  static constexpr int kPart = MT;  // rows of a tile a block function takes at once
   static constexpr bool kQ8Offset = true;  // Q8_0 goes in as w + 128 (unsigned): subtract 128 * sum x
   static I zero() { return _mm512_setzero_si512(); }
   static F zerof() { return _mm512_setzero_ps(); }
@@ -882,14 +884,13 @@ struct VL<0> {
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
 };
-static constexpr int HALVES = 1;  // passes of VL over a group's block
-static constexpr int PART = MT;   // rows of a tile a block function takes at once
 #else
 template <int H>  // lanes (rows of the group) 8H .. 8H + 7
 struct VL {
   // AVX2 has 16 ymm registers: a tile's accumulators for 16 lanes (two ymm a row) spilled.
   using I = __m256i;
   using F = __m256;
+  static constexpr int kPart = 4;
   static constexpr bool kQ8Offset = false;  // maddubs would saturate on w + 128: Q8_0 uses signs
   static I zero() { return _mm256_setzero_si256(); }
   static F zerof() { return _mm256_setzero_ps(); }
@@ -937,8 +938,99 @@ struct VL {
   static F fnma(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
   static void store(float* p, F a) { _mm256_storeu_ps(p + 8 * H, a); }
 };
-static constexpr int HALVES = 2;
-static constexpr int PART = 4;
+// Tiles of up to this many rows take all 16 lanes in one pass (VW), larger ones VL<0> then VL<1>
+// in parts of 4 rows. Measured in one process against the one-pass code of before (tiles of 8):
+// 1 or 2 halves were no faster at 3 to 5 rows (the second pass repeats the unpacking), the halves
+// win at 9 rows (one pass over the weights instead of two); see bench/results/amd-verify-pass.
+#ifndef SSD_VW_ROWS
+#define SSD_VW_ROWS 8
+#endif
+
+// All 16 lanes as two ymm (rows 0-7, 8-15) in one pass: for one row of x, whose accumulators
+// fit the registers, so the block is unpacked once (a decode step is bound by the weight stream).
+struct VW {
+  struct I { __m256i lo, hi; };
+  struct F { __m256 lo, hi; };
+  static constexpr int kPart = MT;
+  static constexpr bool kQ8Offset = false;  // maddubs would saturate on w + 128: Q8_0 uses signs
+  static I zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
+  static F zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+  static I load(const uint8_t* p) {
+    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
+  }
+  static I bytes(int8_t v) { return {_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
+  static I and_(I a, I b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
+  static I hi_nibbles(I a) {
+    const __m256i m = _mm256_set1_epi8(0x0F);
+    return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
+  }
+  template <int N> static I shl16(I a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
+  template <int N> static I shr16(I a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
+  static I or_bits45(I lo, I b) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    return {_mm256_or_si256(lo.lo, _mm256_and_si256(b.lo, m)), _mm256_or_si256(lo.hi, _mm256_and_si256(b.hi, m))};
+  }
+  static __m256i bit_bytes(uint32_t x) {  // 0xFF in byte i where bit i of x is set
+    const __m256i sel = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
+    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), sel), bit), bit);
+  }
+  static I add_where(I w, const uint8_t* bits, I v) {
+    const __m256i lo = bit_bytes(rd32(bits)), hi = bit_bytes(rd32(bits + 4));
+    return {_mm256_add_epi8(w.lo, _mm256_and_si256(lo, v.lo)), _mm256_add_epi8(w.hi, _mm256_and_si256(hi, v.hi))};
+  }
+  static I bcast(const void* p) {
+    const __m256i v = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
+    return {v, v};
+  }
+  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
+  static I table(const uint8_t* t16) {
+    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t16)));
+    return {t, t};
+  }
+  static I lookup(I t, I idx) { return {_mm256_shuffle_epi8(t.lo, idx.lo), _mm256_shuffle_epi8(t.hi, idx.hi)}; }
+  static I and32(I a, int32_t m) {
+    const __m256i v = _mm256_set1_epi32(m);
+    return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
+  }
+  template <int N> static I shr32(I a) { return {_mm256_srli_epi32(a.lo, N), _mm256_srli_epi32(a.hi, N)}; }
+  // u8 x s8: two products to int16 (no saturation at the magnitudes used here: at most
+  // 2 * 63 * 127), then pairs of those to int32.
+  static __m256i dot8(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+  }
+  static I dot(I acc, I u, I s) { return {dot8(acc.lo, u.lo, s.lo), dot8(acc.hi, u.hi, s.hi)}; }
+  // A run of dot()s summed in maddubs's 16-bit pair sums, widened to 32 bits once at close():
+  // one multiply and one add a dot instead of two multiplies and an add. Exact (the same
+  // integers) while the run's sum stays within int16: each caller bounds its run length by its
+  // weights' range (the pair sums are at most 2 * wmax * 127).
+  static I open(I) { return zero(); }
+  static I pdot(I run, I u, I s) {
+    return {_mm256_add_epi16(run.lo, _mm256_maddubs_epi16(u.lo, s.lo)), _mm256_add_epi16(run.hi, _mm256_maddubs_epi16(u.hi, s.hi))};
+  }
+  static I close(I acc, I run) {
+    const __m256i one = _mm256_set1_epi16(1);
+    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(run.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(run.hi, one))};
+  }
+  static I dot_q8(I acc, I w, I x) {  // w + 128 as stored: |w| times x with w's sign (|w| <= 128)
+    const __m256i f = _mm256_set1_epi8(int8_t(0x80));
+    const __m256i wl = _mm256_xor_si256(w.lo, f), wh = _mm256_xor_si256(w.hi, f);
+    return {dot8(acc.lo, _mm256_abs_epi8(wl), _mm256_sign_epi8(x.lo, wl)),
+            dot8(acc.hi, _mm256_abs_epi8(wh), _mm256_sign_epi8(x.hi, wh))};
+  }
+  static I sub32(I a, I b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
+  static __m128i ld64(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+  static __m128i ld128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+  static I u8_to_32(const uint8_t* p) { return {_mm256_cvtepu8_epi32(ld64(p)), _mm256_cvtepu8_epi32(ld64(p + 8))}; }
+  static I s8_to_32(const uint8_t* p) { return {_mm256_cvtepi8_epi32(ld64(p)), _mm256_cvtepi8_epi32(ld64(p + 8))}; }
+  static F half(const uint8_t* p) { return {_mm256_cvtph_ps(ld128(p)), _mm256_cvtph_ps(ld128(p + 16))}; }
+  static F cvt(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
+  static F set1f(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+  static F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+  static F fnma(F a, F b, F c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
+  static void store(float* p, F a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+};
 #endif
 
 // One tile's activations from weight block b on: k-group kg of row m is 4 bytes at
@@ -1185,10 +1277,10 @@ static inline void k16_block(const uint8_t* p, const Tile& x, typename V::F* acc
   }
 }
 
-// Rows NM0 .. NM - 1 of an NM-row tile on one block, in parts of at most PART rows.
+// Rows NM0 .. NM - 1 of an NM-row tile on one block, in parts of at most V::kPart rows.
 template <class V, int64_t T, int NM, int NM0 = 0>
 static inline void block(const uint8_t* p, const Tile& x, typename V::F* acc) {
-  constexpr int n = std::min(PART, NM - NM0);
+  constexpr int n = std::min(V::kPart, NM - NM0);
   const Tile part = x.from(NM0);
   if constexpr (T == Q4_K || T == Q5_K || T == IQ4_XS) k4_block<V, T, n, NM>(p, part, acc + NM0);
   else if constexpr (T == Q6_K || T == Q3_K || T == Q2_K) k16_block<V, T, n, NM>(p, part, acc + NM0);
@@ -1199,18 +1291,18 @@ static inline void block(const uint8_t* p, const Tile& x, typename V::F* acc) {
 // NG groups side by side, block by block: each group is a stream of its own in memory, and
 // several streams at once keep more of DRAM's latency covered than one (the hardware
 // prefetcher follows each), and give the core independent chains to overlap.
-template <int64_t T, int NM, int NG>
-static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
+template <int64_t T, int NM, int NG, class LA, class LB, bool TWO>
+static void group_tile_lanes(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
   constexpr int pb = T == Q4_0 || T == IQ4_NL ? 288 : T == Q4_1 ? 320 : T == Q5_0 ? 352 : T == Q5_1 ? 384
                    : T == Q8_0 ? 544 : T == Q4_K ? 2368 : T == Q5_K ? 2880 : T == Q6_K ? 3360 : T == Q2_K ? 1344
                    : T == Q3_K ? 1824 : 2208;
-  // acc[h]: the lanes of VL<h> (one set with VNNI).
-  typename VL<0>::F acc0[NG][NM];
-  typename VL<HALVES - 1>::F acc1[NG][NM];
+  // acc0: the lanes of LA; acc1: those of LB where TWO (LB's pass follows LA's on each block).
+  typename LA::F acc0[NG][NM];
+  typename LB::F acc1[NG][NM];
   for (int g = 0; g < NG; ++g)
     for (int m = 0; m < NM; ++m) {
-      acc0[g][m] = VL<0>::zerof();
-      acc1[g][m] = VL<HALVES - 1>::zerof();
+      acc0[g][m] = LA::zerof();
+      acc1[g][m] = LB::zerof();
     }
   for (int64_t b = 0; b < nb; ++b) {
     const Tile x = tile_at<(T == Q2_K || T == Q3_K || T == Q4_K || T == Q5_K || T == Q6_K || T == IQ4_XS) ? 256 : 32,
@@ -1225,15 +1317,27 @@ static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const 
 #pragma GCC unroll 5
         for (int off = 0; off < k_head(T); off += 64) ahead(p + off);
       }
-      block<VL<0>, T, NM>(p, x, acc0[g]);
-      if constexpr (HALVES == 2) block<VL<HALVES - 1>, T, NM>(p, x, acc1[g]);
+      block<LA, T, NM>(p, x, acc0[g]);
+      if constexpr (TWO) block<LB, T, NM>(p, x, acc1[g]);
     }
   }
   for (int g = 0; g < NG; ++g)
     for (int m = 0; m < NM; ++m) {
-      VL<0>::store(out + (g * a.M + tile * MT + m) * G, acc0[g][m]);
-      if constexpr (HALVES == 2) VL<HALVES - 1>::store(out + (g * a.M + tile * MT + m) * G, acc1[g][m]);
+      LA::store(out + (g * a.M + tile * MT + m) * G, acc0[g][m]);
+      if constexpr (TWO) LB::store(out + (g * a.M + tile * MT + m) * G, acc1[g][m]);
     }
+}
+
+// Lane sets: VNNI all 16 lanes in one zmm; AVX2 up to SSD_VW_ROWS rows of x over all 16 as two
+// ymm (VW), more rows in two passes of 8 lanes (VL<0>, VL<1>) in parts of 4 rows.
+template <int64_t T, int NM, int NG>
+static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
+#if SSD_VNNI
+  group_tile_lanes<T, NM, NG, VL<0>, VL<0>, false>(packed, stride, nb, a, tile, out);
+#else
+  if constexpr (NM <= SSD_VW_ROWS) group_tile_lanes<T, NM, NG, VW, VW, false>(packed, stride, nb, a, tile, out);
+  else group_tile_lanes<T, NM, NG, VL<0>, VL<1>, true>(packed, stride, nb, a, tile, out);
+#endif
 }
 
 // Groups per pass by rows of x: up to as many streams as the registers hold accumulators for.

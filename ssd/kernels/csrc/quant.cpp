@@ -946,90 +946,46 @@ struct VL {
 #define SSD_VW_ROWS 8
 #endif
 
-// All 16 lanes as two ymm (rows 0-7, 8-15) in one pass: for one row of x, whose accumulators
-// fit the registers, so the block is unpacked once (a decode step is bound by the weight stream).
-struct VW {
+// All 16 lanes as two ymm (rows 0-7, 8-15) in one pass, for tiles of up to SSD_VW_ROWS rows of x:
+// each block is unpacked once.
+struct VW {  // each operation is VL<0>'s on lanes 0-7 and VL<1>'s on lanes 8-15
+  using L = VL<0>;
+  using H = VL<1>;
   struct I { __m256i lo, hi; };
   struct F { __m256 lo, hi; };
   static constexpr int kPart = MT;
-  static constexpr bool kQ8Offset = false;  // maddubs would saturate on w + 128: Q8_0 uses signs
-  static I zero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
-  static F zerof() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
-  static I load(const uint8_t* p) {
-    return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))};
-  }
-  static I bytes(int8_t v) { return {_mm256_set1_epi8(v), _mm256_set1_epi8(v)}; }
-  static I and_(I a, I b) { return {_mm256_and_si256(a.lo, b.lo), _mm256_and_si256(a.hi, b.hi)}; }
-  static I hi_nibbles(I a) {
-    const __m256i m = _mm256_set1_epi8(0x0F);
-    return {_mm256_and_si256(_mm256_srli_epi16(a.lo, 4), m), _mm256_and_si256(_mm256_srli_epi16(a.hi, 4), m)};
-  }
-  template <int N> static I shl16(I a) { return {_mm256_slli_epi16(a.lo, N), _mm256_slli_epi16(a.hi, N)}; }
-  template <int N> static I shr16(I a) { return {_mm256_srli_epi16(a.lo, N), _mm256_srli_epi16(a.hi, N)}; }
-  static I or_bits45(I lo, I b) {
-    const __m256i m = _mm256_set1_epi8(0x30);
-    return {_mm256_or_si256(lo.lo, _mm256_and_si256(b.lo, m)), _mm256_or_si256(lo.hi, _mm256_and_si256(b.hi, m))};
-  }
-  static __m256i bit_bytes(uint32_t x) {  // 0xFF in byte i where bit i of x is set
-    const __m256i sel = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
-    const __m256i bit = _mm256_set1_epi64x(int64_t(0x8040201008040201));
-    return _mm256_cmpeq_epi8(_mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(int32_t(x)), sel), bit), bit);
-  }
-  static I add_where(I w, const uint8_t* bits, I v) {
-    const __m256i lo = bit_bytes(rd32(bits)), hi = bit_bytes(rd32(bits + 4));
-    return {_mm256_add_epi8(w.lo, _mm256_and_si256(lo, v.lo)), _mm256_add_epi8(w.hi, _mm256_and_si256(hi, v.hi))};
-  }
-  static I bcast(const void* p) {
-    const __m256i v = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(p));
-    return {v, v};
-  }
-  static I set1(int32_t v) { return {_mm256_set1_epi32(v), _mm256_set1_epi32(v)}; }
-  static I table(const uint8_t* t16) {
-    const __m256i t = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t16)));
-    return {t, t};
-  }
-  static I lookup(I t, I idx) { return {_mm256_shuffle_epi8(t.lo, idx.lo), _mm256_shuffle_epi8(t.hi, idx.hi)}; }
-  static I and32(I a, int32_t m) {
-    const __m256i v = _mm256_set1_epi32(m);
-    return {_mm256_and_si256(a.lo, v), _mm256_and_si256(a.hi, v)};
-  }
-  template <int N> static I shr32(I a) { return {_mm256_srli_epi32(a.lo, N), _mm256_srli_epi32(a.hi, N)}; }
-  // u8 x s8: two products to int16 (no saturation at the magnitudes used here: at most
-  // 2 * 63 * 127), then pairs of those to int32.
-  static __m256i dot8(__m256i acc, __m256i u, __m256i s) {
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-  }
-  static I dot(I acc, I u, I s) { return {dot8(acc.lo, u.lo, s.lo), dot8(acc.hi, u.hi, s.hi)}; }
-  // A run of dot()s summed in maddubs's 16-bit pair sums, widened to 32 bits once at close():
-  // one multiply and one add a dot instead of two multiplies and an add. Exact (the same
-  // integers) while the run's sum stays within int16: each caller bounds its run length by its
-  // weights' range (the pair sums are at most 2 * wmax * 127).
-  static I open(I) { return zero(); }
-  static I pdot(I run, I u, I s) {
-    return {_mm256_add_epi16(run.lo, _mm256_maddubs_epi16(u.lo, s.lo)), _mm256_add_epi16(run.hi, _mm256_maddubs_epi16(u.hi, s.hi))};
-  }
-  static I close(I acc, I run) {
-    const __m256i one = _mm256_set1_epi16(1);
-    return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(run.lo, one)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(run.hi, one))};
-  }
-  static I dot_q8(I acc, I w, I x) {  // w + 128 as stored: |w| times x with w's sign (|w| <= 128)
-    const __m256i f = _mm256_set1_epi8(int8_t(0x80));
-    const __m256i wl = _mm256_xor_si256(w.lo, f), wh = _mm256_xor_si256(w.hi, f);
-    return {dot8(acc.lo, _mm256_abs_epi8(wl), _mm256_sign_epi8(x.lo, wl)),
-            dot8(acc.hi, _mm256_abs_epi8(wh), _mm256_sign_epi8(x.hi, wh))};
-  }
-  static I sub32(I a, I b) { return {_mm256_sub_epi32(a.lo, b.lo), _mm256_sub_epi32(a.hi, b.hi)}; }
-  static __m128i ld64(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
-  static __m128i ld128(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-  static I u8_to_32(const uint8_t* p) { return {_mm256_cvtepu8_epi32(ld64(p)), _mm256_cvtepu8_epi32(ld64(p + 8))}; }
-  static I s8_to_32(const uint8_t* p) { return {_mm256_cvtepi8_epi32(ld64(p)), _mm256_cvtepi8_epi32(ld64(p + 8))}; }
-  static F half(const uint8_t* p) { return {_mm256_cvtph_ps(ld128(p)), _mm256_cvtph_ps(ld128(p + 16))}; }
-  static F cvt(I a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
-  static F set1f(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-  static F mul(F a, F b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
-  static F fma(F a, F b, F c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
-  static F fnma(F a, F b, F c) { return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)}; }
-  static void store(float* p, F a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+  static constexpr bool kQ8Offset = false;
+  static I zero() { return {L::zero(), H::zero()}; }
+  static F zerof() { return {L::zerof(), H::zerof()}; }
+  static I load(const uint8_t* p) { return {L::load(p), H::load(p)}; }
+  static I bytes(int8_t v) { return {L::bytes(v), H::bytes(v)}; }
+  static I and_(I a, I b) { return {L::and_(a.lo, b.lo), H::and_(a.hi, b.hi)}; }
+  static I hi_nibbles(I a) { return {L::hi_nibbles(a.lo), H::hi_nibbles(a.hi)}; }
+  template <int N> static I shl16(I a) { return {L::template shl16<N>(a.lo), H::template shl16<N>(a.hi)}; }
+  template <int N> static I shr16(I a) { return {L::template shr16<N>(a.lo), H::template shr16<N>(a.hi)}; }
+  static I or_bits45(I lo, I b) { return {L::or_bits45(lo.lo, b.lo), H::or_bits45(lo.hi, b.hi)}; }
+  static I add_where(I w, const uint8_t* bits, I v) { return {L::add_where(w.lo, bits, v.lo), H::add_where(w.hi, bits, v.hi)}; }
+  static I bcast(const void* p) { return {L::bcast(p), H::bcast(p)}; }
+  static I set1(int32_t v) { return {L::set1(v), H::set1(v)}; }
+  static I table(const uint8_t* t16) { return {L::table(t16), H::table(t16)}; }
+  static I lookup(I t, I idx) { return {L::lookup(t.lo, idx.lo), H::lookup(t.hi, idx.hi)}; }
+  static I and32(I a, int32_t m) { return {L::and32(a.lo, m), H::and32(a.hi, m)}; }
+  template <int N> static I shr32(I a) { return {L::template shr32<N>(a.lo), H::template shr32<N>(a.hi)}; }
+  static I dot(I acc, I u, I s) { return {L::dot(acc.lo, u.lo, s.lo), H::dot(acc.hi, u.hi, s.hi)}; }
+  static I open(I acc) { return {L::open(acc.lo), H::open(acc.hi)}; }
+  static I pdot(I run, I u, I s) { return {L::pdot(run.lo, u.lo, s.lo), H::pdot(run.hi, u.hi, s.hi)}; }
+  static I close(I acc, I run) { return {L::close(acc.lo, run.lo), H::close(acc.hi, run.hi)}; }
+  static I dot_q8(I acc, I w, I x) { return {L::dot_q8(acc.lo, w.lo, x.lo), H::dot_q8(acc.hi, w.hi, x.hi)}; }
+  static I sub32(I a, I b) { return {L::sub32(a.lo, b.lo), H::sub32(a.hi, b.hi)}; }
+  static I u8_to_32(const uint8_t* p) { return {L::u8_to_32(p), H::u8_to_32(p)}; }
+  static I s8_to_32(const uint8_t* p) { return {L::s8_to_32(p), H::s8_to_32(p)}; }
+  static F half(const uint8_t* p) { return {L::half(p), H::half(p)}; }
+  static F cvt(I a) { return {L::cvt(a.lo), H::cvt(a.hi)}; }
+  static F set1f(float v) { return {L::set1f(v), H::set1f(v)}; }
+  static F mul(F a, F b) { return {L::mul(a.lo, b.lo), H::mul(a.hi, b.hi)}; }
+  static F fma(F a, F b, F c) { return {L::fma(a.lo, b.lo, c.lo), H::fma(a.hi, b.hi, c.hi)}; }
+  static F fnma(F a, F b, F c) { return {L::fnma(a.lo, b.lo, c.lo), H::fnma(a.hi, b.hi, c.hi)}; }
+  static void store(float* p, F a) { L::store(p, a.lo); H::store(p, a.hi); }
 };
 #endif
 

@@ -164,16 +164,16 @@ def check(model, draft, prompts: list, *, mode: str = "sd", engine: dict | None 
     greedy_tokens and sample_tokens. One engine is loaded at a time."""
     from ssd import LLM
 
-    engine, spec = dict(engine or {}), dict(spec or {})
+    engine, spec = engine or {}, spec or {}
     params = params or SamplingParams(temperature=1.0)
     greedy = replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, max_tokens=greedy_tokens)
     sampled = None if params.temperature == 0 else replace(params, max_tokens=sample_tokens)
     batch = max(16, min(samples, 64))
     runs: dict[str, tuple[list, list]] = {}
     # Plain decoding, the speculative engine, then the draft alone (the foil); disjoint seeds.
-    engines = [("plain", model, dict(engine), 0), (mode, model, dict(engine, draft=draft, mode=mode, **spec), 1)]
+    engines = [("plain", model, engine, 0), (mode, model, dict(engine, draft=draft, mode=mode, **spec), 1)]
     if foil and sampled is not None:
-        engines.append(("foil", draft, dict(engine), 2))
+        engines.append(("foil", draft, engine, 2))
     for name, path, options, k in engines:
         log(f"{name}: loading {path}")
         with LLM(path, max_num_seqs=batch, **options) as llm:
@@ -197,6 +197,6 @@ def check(model, draft, prompts: list, *, mode: str = "sd", engine: dict | None 
         if "foil" in runs:
             f = runs["foil"][1][i]
             result.foil_p = homogeneity(a, f)[2]
-            result.foil_power = power(a, f, samples, alpha / len(prompts))
+            result.foil_power = power(a, f, samples, alpha / len(plain_s))  # each test's level, as Report.threshold
         report.sampled.append(result)
     return report

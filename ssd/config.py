@@ -70,6 +70,9 @@ class EngineConfig:
                            else f"a draft model needs mode 'sd' or 'ssd', not {self.mode!r}")
         if self.draft == NGRAM and self.mode != "sd":
             raise SSDError(f"draft='{NGRAM}' (prompt lookup) runs in mode 'sd', not {self.mode!r}")
+        if self.draft == NGRAM and spec.prompt_lookup:
+            raise SSDError(f"prompt_lookup puts prompt lookup beside a draft model; draft='{NGRAM}' is prompt lookup "
+                           "alone")
         if self.threads is not None:
             check_int("threads", self.threads, 1)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

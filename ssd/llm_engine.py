@@ -94,8 +94,12 @@ class LLMEngine:
             check_int("K", k, 0, self.k_max, also=f"(the most this engine was started with) or '{AUTO_K}'")
             self.k_policy = FixedK(k)
         else:
+            opts = self.config.speculation
+            # Prompt lookup beside a draft model in this process (SD; module doc of adaptive_k.py).
+            lookup = NgramSpeculator(opts.ngram_min, opts.ngram_max) \
+                if opts.prompt_lookup is not False and isinstance(self.speculator, LocalSpeculator) else None
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
-                                  self.speculator.step_cost(), self.speculator.measures_steps)
+                                  self.speculator.step_cost(), self.speculator.measures_steps, lookup)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 
@@ -141,8 +145,10 @@ class LLMEngine:
         its records go to the K policy and to each request's metrics."""
         ks = [round_k(k, s.num_tokens, self.draft_context, s.params.max_tokens - len(s.output_ids))
               for s, k in zip(seqs, self.k_policy.choose(seqs))]
+        lookups = {s.seq_id: self.k_policy.lookups[s.seq_id][:k] for s, k in zip(seqs, ks)
+                   if k and s.seq_id in self.k_policy.lookups}
         if any(ks):
-            rounds = speculative_round(self.speculator, self.runner, self.cache, seqs, ks)
+            rounds = speculative_round(self.speculator, self.runner, self.cache, seqs, ks, lookups)
         else:  # plain decoding this round: no draft pass; the draft catches up when next asked
             start = time.perf_counter()
             drawn = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])

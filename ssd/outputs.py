@@ -41,6 +41,10 @@ class RequestMetrics:
     backup_s: float = 0.0  # draft worker: answering misses (jit drafting)
     draft_idle_s: float = 0.0  # draft worker: waiting for the target's next request
     draft_failures: int = 0  # times the draft worker died or timed out and SD took over
+    # SD with prompt lookup beside the draft: rounds that proposed the lookup's tokens, and
+    # the tokens they gained (accepted lookup tokens + the target's token).
+    lookup_rounds: int = 0
+    tokens_on_lookup: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -97,6 +101,9 @@ class RequestMetrics:
         self.backup_s += p.backup_s
         self.draft_idle_s += p.idle_s
         self.draft_failures += p.failed_over
+        if p.lookup:
+            self.lookup_rounds += 1
+            self.tokens_on_lookup += accepted + 1
         if p.hit is not None:  # SSD
             self.hits += p.hit
             self.misses += not p.hit

@@ -8,7 +8,9 @@ import transformers
 
 from ssd import LLM, SamplingParams
 from ssd.exactness import pooled_p_value
+from ssd.errors import SSDError
 from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, Timings, expected_tokens
+from ssd.speculative.ngram import NgramSpeculator
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from ssd.speculative.round import Proposal, Round
 from test_ngram import REPEATING
@@ -16,10 +18,11 @@ from tiny_pair import NEW, PROMPT, V, exact_joint
 
 
 class _Seq:
-    """What AutoK reads of a sequence: its id, length, output so far and max_tokens."""
+    """What AutoK reads of a sequence: its id, length, output so far and max_tokens (and the
+    tokens, for prompt lookup: none here)."""
 
     def __init__(self, seq_id, num_tokens=100, max_tokens=10_000):
-        self.seq_id, self.num_tokens, self.output_ids = seq_id, num_tokens, []
+        self.seq_id, self.num_tokens, self.output_ids, self.token_ids = seq_id, num_tokens, [], []
         self.params = SamplingParams(max_tokens=max_tokens)
 
 
@@ -117,8 +120,11 @@ def test_a_fresh_engine_does_not_prefill_a_long_prompt_for_a_short_answer(smollm
     prompt = "Rome was not built in a day, and neither was any other city of its size. " * 100
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k="auto") as llm:
         [out] = llm.generate([prompt], SamplingParams.greedy(max_tokens=8, ignore_eos=True))
-    assert out.metrics.prompt_tokens > 1500
-    assert sum(out.metrics.k_hist[1:]) == 0 and out.metrics.draft_s == 0.0, out.metrics
+    m = out.metrics
+    assert m.prompt_tokens > 1500
+    # Rounds that proposed anything took prompt lookup's tokens (the prompt repeats), not the
+    # draft's; the draft's prefill of this prompt would take seconds.
+    assert sum(m.k_hist[1:]) == m.lookup_rounds and m.draft_s < 0.01, m
 
 
 def test_stale_engine_wide_rates_do_not_lock_drafting_out():
@@ -285,3 +291,141 @@ def test_auto_k_is_sds_default_and_a_fixed_k_ssds():
     assert SpecOptions().resolved("sd").speculate_k == AUTO_K
     assert SpecOptions().resolved("ssd").speculate_k == SSD_K
     assert SpecOptions(speculate_k=3).resolved("sd").speculate_k == 3
+
+
+# ---- prompt lookup beside the draft ---------------------------------------------------------
+
+class _Text(_Seq):
+    """A sequence with tokens, which prompt lookup reads: a span of `period` tokens repeated."""
+
+    def __init__(self, seq_id, length=120, period=10, max_tokens=10_000, prompt=None):
+        super().__init__(seq_id, max_tokens=max_tokens)
+        self.token_ids = list(prompt) if prompt else [100 + i % period for i in range(length)]
+        self.period = period
+
+    @property
+    def num_tokens(self):
+        return len(self.token_ids)
+
+    @num_tokens.setter
+    def num_tokens(self, value):  # _Seq's constructor sets it
+        pass
+
+    def continuation(self, n):
+        return [100 + (len(self.token_ids) + i) % self.period for i in range(n)]
+
+
+def _lookup_round(policy, seq, draft_accepts, kept=None):
+    """One round as the engine runs it: the policy's choice, then the kept tokens are the text's
+    continuation (kept: other tokens, where the text stops repeating)."""
+    (k,) = policy.choose([seq])
+    lookup = seq.seq_id in policy.lookups
+    truth = kept if kept is not None else seq.continuation(k + 1)
+    proposal = Proposal(policy.lookups[seq.seq_id], lookup=True) if lookup else Proposal([0] * k)
+    accepted = next((i for i in range(k) if proposal.tokens[i] != truth[i]), k) if lookup else min(k, draft_accepts)
+    tokens = truth[:accepted + 1]
+    policy.observe([Round(seq, k, proposal, accepted, tokens, draft_s=0.0 if lookup else 0.01 * k,
+                          verify_s=0.05 + 0.004 * k, step_s=0.01 if k and not lookup else None)])
+    seq.token_ids += tokens
+    seq.output_ids += tokens
+    return k, lookup
+
+
+def _lookup_policy(k_max=8):
+    return AutoK(k_max, lambda rows: 0.05 + 0.004 * (rows - 1), 0.01, steps_measured=True,
+                 lookup=NgramSpeculator(1, 4))
+
+
+def test_lookup_is_learnt_from_rounds_that_did_not_propose_it():
+    """Earlier requests' long matches were all wrong, so this sequence drafts first; its round
+    shows that the lookup's tokens were the kept ones, and the policy proposes them from then
+    on, 8 at a time (no draft step), without a round spent trying them."""
+    policy, seq = _lookup_policy(), _Text(0)
+    for _ in range(10):
+        policy.lookup_engine[3].observe(8, 0)
+    assert _lookup_round(policy, seq, draft_accepts=2)[1] is False
+    rounds = [_lookup_round(policy, seq, draft_accepts=2) for _ in range(10)]
+    assert set(rounds) == {(8, True)}, rounds
+    assert policy.engine.reached[0] == 1, policy.engine.reached  # lookup rounds do not count as the draft's
+
+
+def test_a_lookup_that_is_never_right_is_not_proposed():
+    policy, seq = _lookup_policy(), _Text(0)
+    for _ in range(20):  # the text stops repeating: the lookup's proposals never match
+        k, lookup = _lookup_round(policy, seq, draft_accepts=8, kept=[7] * 9)
+    assert policy.choose([seq])[0] == 8 and 0 not in policy.lookups
+
+
+def test_a_long_prompt_with_a_short_answer_takes_lookup_rounds_not_the_draft():
+    """The draft's catch-up of a long prompt would not pay over 64 tokens; where the lookup
+    finds the text, it proposes instead (a summary quoting its document), else plain decoding."""
+    policy = _lookup_policy()
+    _rounds(policy, [_Seq(1)], lambda k: k, 30)  # the draft is always right ...
+    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # ... and reads 1 ms a token
+    for i in range(8):
+        policy.lookup_engine[3].observe(8, 8)  # long matches were right before
+    seq = _Text(2, length=3000, period=500, max_tokens=64)
+    (k,) = policy.choose([seq])
+    assert k == 8 and policy.lookups[2] == seq.continuation(8)
+    fresh = _Text(3, prompt=list(range(1000, 4000)), max_tokens=64)  # no repeat: no lookup, no draft
+    assert policy.choose([fresh]) == [0] and 3 not in policy.lookups
+
+
+def test_prompt_lookup_beside_the_draft_is_exact_and_used(smollm_dir, truncated_draft, ar_outputs):
+    params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
+    prompts = [REPEATING, "The capital of France is"]
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd") as llm:
+        assert llm.engine.k_policy.lookup is not None  # on by default in SD with auto-K
+        llm.engine.k_policy = _EveryOtherLookup(k_max=4)
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
+    m = outs[0].metrics
+    assert m.lookup_rounds > 0 and m.tokens_on_lookup > m.lookup_rounds and m.rounds > m.lookup_rounds, m
+
+
+class _EveryOtherLookup(_FixedCosts):
+    """Fixed costs, and prompt lookup's proposal wherever it finds one on every other round:
+    lookup and draft rounds mixed in one batch, the draft catching up after lookup rounds."""
+
+    def __init__(self, k_max=4):
+        super().__init__(k_max)
+        self.lookup, self.turn = NgramSpeculator(1, 4), 0
+
+    def choose(self, seqs):
+        ks = super().choose(seqs)
+        self.turn += 1
+        self.lookups = {}
+        for b, s in enumerate(seqs):
+            tokens = self.found.get(s.seq_id, ([], 0))[0]
+            if tokens and (self.turn + b) % 2:
+                self.lookups[s.seq_id] = tokens
+                ks[b] = len(tokens)
+        return ks
+
+
+def test_prompt_lookup_beside_the_draft_sampling_follows_the_target(tiny_pair):
+    target, draft = tiny_pair
+    n, temperature = 4000, 1.0
+    params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
+    with LLM(target, draft=draft, mode="sd", k_max=4, max_num_seqs=500, seed=7) as llm:
+        llm.engine.k_policy = _EveryOtherLookup()
+        outs = llm.generate([PROMPT] * n, params)
+        prompt_ids = llm.encode(PROMPT)
+    tokens = torch.tensor([o.token_ids for o in outs])
+    lookup_rounds = sum(o.metrics.lookup_rounds for o in outs)
+    assert lookup_rounds > 1000 and sum(o.metrics.accepted for o in outs) > 1000, lookup_rounds
+    joint = exact_joint(target, prompt_ids, temperature)
+    for i in range(NEW):
+        marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
+        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+
+
+def test_prompt_lookup_option():
+    assert SpecOptions(prompt_lookup=True).resolved("sd").prompt_lookup
+    for mode, k in (("ssd", None), ("sd", 4)):
+        with pytest.raises(SSDError, match="prompt_lookup beside a draft model applies to mode 'sd'"):
+            SpecOptions(prompt_lookup=True, speculate_k=k).resolved(mode)
+    with pytest.raises(SSDError, match="True, False or None"):
+        SpecOptions(prompt_lookup="yes").resolved("sd")
+    with pytest.raises(SSDError, match="prompt lookup alone"):
+        LLM("smollm2-135m-instruct", draft="ngram", mode="sd", prompt_lookup=True)

@@ -42,6 +42,9 @@ def test_expand_configs():
         "ar", "sd k=4", "ssd k=4 f=1 backup=jit", "ssd k=4 f=auto backup=jit"]
     assert labels(["sd"], 3, peers=["llamacpp"]) == ["sd k=3", "llamacpp", "llamacpp-spec k=3"]
     assert RunConfig("ssd", 4, (4, 2, 1)).label == "ssd k=4 f=4,2,1"
+    assert labels(["ar", "sd", "ngram"], "auto", sweep=("lookup", [True, False])) == [
+        "ar", "sd k=auto lookup=on", "sd k=auto lookup=off", "ngram k=auto"]
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", lookup=False))["prompt_lookup"] is False
 
 
 def test_sweep_gives_one_row_per_value_and_greedy_modes_match_ar(bench):
@@ -123,6 +126,8 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "sd", "--sweep", "k=2,4"], "add ar to --modes"),
     (["--modes", "ar,sd", "--sweep", "f=1,2"], "needs one of the modes ssd"),
     (["--modes", "ar,ngram", "--sweep", "v=full,100"], "needs one of the modes sd, ssd"),
+    (["--modes", "ar,ngram", "--sweep", "lookup=on,off"], "needs one of the modes sd"),
+    (["--modes", "ar,sd", "--sweep", "lookup=on,maybe"], "expected on or off"),
     (["--k", "often"], "bad K 'often'"),
     (["--modes", "ar,sd", "--f", "2"], "apply to mode ssd"),
     (["--f", "2,0"], "--f: expected a whole number >= 1, got '0'"),

@@ -11,7 +11,7 @@ from ssd.bench.report import check_out, earlier_results, format_table, summarise
 from ssd.bench.runner import ENGINE_MODES, PEERS, BenchSpec, FanOut, expand_configs, run_bench
 from ssd.errors import SSDError
 from ssd.models.loader import QUANTIZATIONS
-from ssd.speculative.options import AUTO_K, parse_k
+from ssd.speculative.options import AUTO_K, parse_k, parse_on_off
 from ssd.store import resolve_model
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -54,9 +54,9 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--f", metavar="F", help="SSD fan-out: N, one N per depth (4,2,1) or auto (default: the engine's)")
     b.add_argument("--backup", choices=("jit", "fast"), help="SSD backup on a cache miss (default: the engine's)")
     b.add_argument("--sweep", metavar="KEY=V,V,..",
-                   help="one configuration per value: k=2,4,auto (sd, ssd, ngram), f=1,2,3 (ssd) or v=full,auto,32768 "
-                   "(the draft head's vocabulary, sd and ssd, whose default is auto; see `ssd vocab`); needs ar in "
-                   "--modes")
+                   help="one configuration per value: k=2,4,auto (sd, ssd, ngram), f=1,2,3 (ssd), v=full,auto,32768 "
+                   "(the draft head's vocabulary, sd and ssd, whose default is auto; see `ssd vocab`) or lookup=on,off "
+                   "(prompt lookup beside the draft, sd with --k auto); needs ar in --modes")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 is greedy, where every mode must match AR token for token (default: 0)")
     b.add_argument("--batch-size", type=int, default=1, metavar="B",
@@ -105,13 +105,16 @@ def parse_fan_out(text: str) -> FanOut:
 
 
 def parse_sweep(text: str) -> tuple[str, list]:
-    """--sweep: "k=2,4,auto", "f=1,2,auto" or "v=full,32768,16384" (reduced draft heads)."""
-    m = re.fullmatch(r"\s*([kfv])\s*=\s*(.+)", text)
+    """--sweep: "k=2,4,auto", "f=1,2,auto", "v=full,32768,16384" (reduced draft heads) or
+    "lookup=on,off"."""
+    m = re.fullmatch(r"\s*(k|f|v|lookup)\s*=\s*(.+)", text)
     if not m:
-        raise SSDError(f"bad --sweep {text!r}: expected k=V,V,..., f=V,V,... or v=V,V,... (e.g. k=2,4,6)")
+        raise SSDError(f"bad --sweep {text!r}: expected k=V,V,..., f=V,V,..., v=V,V,... or lookup=on,off "
+                       "(e.g. k=2,4,6)")
     parse = {"k": lambda v, what: AUTO_K if v.strip() == AUTO_K else _positive(v, what),
              "f": _fan_out,
-             "v": lambda v, what: v.strip() if v.strip() in ("full", "auto") else _positive(v, what)}[m[1]]
+             "v": lambda v, what: v.strip() if v.strip() in ("full", "auto") else _positive(v, what),
+             "lookup": lambda v, what: parse_on_off(v)}[m[1]]
     values = [parse(v, f"--sweep {m[1]}") for v in m[2].split(",")]
     if len(set(values)) != len(values):
         raise SSDError(f"--sweep {text!r} repeats a value")
@@ -133,7 +136,7 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     sweep = parse_sweep(args.sweep) if args.sweep else None
     if sweep and "ar" not in modes:
         raise SSDError("--sweep measures speedup vs AR: add ar to --modes")
-    needs = {"k": {"sd", "ssd", "ngram"}, "f": {"ssd"}, "v": {"sd", "ssd"}}
+    needs = {"k": {"sd", "ssd", "ngram"}, "f": {"ssd"}, "v": {"sd", "ssd"}, "lookup": {"sd"}}
     if sweep and not set(modes) & needs[sweep[0]]:
         raise SSDError(f"--sweep {sweep[0]}=... needs one of the modes {', '.join(sorted(needs[sweep[0]]))} in --modes")
     if (args.f or args.backup) and "ssd" not in modes:

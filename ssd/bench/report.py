@@ -37,6 +37,7 @@ class Row:
     accepted_len: float | None = None  # 1 + accepted / rounds: tokens per target pass
     mean_k: float | None = None  # draft tokens asked for per round (auto-K's mean choice)
     k0_share: float | None = None  # rounds at K = 0 (plain decoding chosen by auto-K) / all rounds
+    lookup_share: float | None = None  # SD with prompt lookup beside the draft: lookup rounds / all rounds
     hit_rate: float | None = None  # SSD: rounds whose speculation was in the cache / all rounds
     tokens_per_hit: float | None = None  # SSD: tokens gained per round on a hit
     tokens_per_miss: float | None = None  # SSD: tokens gained per round on a miss
@@ -84,6 +85,7 @@ def _row(name: str, c: RunConfig, records: list[PromptRecord], threads: int) -> 
         accepted_len=1 + accepted / rounds if rounds else None,
         mean_k=_ratio(sum(k * n for k, n in enumerate(k_hist)), sum(k_hist)),
         k0_share=_ratio(k_hist[0], sum(k_hist)) if k_hist else None,
+        lookup_share=_ratio(total("lookup_rounds"), rounds) if total("lookup_rounds") else None,
         hit_rate=_ratio(hits, hits + misses),
         tokens_per_hit=_ratio(total("tokens_on_hit"), hits),
         tokens_per_miss=_ratio(total("tokens_on_miss"), misses),
@@ -117,7 +119,7 @@ def summarise(result: BenchResult) -> list[Row]:
 
 
 COLUMNS = ("set", "config", "n", "thr", "tok/s", "tok/s all", "e2e tok/s", "TTFT s", "accept", "acc len", "K",
-           "K=0", "hit", "speedup", "=AR", "JSON ok")
+           "K=0", "lookup", "hit", "speedup", "=AR", "JSON ok")
 
 
 def _cells(r: Row) -> list[str]:
@@ -126,7 +128,7 @@ def _cells(r: Row) -> list[str]:
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
     return [r.set, r.config, str(r.prompts), str(r.threads or "-"), fmt(r.tok_s, ".1f"), fmt(r.tok_s_agg, ".1f"),
             fmt(r.e2e_tok_s, ".1f"), fmt(r.ttft_s, ".3f"), fmt(r.acceptance, ".0%"), fmt(r.accepted_len, ".2f"),
-            fmt(r.mean_k, ".1f"), fmt(r.k0_share, ".0%"), fmt(r.hit_rate, ".0%"),
+            fmt(r.mean_k, ".1f"), fmt(r.k0_share, ".0%"), fmt(r.lookup_share, ".0%"), fmt(r.hit_rate, ".0%"),
             "-" if r.speedup is None else f"{r.speedup:.2f}x", r.same_as_ar, r.valid]
 
 

@@ -26,7 +26,7 @@ from ssd.store import REGISTRY, gguf_path, resolve_model
 
 ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt lookup (draft="ngram"), no draft model
 PEERS = {"hf": ("hf", "hf-assisted"), "llamacpp": ("llamacpp", "llamacpp-spec")}  # --peers name -> rows
-SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab"}  # --sweep key -> RunConfig field
+SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab", "lookup": "lookup"}  # --sweep key -> RunConfig field
 WARMUP_PROMPT = "Count from one to ten."
 WARMUP_TOKENS = 8
 
@@ -42,12 +42,15 @@ class RunConfig:
     fan_out: FanOut | None = None  # SSD only; None = the engine's default
     backup: str | None = None  # SSD only: "jit" | "fast"; None = the engine's default
     draft_vocab: int | str | None = None  # sd and ssd: the draft head (V, "auto", "full"); None = the engine's default
+    lookup: bool | None = None  # sd: prompt lookup beside the draft (SpecOptions.prompt_lookup); None = the default
 
     @property
     def label(self) -> str:
         f = ",".join(map(str, self.fan_out)) if isinstance(self.fan_out, tuple) else self.fan_out
+        lookup = None if self.lookup is None else "on" if self.lookup else "off"
         parts = [self.mode, *(f"{name}={v}" for name, v in (("k", self.k), ("f", f), ("backup", self.backup),
-                                                           ("v", self.draft_vocab)) if v is not None)]
+                                                           ("v", self.draft_vocab), ("lookup", lookup))
+                              if v is not None)]
         return " ".join(parts)
 
     @property
@@ -64,7 +67,8 @@ def expand_configs(modes: Sequence[str], k: int, fan_out: FanOut | None = None, 
         base = RunConfig(mode) if mode == "ar" else RunConfig(
             mode, k, *((fan_out, backup) if mode == "ssd" else (None, None)))
         applies = sweep is not None and mode != "ar" and (
-            sweep[0] == "k" or (sweep[0] == "f" and mode == "ssd") or (sweep[0] == "v" and mode in ("sd", "ssd")))
+            sweep[0] == "k" or (sweep[0] == "f" and mode == "ssd") or (sweep[0] == "v" and mode in ("sd", "ssd"))
+            or (sweep[0] == "lookup" and mode == "sd"))
         configs += [replace(base, **{SWEEP_FIELDS[sweep[0]]: v}) for v in sweep[1]] if applies else [base]
     for peer in peers:
         plain, spec = PEERS[peer]
@@ -87,7 +91,7 @@ class BenchSpec:
     threads: int | None = None
     draft_quantization: str | None = "auto"  # the engine's option (SpecOptions.draft_quantization)
     seed: int = 0  # of every LLM's sampling generator
-    sweep: str | None = None  # "k" or "f" when the configurations sweep one of them
+    sweep: str | None = None  # the --sweep key ("k", "f", "v", "lookup") when the configurations sweep one
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,
@@ -106,6 +110,8 @@ class BenchSpec:
             kwargs["backup"] = c.backup
         if c.draft_vocab is not None:
             kwargs["draft_vocab"] = c.draft_vocab
+        if c.lookup is not None:
+            kwargs["prompt_lookup"] = c.lookup
         return kwargs
 
 

@@ -40,12 +40,30 @@ catch-up over its remaining tokens. Requests too short to earn a probe on their 
 share the engine's budget: when nothing has drafted for 1 / PROBE_BUDGET times the cheapest
 probe, that sequence probes, with a backoff of its own; without it, rates measured on a draft
 that was useless for a while would keep every later short request from drafting.
+
+Prompt lookup beside the draft (SD with a draft model, `prompt_lookup`): where a sequence's
+newest n-gram occurred before, ssd/speculative/ngram.py proposes what followed it, at no
+draft cost. Its acceptance is counted apart from the draft's, per match length n (1, 2, 3,
+4 or more: a longer match is likelier a copied span), per sequence and engine-wide as above,
+and in every round where the lookup found something, used or not: its tokens are compared
+with the tokens the round kept (agreeing ones count as accepted up to the first that
+differs; past the round's tokens nothing is known), so it is learnt without rounds spent
+trying it. The lookup's K tokens are one more option of the round, gaining E_lookup(K) for
+V(K + 1) with no draft step: the batch's choice weighs them with the draft's K and plain
+decoding.
+Lookup rounds leave the draft behind, so its next drafting round catches up on what they
+added (a catch-up as above). On a summary of a long document the draft's prefill never pays
+and lookup rounds carry the speed-up; on code, lookup takes the rounds that copy a span.
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ssd.engine.sequence import Sequence
 from ssd.speculative.round import Round
+
+if TYPE_CHECKING:  # ngram.py -> speculator.py -> draft_engine.py import round_k from here
+    from ssd.speculative.ngram import NgramSpeculator
 
 PRIOR_RATE = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0  # ... worth this many rounds
@@ -60,6 +78,9 @@ PROBE_BACKOFF = 16  # a probe that gains nothing doubles the wait before the nex
 CATCHUP_GUESS = 0.05  # a catch-up token's cost in draft steps, until one is measured
 EXPLORE_GAP = 4  # a drafting sequence tries one token deeper than chosen every this many rounds ...
 EXPLORE_EVIDENCE = 1.0  # ... while its own (decayed) rounds that reached that position are fewer
+# Prompt lookup's acceptance assumed before any is measured, by match length 1, 2, 3, 4+
+# (replayed on the bench sets, bench/lookup_headroom.py: a 1-token match is rarely a copy).
+LOOKUP_PRIOR = (0.2, 0.4, 0.6, 0.75)
 
 
 @dataclass
@@ -102,6 +123,7 @@ class SeqState:
     idle_s: float = 0.0  # seconds of plain decoding since it last drafted
     backoff: int = 1  # the wait's factor before its next probe
     explore_wait: int = 0  # drafting rounds since it last drafted deeper
+    lookup: list[Acceptance] = field(default_factory=lambda: [Acceptance(SEQ_DECAY) for _ in LOOKUP_PRIOR])
 
 
 def expected_tokens(rates: list[float]) -> list[float]:
@@ -167,6 +189,9 @@ class FixedK:
 
     def __init__(self, k: int):
         self.k_max = k
+        # The last choose()'s prompt-lookup proposals by seq_id (their K is the count chosen);
+        # every other sequence drafts. Only AutoK with prompt lookup fills it.
+        self.lookups: dict[int, list[int]] = {}
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         return [self.k_max] * len(seqs)
@@ -185,12 +210,16 @@ class AutoK(FixedK):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
     def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
-                 steps_measured: bool = False):
+                 steps_measured: bool = False, lookup: "NgramSpeculator | None" = None):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
         steps_measured: the draft times its steps itself (observe's step_s; SD), else a round's
-        wait per draft token is the step's cost (SSD, prompt lookup)."""
+        wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
+        beside the draft (module doc)."""
         super().__init__(k_max)
+        self.lookup = lookup
+        self.lookup_engine = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
+        self.found: dict[int, tuple[list[int], int]] = {}  # seq_id -> this round's lookup and its match class
         self.steps_measured = steps_measured
         self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2)})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
@@ -205,8 +234,15 @@ class AutoK(FixedK):
     def choose(self, seqs: list[Sequence]) -> list[int]:
         prior = self.engine.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
         gains = [expected_tokens(self._state(s).acceptance.rates(self.k_max, prior, SEQ_WEIGHT)) for s in seqs]
-        ks = self._best(gains)
-        self.probing, self.engine_probe = set(), None
+        # Each sequence's options: draft K = 0..k_max tokens (K = 0: plain decoding), then its
+        # lookup's first 1..n tokens; as (tokens expected, rows, draft steps).
+        self.found = {}
+        found = [self._lookup(s) for s in seqs]
+        options = [[(g[k], k + 1, k) for k in range(self.k_max + 1)] + [(lg[k], k + 1, 0) for k in range(1, len(lg))]
+                   for g, (_, lg) in zip(gains, found)]
+        picks = self._best(options)
+        ks = [min(p, self.k_max) for p in picks]
+        self.lookups, self.probing, self.engine_probe = {}, set(), None
         learning = not self.engine_knows()  # too little measured to refuse a catch-up
         # Once learning is over, a probe is worth its catch-up only if drafting, were it to work
         # as the prior assumes, would save more than that over the tokens left (no probe near a
@@ -222,8 +258,15 @@ class AutoK(FixedK):
             # rates, or while too little is measured by the prior's (a long prompt with a short
             # answer is never prefilled for the draft, even by a fresh engine's first request).
             saving = best_case if learning else self._saving(gains[b], ks[b], s)
-            if ks[b] and catchup > max(self.verify(1), saving):
-                ks[b] = 0
+            if ks[b] and picks[b] <= self.k_max and catchup > max(self.verify(1), saving):
+                # No draft for it this round: plain decoding, or its lookup where that is faster.
+                lookup_gain = found[b][1] or [1.0]
+                ks[b] = picks[b] = max(range(len(lookup_gain)), key=lambda k: lookup_gain[k] / self.verify(k + 1))
+                picks[b] += self.k_max if picks[b] else 0
+            if picks[b] > self.k_max:  # a lookup round
+                ks[b] = picks[b] - self.k_max
+                self.lookups[s.seq_id] = found[b][0][:ks[b]]
+                continue
             if ks[b] == 0 and catchup <= best_case:
                 k = min(PROBE_K, self.k_max)
                 # The catch-up grows with the wait whatever it is: the backoff stretches the rest.
@@ -244,7 +287,7 @@ class AutoK(FixedK):
             # A position beyond the chosen K is never reached, so its rate (the engine-wide one)
             # would never be corrected by this sequence: now and then it drafts one token deeper.
             k, state = ks[b], self.seqs[s.seq_id]
-            if 0 < k < self.k_max and s.seq_id not in self.probing \
+            if 0 < k < self.k_max and s.seq_id not in self.probing and s.seq_id not in self.lookups \
                     and state.explore_wait >= EXPLORE_GAP and self._evidence(s, k) < EXPLORE_EVIDENCE:
                 ks[b] = k + 1
                 state.explore_wait = 0
@@ -276,28 +319,43 @@ class AutoK(FixedK):
         per_token = self._round_s(k) / gain[k]
         return left * (plain - per_token)
 
-    def _best(self, gains: list[list[float]]) -> list[int]:
-        """The K per sequence that maximise sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))): the best
-        K common to all, then each sequence's best K given the others' (coordinate ascent)."""
-        n, kmax = len(gains), self.k_max
+    def _lookup(self, seq: Sequence) -> tuple[list[int], list[float]]:
+        """The sequence's prompt-lookup proposal (up to k_max tokens) and E(K) for its first K
+        (empty: no lookup, or nothing found)."""
+        if self.lookup is None:
+            return [], []
+        tokens, n = self.lookup.match(seq, self.k_max)
+        if not tokens:
+            return [], []
+        c = min(n, len(LOOKUP_PRIOR)) - 1
+        self.found[seq.seq_id] = tokens, c
+        prior = self.lookup_engine[c].rates(len(tokens), [LOOKUP_PRIOR[c]] * len(tokens), PRIOR_WEIGHT)
+        return tokens, expected_tokens(self._state(seq).lookup[c].rates(len(tokens), prior, SEQ_WEIGHT))
+
+    def _best(self, options: list[list[tuple[float, int, int]]]) -> list[int]:
+        """Each sequence's option (tokens expected, rows, draft steps; the first k_max + 1 are
+        draft K = 0..k_max) that together maximise sum E_s / (D(deepest draft) + V(sum rows)): the
+        best draft K common to all, then each sequence's best option given the others'
+        (coordinate ascent)."""
+        n, kmax = len(options), self.k_max
         speed = lambda gain, rows, deepest: gain / max(deepest * self.draft_step + self.verify(rows), 1e-9)  # noqa: E731
-        common = max(range(kmax + 1), key=lambda k: speed(sum(g[k] for g in gains), n * (k + 1), k))
-        ks = [common] * n
-        at = [0] * (kmax + 1)  # sequences per K, for the deepest K of the others
+        common = max(range(kmax + 1), key=lambda k: speed(sum(o[k][0] for o in options), n * (k + 1), k))
+        picks = [common] * n
+        at = [0] * (kmax + 1)  # sequences per draft depth, for the deepest of the others
         at[common] = n
-        gain, rows = sum(g[common] for g in gains), n * (common + 1)
+        gain, rows = sum(o[common][0] for o in options), n * (common + 1)
         for _ in range(2):
-            for b in range(n):
-                old = ks[b]
-                at[old] -= 1
+            for b, opts in enumerate(options):
+                old_gain, old_rows, old_depth = opts[picks[b]]
+                at[old_depth] -= 1
                 others = max((k for k in range(kmax + 1) if at[k]), default=0)
-                best = max(range(kmax + 1), key=lambda k: speed(gain - gains[b][old] + gains[b][k],
-                                                                rows - old + k, max(others, k)))
-                gain += gains[b][best] - gains[b][old]
-                rows += best - old
-                at[best] += 1
-                ks[b] = best
-        return ks
+                best = max(range(len(opts)), key=lambda i: speed(gain - old_gain + opts[i][0],
+                                                                 rows - old_rows + opts[i][1], max(others, opts[i][2])))
+                gain += opts[best][0] - old_gain
+                rows += opts[best][1] - old_rows
+                at[opts[best][2]] += 1
+                picks[b] = best
+        return picks
 
     def observe(self, rounds: list[Round]) -> None:
         """One round of the batch (round.py): tokens each sequence drafted and had accepted, the
@@ -305,10 +363,18 @@ class AutoK(FixedK):
         per draft token without catch-up (a prompt's prefill, tokens missed at K = 0: counting
         those would make drafting look dearer the longer it was off) and its catch-up."""
         draft_s, verify_s, step_s, catchup = rounds[0].draft_s, rounds[0].verify_s, rounds[0].step_s, rounds[0].catchup
-        drafted = [r.drafted for r in rounds]
+        drafted = [0 if r.proposal.lookup else r.drafted for r in rounds]  # by the draft model
         for r in rounds:
             s, d, a, state = r.seq, r.drafted, r.accepted, self._state(r.seq)
-            if d:
+            if s.seq_id in self.found:  # the lookup's tokens against those the round kept
+                tokens, c = self.found[s.seq_id]
+                known = min(len(tokens), len(r.tokens))
+                agree = next((i for i in range(known) if tokens[i] != r.tokens[i]), known)
+                state.lookup[c].observe(min(agree + 1, known), agree)
+                self.lookup_engine[c].observe(min(agree + 1, known), agree)
+            if r.proposal.lookup:  # the draft neither ran nor read these: it stays idle
+                state.idle_s += draft_s + verify_s
+            elif d:
                 if s.seq_id in self.probing:
                     state.backoff = 1 if a else min(2 * state.backoff, PROBE_BACKOFF)
                 if s.seq_id == self.engine_probe:
@@ -330,13 +396,16 @@ class AutoK(FixedK):
             per = max(0.0, catchup[0] - self.draft_step) / catchup[1]
             self.catchup_token = per if self.catchup_token is None else \
                 self.catchup_token + TIME_EMA * (per - self.catchup_token)
-        self.verify.observe(sum(drafted) + len(rounds), verify_s)
+        self.verify.observe(sum(r.drafted for r in rounds) + len(rounds), verify_s)
 
     def _state(self, seq: Sequence) -> SeqState:
         return self.seqs.setdefault(seq.seq_id, SeqState())
 
     def release(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
+        self.found.pop(seq_id, None)
+        if self.lookup is not None:
+            self.lookup.release(seq_id)
         self.probing.discard(seq_id)
         if self.engine_probe == seq_id:
             self.engine_probe = None

@@ -38,6 +38,11 @@ class NgramSpeculator(Speculator):
         return {"n-gram indexes": len(self.indexes)}
 
     def lookup(self, seq: Sequence, k: int) -> list[int]:
+        return self.match(seq, k)[0]
+
+    def match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """Up to k tokens that followed the latest earlier occurrence of the sequence's newest
+        n-gram, longest n first, and that n (0: none found, or k = 0)."""
         tokens = seq.token_ids
         index = self.indexes.setdefault(seq.seq_id, _Index())
         # Index the n-grams that end before the newest token (the newest one is the query).
@@ -46,9 +51,9 @@ class NgramSpeculator(Speculator):
                 index.last[tuple(tokens[end - n:end])] = end
         index.seen = max(index.seen, len(tokens) - 1)
         if k <= 0:
-            return []
+            return [], 0
         for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
             start = index.last.get(tuple(tokens[len(tokens) - n:]))
             if start is not None:
-                return tokens[start:start + k]
-        return []
+                return tokens[start:start + k], n
+        return [], 0

@@ -110,9 +110,14 @@ class SpecOptions:
         f"{AUTO_DRAFT_VOCAB} where the target's counts are known (the default target's ship with ssd-engine), "
         "else the full head; full (or None): the draft's whole output layer", flag="--draft-vocab",
         parse=parse_draft_vocab, metavar="V|auto|full")
-    ngram_min: int = _option(1, "draft='ngram': the shortest n-gram looked up", flag="--ngram-min", parse=int,
-                             metavar="N")
-    ngram_max: int = _option(4, "draft='ngram': the longest n-gram looked up (tried first)", flag="--ngram-max",
+    prompt_lookup: bool | None = _option(
+        None, "SD with a draft model and K auto: prompt lookup beside the draft. Where a sequence's newest n-gram "
+        "occurred before, a round may propose what followed it (no draft step) instead of the draft's tokens, "
+        "chosen by their measured acceptance and costs; the output stays exact. Default: on there",
+        flag="--lookup", parse=parse_on_off, metavar="on|off")
+    ngram_min: int = _option(1, "prompt lookup (draft='ngram', or beside a draft): the shortest n-gram looked up",
+                             flag="--ngram-min", parse=int, metavar="N")
+    ngram_max: int = _option(4, "prompt lookup: the longest n-gram looked up (tried first)", flag="--ngram-max",
                              parse=int, metavar="N")
     fan_out: int | list[int] | str = _option(
         3, "fork tokens per depth of the speculation tree: F, one count per depth F0,..,FK, or auto "
@@ -165,6 +170,11 @@ class SpecOptions:
         if mode != "ssd" and changed:
             raise SSDError(f"{', '.join(changed)} only apply to mode 'ssd'")
         check_ngram_sizes(self.ngram_min, self.ngram_max)
+        if self.prompt_lookup not in (None, True, False):
+            raise SSDError(f"prompt_lookup must be True, False or None, got {self.prompt_lookup!r}")
+        if self.prompt_lookup and (mode != "sd" or self.speculate_k != AUTO_K):
+            raise SSDError("prompt_lookup beside a draft model applies to mode 'sd' with speculate_k='auto' "
+                           "(for prompt lookup alone, use draft='ngram')")
         if self.draft_quantization not in ("auto", None, *QUANTIZATIONS):
             raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
                            f"got {self.draft_quantization!r}")

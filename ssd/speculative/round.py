@@ -44,6 +44,7 @@ class Proposal:
     backup_s: float = 0.0  # drafting it on the spot after a miss
     idle_s: float = 0.0  # waiting for this request
     failed_over: bool = False  # SSD: the worker failed during this round and SD took over
+    lookup: bool = False  # prompt lookup's tokens, chosen by the K policy instead of the draft's
 
 
 @dataclass
@@ -70,16 +71,21 @@ class Round:
 
 
 def speculative_round(speculator: "Speculator", target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
-                      ks: list[int]) -> list[Round]:
+                      ks: list[int], lookups: dict[int, list[int]] | None = None) -> list[Round]:
     """One round for the decoding sequences, ks[i] draft tokens asked for seqs[i]; `cache` is
-    the target's KV cache, which `target` writes."""
+    the target's KV cache, which `target` writes. lookups: prompt lookup's tokens by seq_id,
+    proposed for those sequences instead of asking the draft (which then holds nothing new of
+    them: its next round there catches up)."""
+    lookups = lookups or {}
     t0 = time.perf_counter()
-    proposals = speculator.propose(seqs, ks)
+    asked = [(s, k) for s, k in zip(seqs, ks) if s.seq_id not in lookups]
+    drafted = iter(speculator.propose([s for s, _ in asked], [k for _, k in asked]) if asked else [])
+    proposals = [Proposal(lookups[s.seq_id], lookup=True) if s.seq_id in lookups else next(drafted) for s in seqs]
     t1 = time.perf_counter()
     logits = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens, s.num_tokens - 1, len(p.tokens) + 1)
                              for s, p in zip(seqs, proposals)])
     t2 = time.perf_counter()
-    step_s, catchup = speculator.last_step_s(), speculator.last_catchup()
+    step_s, catchup = (speculator.last_step_s(), speculator.last_catchup()) if asked else (None, None)
     rounds, row = [], 0
     for seq, k, prop in zip(seqs, ks, proposals):
         n = len(prop.tokens)
@@ -95,7 +101,8 @@ def speculative_round(speculator: "Speculator", target: ModelRunner, cache: Page
             verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         cache.truncate(seq.seq_id, valid)
-        speculator.kept(seq, valid)
+        if not prop.lookup:
+            speculator.kept(seq, valid)
         tokens = prop.tokens[:verdict.accepted] + [verdict.token]
         lps = None if seq.params.logprobs is None else token_logprobs(rows, tokens, seq.params.logprobs)
         rounds.append(Round(seq, k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, step_s, catchup, lps))

@@ -15,14 +15,11 @@ target's prefill is the same for every policy and left out; the draft's is count
 
     python bench/lookup_headroom.py --sets humaneval,gsm8k,mtbench,aclsum --num-prompts 4 --max-tokens 128
 """
-import argparse
 import itertools
 from types import SimpleNamespace
 
-from tree_headroom import pass_seconds, runner_for
+from tree_headroom import pass_seconds, replay_setup, runner_for
 
-from ssd import LLM, SamplingParams
-from ssd.bench.prompts import load_prompt_set
 from ssd.engine.model_runner import Chunk
 from ssd.speculative.ngram import NgramSpeculator
 
@@ -73,22 +70,7 @@ def replay(prompt: list[int], truth: list[int], top1: list[int], costs: Costs, p
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--draft-weights", default="q4_0")
-    ap.add_argument("--sets", default="humaneval,gsm8k,mtbench,aclsum")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    args = ap.parse_args()
-
-    outputs = []  # (set, prompt ids, output ids)
-    with LLM(args.model) as llm:
-        for name in args.sets.split(","):
-            for p in load_prompt_set(name)[:args.num_prompts]:
-                chat = [{"role": "user", "content": p.text}]
-                out = llm.generate(chat, SamplingParams.greedy(max_tokens=args.max_tokens))[0]
-                outputs.append((name, llm.encode(chat), out.token_ids))
+    args, outputs = replay_setup(__doc__.split("\n\n")[0], "humaneval,gsm8k,mtbench,aclsum")
     longest = max(len(a) + len(b) for _, a, b in outputs)
     draft = runner_for(args.draft, args.draft_weights, max(longest, 1024) + 32)
     target = runner_for(args.model, "auto", 256)

@@ -61,23 +61,29 @@ def simulate(top1, top2, p1, truth, k: int, tau: float | None) -> tuple[int, int
     return tokens, rounds, rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def replay_setup(description: str, sets: str) -> tuple[argparse.Namespace, list[tuple[str, list[int], list[int]]]]:
+    """The command line of a replay script, and the target's greedy outputs on its prompt sets:
+    (set, prompt ids, output ids) per prompt."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("--draft-weights", default="q4_0")
-    ap.add_argument("--sets", default="humaneval,gsm8k,mtbench")
+    ap.add_argument("--sets", default=sets)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
-
-    outputs = []  # (set, prompt ids, output ids)
+    outputs = []
     with LLM(args.model) as llm:
         for name in args.sets.split(","):
             for p in load_prompt_set(name)[:args.num_prompts]:
                 chat = [{"role": "user", "content": p.text}]
                 out = llm.generate(chat, SamplingParams.greedy(max_tokens=args.max_tokens))[0]
                 outputs.append((name, llm.encode(chat), out.token_ids))
+    return args, outputs
+
+
+def main() -> None:
+    args, outputs = replay_setup(__doc__.split("\n\n")[0], "humaneval,gsm8k,mtbench")
     longest = max(len(a) + len(b) for _, a, b in outputs)
     draft = runner_for(args.draft, args.draft_weights, longest + 32)
     target = runner_for(args.model, "auto", 256)

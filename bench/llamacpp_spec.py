@@ -6,6 +6,10 @@ position, which is not how llama.cpp's users speculate).
 
     python bench/llamacpp_spec.py --bin "$(bash bench/llamacpp.sh)" --all --num-prompts 4 --k 3,5,8 --threads 2
 
+With --lookup, llama.cpp's prompt lookup instead (`llama-lookup`, n-gram drafting from the
+context, no draft model; build it beside the others with
+`cmake --build build --target llama-lookup`).
+
 Each prompt is rendered with the target's chat template, as `ssd bench` renders it, and
 decoded greedily for --max-tokens tokens; the figures are llama-speculative's own "decoded N
 tokens in S seconds" and its acceptance. Per set and K: all decoded tokens / all seconds.
@@ -24,14 +28,16 @@ DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
 ACCEPT = re.compile(r"n_drafted\s*=\s*(\d+).*?n_accept\s*=\s*(\d+)", re.S)
 
 
-def run(binary: Path, target: Path, draft: Path, prompt: str, k: int, max_tokens: int, threads: int
+def run(binary: Path, target: Path, draft: Path | None, prompt: str, k: int, max_tokens: int, threads: int
         ) -> tuple[int, float, int, int]:
+    """One prompt through llama-speculative, or llama-lookup where draft is None."""
     with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
         f.write(prompt)
         f.flush()
-        cmd = [str(binary / "llama-speculative"), "-m", str(target), "-md", str(draft), "-f", f.name,
-               "-n", str(max_tokens), "-t", str(threads), "-tb", str(threads), "-td", str(threads),
-               "-tbd", str(threads), "--temp", "0", "-c", "4096", "--spec-draft-n-max", str(k)]
+        model = ["llama-lookup"] if draft is None else [
+            "llama-speculative", "-md", str(draft), "-td", str(threads), "-tbd", str(threads)]
+        cmd = [str(binary / model[0]), *model[1:], "-m", str(target), "-f", f.name, "-n", str(max_tokens),
+               "-t", str(threads), "-tb", str(threads), "--temp", "0", "-c", "4096", "--spec-draft-n-max", str(k)]
         out = subprocess.run(cmd, capture_output=True, text=True, check=True)
     log = out.stdout + out.stderr
     (n, s), (drafted, accepted) = DECODED.search(log).groups(), ACCEPT.search(log).groups()
@@ -49,11 +55,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", default="3,5,8", help="draft tokens per round (--spec-draft-n-max), one run each")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--lookup", action="store_true", help="llama-lookup (prompt lookup) instead of a draft model")
     args = ap.parse_args()
     tok = load_tokenizer(resolve_model(args.model))
-    target, draft = gguf_path(args.model), gguf_path(args.draft)
+    target, draft = gguf_path(args.model), None if args.lookup else gguf_path(args.draft)
+    tool = "llama-lookup" if args.lookup else "llama-speculative"
     sets = list(PROMPT_SETS) if args.all else args.sets or ["humaneval"]
-    print(f"| set | config | thr | n | tok/s all | accept |\n|---|---|---:|---:|---:|---:|")
+    print("| set | config | thr | n | tok/s all | accept |\n|---|---|---:|---:|---:|---:|")
     for name in sets:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
                                            tokenize=False) for p in load_prompt_set(name, args.num_prompts)]
@@ -61,7 +69,7 @@ def main() -> None:
             runs = [run(args.bin, target, draft, p, k, args.max_tokens, args.threads) for p in prompts]
             tokens, seconds = sum(r[0] for r in runs), sum(r[1] for r in runs)
             drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
-            print(f"| {name} | llama-speculative k={k} | {args.threads} | {len(runs)} | {tokens / seconds:.1f} | "
+            print(f"| {name} | {tool} k={k} | {args.threads} | {len(runs)} | {tokens / seconds:.1f} | "
                   f"{accepted / max(drafted, 1):.0%} |", flush=True)
 
 

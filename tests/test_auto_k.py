@@ -371,6 +371,26 @@ def test_a_long_prompt_with_a_short_answer_takes_lookup_rounds_not_the_draft():
     assert policy.choose([fresh]) == [0] and 3 not in policy.lookups
 
 
+def test_the_drafts_catch_up_must_pay_against_the_lookup_not_plain_decoding():
+    """A 600-token document being summarised: against plain decoding the draft's catch-up
+    (0.6 s) would pay over 128 tokens, against the lookup rounds this sequence has been taking
+    it would not, so a round where the lookup finds nothing decodes plainly, and the draft
+    never reads the document."""
+    policy = _lookup_policy()
+    _rounds(policy, [_Seq(1)], lambda k: k, 30)  # the draft is always right ...
+    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # ... and reads 1 ms a token
+    for i in range(8):
+        policy.lookup_engine[3].observe(8, 8)
+    seq = _Text(2, length=600, period=300, max_tokens=128)
+    for _ in range(3):
+        (k,) = policy.choose([seq])
+        assert k == 8 and 2 in policy.lookups
+    seq.token_ids += [5000, 5001, 5002, 5003]  # text never seen: no lookup this round
+    assert policy.choose([seq]) == [0] and 2 not in policy.lookups
+    plain = _Text(3, prompt=list(range(1000, 1600)), max_tokens=128)  # never a lookup: the draft pays
+    assert policy.choose([plain])[0] > 0
+
+
 def test_prompt_lookup_beside_the_draft_is_exact_and_used(smollm_dir, truncated_draft, ar_outputs):
     params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
     prompts = [REPEATING, "The capital of France is"]

@@ -124,6 +124,7 @@ class SeqState:
     backoff: int = 1  # the wait's factor before its next probe
     explore_wait: int = 0  # drafting rounds since it last drafted deeper
     lookup: list[Acceptance] = field(default_factory=lambda: [Acceptance(SEQ_DECAY) for _ in LOOKUP_PRIOR])
+    without: float | None = None  # seconds a token without the draft (plain, or its lookup), moving average
 
 
 def expected_tokens(rates: list[float]) -> list[float]:
@@ -257,10 +258,16 @@ class AutoK(FixedK):
             # What drafting saves over the tokens left must pay a long catch-up: by the measured
             # rates, or while too little is measured by the prior's (a long prompt with a short
             # answer is never prefilled for the draft, even by a fresh engine's first request).
-            saving = best_case if learning else self._saving(gains[b], ks[b], s)
+            # Saves against what the sequence would do without the draft: plain decoding, or its
+            # lookup where that is faster (a summary copying its document), averaged over its
+            # rounds (matches come and go).
+            lookup_gain, state = found[b][1] or [1.0], self.seqs[s.seq_id]
+            now = min(self.verify(k + 1) / lookup_gain[k] for k in range(len(lookup_gain)))
+            state.without = now if state.without is None else state.without + TIME_EMA * (now - state.without)
+            saving = self._saving(hopeful if learning else gains[b], hopeful_k if learning else ks[b], s,
+                                  state.without)
             if ks[b] and picks[b] <= self.k_max and catchup > max(self.verify(1), saving):
                 # No draft for it this round: plain decoding, or its lookup where that is faster.
-                lookup_gain = found[b][1] or [1.0]
                 ks[b] = picks[b] = max(range(len(lookup_gain)), key=lambda k: lookup_gain[k] / self.verify(k + 1))
                 picks[b] += self.k_max if picks[b] else 0
             if picks[b] > self.k_max:  # a lookup round
@@ -311,13 +318,12 @@ class AutoK(FixedK):
         per = self.catchup_token if self.catchup_token is not None else CATCHUP_GUESS * self.draft_step
         return self.draft_step + per * tokens
 
-    def _saving(self, gain: list[float], k: int, seq: Sequence) -> float:
+    def _saving(self, gain: list[float], k: int, seq: Sequence, without: float | None = None) -> float:
         """Seconds that drafting k tokens a round saves over the sequence's remaining tokens,
-        against plain decoding (one sequence's view)."""
+        against `without` seconds a token (default: plain decoding's; one sequence's view)."""
         left = seq.params.max_tokens - len(seq.output_ids)
-        plain = self.verify(1)
         per_token = self._round_s(k) / gain[k]
-        return left * (plain - per_token)
+        return left * ((self.verify(1) if without is None else without) - per_token)
 
     def _lookup(self, seq: Sequence) -> tuple[list[int], list[float]]:
         """The sequence's prompt-lookup proposal (up to k_max tokens) and E(K) for its first K

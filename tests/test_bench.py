@@ -188,3 +188,20 @@ def test_help_lists_every_option():
                  "--f", "--backup", "--sweep", "--temperature", "--batch-size", "--max-tokens", "--ignore-eos",
                  "--peers", "--out", "humaneval, gsm8k, mtbench, aclsum"):
         assert flag in r.stdout
+
+
+def test_a_lookup_sweep_is_plotted(tmp_path):
+    """--sweep lookup=on,off: the sweep's plot names its values on and off."""
+    from ssd.bench.prompts import BenchPrompt
+    from ssd.bench.runner import BenchResult, PromptRecord
+    configs = expand_configs(["ar", "sd"], "auto", sweep=("lookup", [True, False]))
+    spec = BenchSpec("m", "d", configs, sweep="lookup")
+    metrics = dict(output_tokens=9, decode_s=1.0, tokens_per_second=8.0, ttft_s=0.1, rounds=4, drafted=8,
+                   accepted=4, k_hist=[0, 0, 4], lookup_rounds=1, accepted_by_position=[3, 1],
+                   drafted_by_position=[4, 4])
+    records = [PromptRecord("s", "p", c.label, 0, 1.0, [1] * 9, metrics) for c in configs]
+    result = BenchResult(spec, {"s": [BenchPrompt("s", "p", "text")]}, records, threads=2)
+    rows = summarise(result)
+    assert [r.lookup_share for r in rows] == [0.25, 0.25, 0.25]
+    names = {p.name for p in write_plots(tmp_path, result, rows)}
+    assert "speedup_vs_lookup.png" in names

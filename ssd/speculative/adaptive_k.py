@@ -50,8 +50,7 @@ with the tokens the round kept (agreeing ones count as accepted up to the first 
 differs; past the round's tokens nothing is known), so it is learnt without rounds spent
 trying it. The lookup's K tokens are one more option of the round, gaining E_lookup(K) for
 V(K + 1) with no draft step: the batch's choice weighs them with the draft's K and plain
-decoding.
-Lookup rounds leave the draft behind, so its next drafting round catches up on what they
+decoding. Lookup rounds leave the draft behind, so its next drafting round catches up on what they
 added (a catch-up as above). On a summary of a long document the draft's prefill never pays
 and lookup rounds carry the speed-up; on code, lookup takes the rounds that copy a span.
 """
@@ -268,8 +267,8 @@ class AutoK(FixedK):
                                   state.without)
             if ks[b] and picks[b] <= self.k_max and catchup > max(self.verify(1), saving):
                 # No draft for it this round: plain decoding, or its lookup where that is faster.
-                ks[b] = picks[b] = max(range(len(lookup_gain)), key=lambda k: lookup_gain[k] / self.verify(k + 1))
-                picks[b] += self.k_max if picks[b] else 0
+                k = max(range(len(lookup_gain)), key=lambda k: lookup_gain[k] / self.verify(k + 1))
+                ks[b], picks[b] = 0, self.k_max + k if k else 0
             if picks[b] > self.k_max:  # a lookup round
                 ks[b] = picks[b] - self.k_max
                 self.lookups[s.seq_id] = found[b][0][:ks[b]]

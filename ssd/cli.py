@@ -21,6 +21,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=("auto", "gguf", "dequantized", "int8"), default="auto",
                    help="gguf: a GGUF model's own quantised blocks (CPU); dequantized: a copy in --dtype (the "
                         "values transformers loads); auto: gguf for a GGUF model on a CPU (default: auto)")
+    p.add_argument("--cuda-graph-rows", type=int, default=16, metavar="P",
+                   help="CUDA: the target's passes of up to P tokens run as one CUDA graph padded to P rows, so a "
+                        "token's logits have the same bits in a decode step and a verify pass (SD/SSD == AR while "
+                        "batch x (K+1) <= P); longer passes in graphs of 2P, 4P, ...; 0: eager (default: 16)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (default: full blocks of prompts seen before, and of earlier "
                         "turns of a chat, are read from the KV cache)")
@@ -68,7 +72,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     from ssd.speculative.options import SpecOptions
 
     kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len,
-              weights=args.weights, enable_prefix_caching=args.prefix_caching)
+              weights=args.weights, enable_prefix_caching=args.prefix_caching, cuda_graph_rows=args.cuda_graph_rows)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")
@@ -188,7 +192,8 @@ def cmd_check(args: argparse.Namespace) -> None:
         prompts = [[{"role": "user", "content": p}] if isinstance(p, str) else p for p in prompts]
     kw = llm_kwargs(args)
     draft, mode = kw.pop("draft"), kw.pop("mode")
-    engine_keys = ("device", "dtype", "threads", "max_model_len", "weights", "enable_prefix_caching")
+    engine_keys = ("device", "dtype", "threads", "max_model_len", "weights", "enable_prefix_caching",
+                   "cuda_graph_rows")
     engine = {key: kw.pop(key) for key in engine_keys}
     report = check(args.model, draft, prompts, mode=mode, engine=engine, spec=kw, params=sampling_params(args),
                    greedy_tokens=args.max_tokens, samples=args.samples, sample_tokens=args.sample_tokens,

@@ -60,6 +60,10 @@ class EngineConfig:
     seed: int | None = None
     weights: str = "auto"
     enable_prefix_caching: bool = True  # full blocks of shared prompt prefixes computed once (kv_cache.py)
+    # On CUDA, the target's passes of up to this many tokens run as one CUDA graph padded to this
+    # many rows (engine/cuda_graphs.py); 0: eager. One row count keeps SD/SSD == AR while a pass
+    # holds no more tokens (batch x (K + 1)).
+    cuda_graph_rows: int = 16
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -77,6 +81,7 @@ class EngineConfig:
             check_int("threads", self.threads, 1)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             check_int(name, getattr(self, name), 1)
+        check_int("cuda_graph_rows", self.cuda_graph_rows, 0, 1024)
         if self.kv_cache_tokens is not None:
             check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         if self.seed is not None:

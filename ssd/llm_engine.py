@@ -57,9 +57,10 @@ class LLMEngine:
         self.registry.register("target KV cache", self.cache)
         if self.speculator:
             self.registry.register("speculator", self.speculator)
-        self.runner = ModelRunner(model, self.cache, config.device)
-        self.runner.warm_up()
         self.k_max = config.speculation.k_max
+        self.runner = ModelRunner(model, self.cache, config.device, target_buckets(config, self.k_max),
+                                  max_keys=config.max_model_len + self.k_max + 1)
+        self.runner.warm_up()
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: FixedK | AutoK | None = None
         if self.speculator:
@@ -228,3 +229,16 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
         fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,
         backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head),
         prefix_caching=config.enable_prefix_caching)
+
+
+def target_buckets(config: EngineConfig, k_max: int) -> list[int] | None:
+    """The target's CUDA-graph buckets (engine/cuda_graphs.py): P = cuda_graph_rows rows for
+    every pass of up to P tokens (one shape: SD and SSD == AR there), then 2P, 4P, ... up to a
+    full batch's verify pass (at most 256 rows); None on a CPU or with cuda_graph_rows=0."""
+    rows = config.cuda_graph_rows
+    if config.device.type != "cuda" or rows == 0:
+        return None
+    buckets = [rows]
+    while buckets[-1] < min(256, config.max_num_seqs * (k_max + 1)):
+        buckets.append(buckets[-1] * 2)
+    return buckets

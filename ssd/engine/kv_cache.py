@@ -39,6 +39,7 @@ class PagedKVCache:
         self.lengths: dict[int, int] = {}  # owner -> leading positions whose K/V are written
         self.prefix = None if prefix_salt is None else PrefixCache(block_size, prefix_salt)
         self.names: dict[int, list[bytes]] = {}  # owner -> names of its leading full blocks
+        self._scratch: int | None = None
 
     def cached(self, owner: int) -> int:
         """Leading positions of `owner` whose K/V are in the cache."""
@@ -98,6 +99,13 @@ class PagedKVCache:
         """Owners with blocks or written positions, and the blocks they hold."""
         return {"owners": len(self.tables.keys() | self.lengths.keys()), "blocks": self.blocks_in_use}
 
+    def scratch_slot(self) -> int:
+        """A slot no owner ever gets (its block is taken for good): the padding tokens of a
+        captured step write their K/V there (cuda_graphs.py)."""
+        if self._scratch is None:
+            self._scratch = self._take() * self.block_size
+        return self._scratch
+
     def slots(self, owner: int, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions start..end-1 of `owner` (a CPU LongTensor), to read."""
         table = torch.tensor(self.tables[owner], dtype=torch.long)
@@ -105,8 +113,13 @@ class PagedKVCache:
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def writable(self, owner: int, start: int, end: int) -> torch.Tensor:
-        """Slots of positions start..end-1 to write into: a block there that others hold is
-        copied first (copy on write), and one only this owner holds loses its name."""
+        """Slots of positions start..end-1 to write into (prepare_write)."""
+        self.prepare_write(owner, start, end)
+        return self.slots(owner, start, end)
+
+    def prepare_write(self, owner: int, start: int, end: int) -> None:
+        """Make positions start..end-1 writable: a block there that others hold is copied
+        first (copy on write), and one only this owner holds loses its name."""
         table, bs = self.tables[owner], self.block_size
         for i in range(start // bs, -(-end // bs)):
             block = table[i]
@@ -119,7 +132,6 @@ class PagedKVCache:
                 self.prefix.forget(block)
         if owner in self.names:
             del self.names[owner][start // bs:]
-        return self.slots(owner, start, end)
 
     # ---- prefix caching --------------------------------------------------------------------
     def match(self, owner: int, tokens: list[int]) -> int:

@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ssd.engine.cuda_graphs import CapturedSteps
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.layers.attention import AttentionBatch
 from ssd.models.decoder import DecoderLM
@@ -24,8 +25,14 @@ class Chunk:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, cache: PagedKVCache, device: torch.device):
+    def __init__(self, model: DecoderLM, cache: PagedKVCache, device: torch.device,
+                 graph_buckets: list[int] | None = None, max_keys: int = 0):
+        """graph_buckets: passes of up to max(graph_buckets) tokens, whose attention rows hold at
+        most max_keys keys, run as CUDA graphs padded to the smallest bucket that holds them
+        (cuda_graphs.py); None: every pass eagerly."""
         self.model, self.cache, self.device = model, cache, device
+        self.steps = None if not graph_buckets else CapturedSteps(model, cache.kv, cache.scratch_slot(), max_keys,
+                                                                  graph_buckets)
 
     def warm_up(self) -> None:
         """One throw-away forward pass of one token: every kernel the model calls is built (or
@@ -43,7 +50,7 @@ class ModelRunner:
             best = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                self.forward([Chunk(owner, [0] * rows, 0, rows)])
+                self.forward([Chunk(owner, [0] * rows, 0, rows)]).cpu()  # .cpu(): waits for a GPU
                 best = min(best, time.perf_counter() - t0)
             return best
         finally:
@@ -53,6 +60,14 @@ class ModelRunner:
     def forward(self, chunks: list[Chunk], head: bool = True) -> torch.Tensor:
         """Logits [sum of num_logits, vocab] in chunk order (head=False: final hidden states)."""
         lengths = [len(c.tokens) for c in chunks]
+        ends = [c.start + n for c, n in zip(chunks, lengths)]
+        if self.steps is not None and self.steps.fits(sum(lengths), len(chunks), max(ends)):
+            for c, end in zip(chunks, ends):
+                self.cache.prepare_write(c.owner, c.start, end)
+            out = self.steps.run_chunks(chunks, self.cache.tables, self.cache.block_size, head)
+            for c, end in zip(chunks, ends):
+                self.cache.written(c.owner, end)
+            return out
         input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
         positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)])
         slot_mapping = torch.cat([self.cache.writable(c.owner, c.start, c.start + n)
@@ -78,6 +93,8 @@ class ModelRunner:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
             logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
         """One forward pass over tokens placed by an explicit attention batch (a draft tree)."""
+        if self.steps is not None and self.steps.fits(len(input_ids), *batch.rows.shape):
+            return self.steps.run(input_ids, positions, batch, logits_index, head)
         dev = self.device
         batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
         return self.model(input_ids.to(dev), positions.to(dev), batch, self.cache.kv,

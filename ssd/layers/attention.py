@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ssd.kernels import attention_cpu, fused_cpu
+from ssd.kernels import attention_cpu, attention_triton, fused_cpu, fused_triton
 from ssd.layers.linear import Linear
 from ssd.layers.norm import RMSNorm
 from ssd.layers.rotary import RotaryEmbedding
@@ -96,14 +96,19 @@ class Attention(nn.Module):
             # prefill or verify pass would round differently (SD != AR on near-ties).
             q, k = self.q_norm(q.contiguous()), self.k_norm(k.contiguous())
         k_cache, v_cache = kv[0], kv[1]
-        rotated = fused_cpu.rope_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
-                                       batch.slot_mapping)
+        fused = fused_triton if fused_triton.available(q) else fused_cpu
+        rotated = fused.rope_cache(q, k, v, positions, self.rotary.cos, self.rotary.sin, k_cache, v_cache,
+                                   batch.slot_mapping)
         if rotated is not None:
             q = rotated
         else:
             q, k = self.rotary(positions, q, k)
             k_cache.index_copy_(0, batch.slot_mapping, k)
             v_cache.index_copy_(0, batch.slot_mapping, v)
+        if attention_triton.available(q):  # windows in the kernel: no host sync, so CUDA graphs can hold it
+            o = attention_triton.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len, self.scale,
+                                           softcap=self.softcap, window=self.window)
+            return self.o_proj(o.reshape(t, self.q_size))
         if self.window is not None:
             batch = batch.windowed(self.window)
         o = attention_cpu.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len,

@@ -1,7 +1,7 @@
 import torch
 from torch import nn
 
-from ssd.kernels import fused_cpu
+from ssd.kernels import fused_cpu, fused_triton
 from ssd.kernels.fallback import rows_apart
 
 
@@ -12,6 +12,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fused_triton.available(x):
+            return fused_triton.rms_norm(x, self.weight, self.eps)
         y = fused_cpu.rms_norm(x, self.weight, self.eps)
         if y is not None:
             return y

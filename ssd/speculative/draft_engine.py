@@ -78,7 +78,9 @@ class DraftEngine:
         self.max_len = cfg.max_position_embeddings
         self.head = DraftHead(model, vocab_ids, device)
         self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype, prefix_salt)
-        self.runner = ModelRunner(model, self.kv, device)
+        # A draft's bits need not match anything: buckets of every size, each its own graph.
+        buckets = [1 << i for i in range(7)] if device.type == "cuda" else None
+        self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=min(self.max_len, cache_tokens) + k_max + 1)
         self.runner.warm_up()
         self.seqs: dict[int, DraftSeq] = {}
         self.step_s: float | None = None  # the last draft() call's mean step, catch-up steps left out

@@ -22,7 +22,7 @@ fi
 if [[ $PARTS == *" e2e "* ]]; then
     timeout 100 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
         --out /tmp/synth --accept 0.8 2>&1 | tail -3
-    for b in 1 4; do
+    for b in ${BATCHES:-1 4}; do
         timeout 150 "${SSD[@]}" bench --model /tmp/synth/target --draft /tmp/synth/draft --prompts "$PROMPTS" \
             --max-tokens 256 --ignore-eos --modes ar,sd,ssd --k 4 --f 2 --batch-size $b --no-progress \
             --out "$OUT/e2e-b$b" 2>&1 | grep -v "incorrect regex" | tail -40

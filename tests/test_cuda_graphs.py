@@ -102,16 +102,17 @@ def reference(q, k_cache, v_cache, rows, q_row, q_len, scale, softcap=None, wind
     (1, 1, 32, None, None),
     (2, 4, 96, 5.0, None),  # a head size that is no power of two (Phi-3), Gemma 2's soft cap
     (3, 2, 64, None, 40),  # a sliding window shorter than most rows
+    (1, 2, 32, None, 600),  # a window of two splits
 ])
 def test_interpreted_attention_matches_float64(interpreted, kv_heads, group, dim, softcap, window):
     """Causal chunks sharing a row, tree nodes with rows of their own, lengths across tiles."""
     g = torch.Generator().manual_seed(kv_heads * 100 + dim)
-    slots = 200
+    slots = 1400
     k_cache = torch.randn(slots, kv_heads, dim, generator=g)
     v_cache = torch.randn(slots, kv_heads, dim, generator=g)
-    rows = torch.stack([torch.randperm(slots, generator=g)[:140] for _ in range(3)])
-    q_row = torch.tensor([0, 0, 1, 2])
-    q_len = torch.tensor([1, 65, 129, 7])
+    rows = torch.stack([torch.randperm(slots, generator=g)[:1200] for _ in range(3)])
+    q_row = torch.tensor([0, 0, 1, 2, 2])
+    q_len = torch.tensor([1, 65, 1100, 7, 513])  # 1100 and 513: several splits of 512 keys, merged
     q = torch.randn(len(q_row), kv_heads * group, dim, generator=g)
     out = interpreted.attention(q, k_cache, v_cache, rows, q_row, q_len, dim ** -0.5, softcap=softcap, window=window)
     ref = reference(q, k_cache, v_cache, rows, q_row, q_len, dim ** -0.5, softcap, window)
@@ -122,10 +123,10 @@ def test_interpreted_attention_matches_float64(interpreted, kv_heads, group, dim
 def test_interpreted_attention_is_batch_invariant(interpreted):
     """A query's output has the same bits alone and among others (its keys walked in one order)."""
     g = torch.Generator().manual_seed(7)
-    k_cache, v_cache = torch.randn(200, 2, 64, generator=g), torch.randn(200, 2, 64, generator=g)
-    rows = torch.randperm(200, generator=g)[:150].view(1, 150)
+    k_cache, v_cache = torch.randn(900, 2, 64, generator=g), torch.randn(900, 2, 64, generator=g)
+    rows = torch.randperm(900, generator=g)[:800].view(1, 800)
     q = torch.randn(3, 8, 64, generator=g)
-    lens = torch.tensor([150, 17, 65])
+    lens = torch.tensor([800, 17, 65])
     together = interpreted.attention(q, k_cache, v_cache, rows, torch.zeros(3, dtype=torch.long), lens, 0.125)
     for t in range(3):
         alone = interpreted.attention(q[t:t + 1], k_cache, v_cache, rows, torch.zeros(1, dtype=torch.long),

@@ -2,12 +2,13 @@
 
 The same contract as the CPU kernel (attention_cpu.py) and AttentionBatch: query t sees the
 keys in cache slots ``rows[q_row[t], :q_len[t]]`` (a sliding-window layer: the last `window`
-of them). One program serves one token and one kv head: it loads the token's query heads of
-that group and walks the keys from the first (or the window's first) in tiles of BLOCK keys,
-with an online softmax. Nothing in that walk depends on the other tokens of the call, their
-number or their rows, so a query's output has the same bits in a decode step, a verify pass,
-a tree step or a prefill chunk (batch-invariant, as exact speculation needs), and no split of
-the keys among programs changes with the batch.
+of them). A program serves one token, one kv head and one split of SPLIT keys: it loads the
+token's query heads of that group and walks its keys in tiles of BLOCK, with an online
+softmax; a token with several splits has them merged in split order by a second kernel. The
+splits are cut at fixed key positions of the token's own row, so nothing depends on the other
+tokens of the call, their number or their rows: a query's output has the same bits in a
+decode step, a verify pass, a tree step or a prefill chunk (batch-invariant, as exact
+speculation needs), while a long context is still read by many programs at once.
 
 It reads q_len on the device and never syncs with the host, so a CUDA graph can capture it
 (ssd/engine/cuda_graphs.py). On a CPU it runs only under ``TRITON_INTERPRET=1`` (the tests).
@@ -23,6 +24,7 @@ except ImportError:  # a CPU install without triton: the callers keep SDPA
     triton = None
 
 BLOCK = 64  # keys per tile
+SPLIT = 512  # keys per program: a long row is walked by several programs, merged in a fixed order
 
 
 def available(q: torch.Tensor) -> bool:
@@ -32,53 +34,99 @@ def available(q: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, rows_ptr, q_row_ptr, q_len_ptr, row_stride, key_stride, scale, softcap,
-                          window, KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr,
-                          D: tl.constexpr, D_P: tl.constexpr, BLOCK_N: tl.constexpr, SOFTCAP: tl.constexpr,
+    def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, rows_ptr, q_row_ptr, q_len_ptr,
+                          row_stride, key_stride, scale, softcap, window, splits,
+                          KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
+                          D_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
                           WINDOW: tl.constexpr, IEEE: tl.constexpr):
+        """Program (t, h, j): keys [j * SPLIT, (j + 1) * SPLIT) of token t's window, kv head h.
+        A token with one split writes its output; with more, each writes its running max,
+        sum and unnormalised output for _combine_kernel."""
         t = tl.program_id(0)
         h = tl.program_id(1)
+        j = tl.program_id(2)
         row = tl.load(q_row_ptr + t)
         n = tl.load(q_len_ptr + t)
         start = 0
         if WINDOW:
             start = tl.maximum(n - window, 0)
-        g = tl.arange(0, GROUP_P)
-        d = tl.arange(0, D_P)
-        gd_mask = (g < GROUP)[:, None] & (d < D)[None, :]
-        heads = h * GROUP + g
-        q = tl.load(q_ptr + (t * KV_HEADS * GROUP + heads)[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
-        m = tl.full([GROUP_P], float("-inf"), tl.float32)
-        total = tl.zeros([GROUP_P], tl.float32)
-        acc = tl.zeros([GROUP_P, D_P], tl.float32)
-        for s0 in range(start, n, BLOCK_N):
-            s = s0 + tl.arange(0, BLOCK_N)
-            live = s < n
-            slot = tl.load(rows_ptr + row.to(tl.int64) * row_stride + s * key_stride, mask=live, other=0).to(tl.int64)
-            kv_mask = live[:, None] & (d < D)[None, :]
-            at = (slot * KV_HEADS + h)[:, None] * D + d[None, :]
-            k = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
-            if IEEE:
-                x = tl.dot(q, tl.trans(k), input_precision="ieee")
+        lo = start + j * SPLIT
+        if lo < n:
+            hi = tl.minimum(n, lo + SPLIT)
+            g = tl.arange(0, GROUP_P)
+            d = tl.arange(0, D_P)
+            gd_mask = (g < GROUP)[:, None] & (d < D)[None, :]
+            heads = h * GROUP + g
+            q = tl.load(q_ptr + (t * KV_HEADS * GROUP + heads)[:, None] * D + d[None, :], mask=gd_mask, other=0.0)
+            m = tl.full([GROUP_P], float("-inf"), tl.float32)
+            total = tl.zeros([GROUP_P], tl.float32)
+            acc = tl.zeros([GROUP_P, D_P], tl.float32)
+            for s0 in range(lo, hi, BLOCK_N):
+                s = s0 + tl.arange(0, BLOCK_N)
+                live = s < hi
+                slot = tl.load(rows_ptr + row.to(tl.int64) * row_stride + s * key_stride, mask=live,
+                               other=0).to(tl.int64)
+                kv_mask = live[:, None] & (d < D)[None, :]
+                at = (slot * KV_HEADS + h)[:, None] * D + d[None, :]
+                k = tl.load(k_ptr + at, mask=kv_mask, other=0.0)
+                v = tl.load(v_ptr + at, mask=kv_mask, other=0.0)
+                if IEEE:
+                    x = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    x = tl.dot(q, tl.trans(k))
+                x = x * scale
+                if SOFTCAP:  # cap * tanh(x / cap), tanh from exp (no tanh in tl)
+                    x = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
+                x = tl.where(live[None, :], x, float("-inf"))
+                m_new = tl.maximum(m, tl.max(x, 1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(x - m_new[:, None])
+                total = total * alpha + tl.sum(p, 1)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m = m_new
+            if n - start <= SPLIT:
+                out = acc / total[:, None]
+                tl.store(o_ptr + (t * KV_HEADS * GROUP + heads)[:, None] * D + d[None, :],
+                         out.to(o_ptr.dtype.element_ty), mask=gd_mask)
             else:
-                x = tl.dot(q, tl.trans(k))
-            x = x * scale
-            if SOFTCAP:  # cap * tanh(x / cap), tanh from exp (no tanh in tl)
-                x = softcap * (1.0 - 2.0 / (tl.exp(2.0 * x / softcap) + 1.0))
-            x = tl.where(live[None, :], x, float("-inf"))
-            m_new = tl.maximum(m, tl.max(x, 1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(x - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
-        out = acc / total[:, None]
-        tl.store(o_ptr + (t * KV_HEADS * GROUP + heads)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=gd_mask)
+                part = ((t * KV_HEADS + h) * splits + j).to(tl.int64)
+                tl.store(m_ptr + part * GROUP_P + g, m)
+                tl.store(l_ptr + part * GROUP_P + g, total)
+                tl.store(acc_ptr + (part * GROUP_P + g)[:, None] * D_P + d[None, :], acc)
+
+    @triton.jit
+    def _combine_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, q_len_ptr, window, splits, KV_HEADS: tl.constexpr,
+                        GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
+                        SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+        """Program (t, h): a token's splits merged in split order (a fixed order: the bits do
+        not depend on the batch)."""
+        t = tl.program_id(0)
+        h = tl.program_id(1)
+        n = tl.load(q_len_ptr + t)
+        start = 0
+        if WINDOW:
+            start = tl.maximum(n - window, 0)
+        count = tl.cdiv(n - start, SPLIT)
+        if count > 1:
+            g = tl.arange(0, GROUP_P)
+            d = tl.arange(0, D_P)
+            base = ((t * KV_HEADS + h) * splits).to(tl.int64)
+            top = tl.full([GROUP_P], float("-inf"), tl.float32)
+            for j in range(0, count):
+                top = tl.maximum(top, tl.load(m_ptr + (base + j) * GROUP_P + g))
+            total = tl.zeros([GROUP_P], tl.float32)
+            acc = tl.zeros([GROUP_P, D_P], tl.float32)
+            for j in range(0, count):
+                w = tl.exp(tl.load(m_ptr + (base + j) * GROUP_P + g) - top)
+                total += tl.load(l_ptr + (base + j) * GROUP_P + g) * w
+                acc += tl.load(acc_ptr + ((base + j) * GROUP_P + g)[:, None] * D_P + d[None, :]) * w[:, None]
+            out = acc / total[:, None]
+            gd_mask = (g < GROUP)[:, None] & (d < D)[None, :]
+            tl.store(o_ptr + (t * KV_HEADS * GROUP + h * GROUP + g)[:, None] * D + d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=gd_mask)
 
 
 def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
@@ -93,9 +141,19 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
     out = torch.empty_like(q)
     if t == 0:
         return out
-    _attention_kernel[(t, kv_heads)](
-        q.contiguous(), k_cache, v_cache, out, rows, q_row, q_len, rows.stride(0), rows.stride(1), scale,
-        softcap or 1.0, window or 0, KV_HEADS=kv_heads, GROUP=group,
-        GROUP_P=max(16, triton.next_power_of_2(group)), D=dim, D_P=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=BLOCK, SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=q.dtype is torch.float32)
+    # The grid comes from the rows' width, which a captured step keeps fixed; programs past a
+    # token's keys return at once.
+    splits = triton.cdiv(min(rows.shape[1], window or rows.shape[1]), SPLIT)
+    group_p, dim_p = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(dim))
+    m = torch.empty(t, kv_heads, splits, group_p, dtype=torch.float32, device=q.device)
+    total = torch.empty_like(m)
+    acc = torch.empty(t, kv_heads, splits, group_p, dim_p, dtype=torch.float32, device=q.device)
+    meta = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_P=group_p, D=dim, D_P=dim_p, SPLIT=SPLIT,
+                WINDOW=window is not None)
+    _attention_kernel[(t, kv_heads, splits)](
+        q.contiguous(), k_cache, v_cache, out, m, total, acc, rows, q_row, q_len, rows.stride(0), rows.stride(1),
+        scale, softcap or 1.0, window or 0, splits, BLOCK_N=BLOCK, SOFTCAP=softcap is not None,
+        IEEE=q.dtype is torch.float32, **meta)
+    if splits > 1:
+        _combine_kernel[(t, kv_heads)](out, m, total, acc, q_len, window or 0, splits, **meta)
     return out

@@ -100,7 +100,8 @@ class LLMEngine:
             lookup = NgramSpeculator(opts.ngram_min, opts.ngram_max) \
                 if opts.prompt_lookup is not False and isinstance(self.speculator, LocalSpeculator) else None
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
-                                  self.speculator.step_cost(), self.speculator.measures_steps, lookup)
+                                  self.speculator.step_cost(), self.speculator.measures_steps, lookup,
+                                  opts.draft_window)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 
@@ -228,7 +229,7 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
         fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,
         backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head),
-        prefix_caching=config.enable_prefix_caching)
+        prefix_caching=config.enable_prefix_caching, window=opts.draft_window)
 
 
 def target_buckets(config: EngineConfig, k_max: int) -> list[int] | None:

@@ -45,6 +45,11 @@ def test_expand_configs():
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("lookup", [True, False])) == [
         "ar", "sd k=auto lookup=on", "sd k=auto lookup=off", "ngram k=auto"]
     assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", lookup=False))["prompt_lookup"] is False
+    assert labels(["ar", "sd", "ngram"], "auto", sweep=("w", ["all", 64])) == [
+        "ar", "sd k=auto w=all", "sd k=auto w=64", "ngram k=auto"]
+    spec = BenchSpec("m", "d", [])
+    assert spec.engine_kwargs(RunConfig("sd", "auto", draft_window="all"))["draft_window"] is None
+    assert spec.engine_kwargs(RunConfig("sd", "auto", draft_window=64))["draft_window"] == 64
 
 
 def test_sweep_gives_one_row_per_value_and_greedy_modes_match_ar(bench):
@@ -128,6 +133,8 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "ar,ngram", "--sweep", "v=full,100"], "needs one of the modes sd, ssd"),
     (["--modes", "ar,ngram", "--sweep", "lookup=on,off"], "needs one of the modes sd"),
     (["--modes", "ar,sd", "--sweep", "lookup=on,maybe"], "expected on or off"),
+    (["--modes", "ar,ngram", "--sweep", "w=all,64"], "needs one of the modes sd, ssd"),
+    (["--modes", "ar,sd", "--sweep", "w=all,0"], "--sweep w: expected a whole number >= 1, got '0'"),
     (["--k", "often"], "bad K 'often'"),
     (["--modes", "ar,sd", "--f", "2"], "apply to mode ssd"),
     (["--f", "2,0"], "--f: expected a whole number >= 1, got '0'"),

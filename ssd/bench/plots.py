@@ -101,7 +101,8 @@ def plot_sweep(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
     ax.set_xticks(range(len(values)), [",".join(map(str, v)) if isinstance(v, tuple) else "full" if v is None
                                        else ("on" if v else "off") if isinstance(v, bool) else str(v) for v in values])
     ax.set_xlabel({"k": "K (draft tokens per round)", "f": "f (SSD fan-out)",
-                   "v": "V (tokens of the draft's head)", "lookup": "prompt lookup beside the draft"}[key])
+                   "v": "V (tokens of the draft's head)", "lookup": "prompt lookup beside the draft",
+                   "w": "W (the draft's window, tokens)"}[key])
     ax.set_ylabel("speedup vs AR (decode tok/s)")
     ax.grid(alpha=0.3)
     return _save(fig, ax, result, path)

@@ -210,14 +210,14 @@ class AutoK(FixedK):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
     def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
-                 steps_measured: bool = False, lookup: "NgramSpeculator | None" = None):
+                 steps_measured: bool = False, lookup: "NgramSpeculator | None" = None, window: int | None = None):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
         steps_measured: the draft times its steps itself (observe's step_s; SD), else a round's
         wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
-        beside the draft (module doc)."""
+        beside the draft (module doc); window: the most tokens a catch-up reads (draft_window)."""
         super().__init__(k_max)
-        self.lookup = lookup
+        self.lookup, self.window = lookup, window
         self.lookup_engine = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
         self.found: dict[int, tuple[list[int], int]] = {}  # seq_id -> this round's lookup and its match class
         self.steps_measured = steps_measured
@@ -315,7 +315,7 @@ class AutoK(FixedK):
     def _catchup_s(self, tokens: int) -> float:
         """The draft's pass over `tokens` it has not seen: a step plus a cost per token."""
         per = self.catchup_token if self.catchup_token is not None else CATCHUP_GUESS * self.draft_step
-        return self.draft_step + per * tokens
+        return self.draft_step + per * (tokens if self.window is None else min(tokens, self.window))
 
     def _saving(self, gain: list[float], k: int, seq: Sequence, without: float | None = None) -> float:
         """Seconds that drafting k tokens a round saves over the sequence's remaining tokens,

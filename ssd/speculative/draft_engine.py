@@ -35,6 +35,9 @@ class DraftSeq:
     seq_id: int
     params: SamplingParams
     generator: torch.Generator | None
+    # Leading context tokens the draft dropped (DraftEngine's window): tokens[i] is the
+    # context's token offset + i, at draft position i.
+    offset: int = 0
     processor: LogitsProcessor | None = None  # SD: the request's penalties and constraint, the draft's copy
     tokens: list[int] = field(default_factory=list)  # confirmed tokens, then the current speculation
     confirmed: int = 0
@@ -59,21 +62,26 @@ class DraftSeq:
         """The outcome (k, t) of its round, as its next request tells it (before sync applies
         it): the first num_valid tokens stand, then new_tokens. None: a first request, or one
         after the draft's context was cut short."""
-        if not (self.spec and self.confirmed <= num_valid and len(new_tokens) == 1):
+        valid = num_valid - self.offset
+        if not (self.spec and self.confirmed <= valid and len(new_tokens) == 1):
             return None
-        return num_valid - self.confirmed, new_tokens[0]
+        return valid - self.confirmed, new_tokens[0]
 
 
 class DraftEngine:
     def __init__(self, model: DecoderLM, device: torch.device, *, k_max: int, cache_tokens: int,
                  block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None,
-                 vocab_ids: tuple[int, ...] | None = None, prefix_salt: str | None = None):
+                 vocab_ids: tuple[int, ...] | None = None, prefix_salt: str | None = None,
+                 window: int | None = None):
         """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
         vocab_ids: the token ids of a reduced-vocabulary head (the model's logits are for those,
         in that order): the draft proposes only them and each sequence's own tokens (DraftHead),
         and its q is 0 on every other token. prefix_salt: the draft's own prefix cache
-        (PagedKVCache), None for none."""
+        (PagedKVCache), None for none. window: the most tokens of a context the draft reads
+        when catching up; beyond that it starts over from the context's last `window` tokens
+        (positions from 0: RoPE sees the same distances), None for all."""
         cfg = model.config
+        self.window = window
         self.k_max, self.device, self.saguaro = k_max, device, saguaro
         self.max_len = cfg.max_position_embeddings
         self.head = DraftHead(model, vocab_ids, device)
@@ -97,7 +105,8 @@ class DraftEngine:
         model = shared_model(resolve_model(cfg.model), device, getattr(torch, cfg.dtype), cfg.weights, ids)
         return cls(model, device, k_max=cfg.k_max, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
                    seed=cfg.seed, saguaro=saguaro, vocab_ids=ids,
-                   prefix_salt=f"{cfg.model}|{cfg.dtype}|{cfg.weights}" if cfg.prefix_caching else None)
+                   prefix_salt=f"{cfg.model}|{cfg.dtype}|{cfg.weights}" if cfg.prefix_caching else None,
+                   window=cfg.window)
 
     def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None,
              k: int, processor: LogitsProcessor | None = None) -> DraftSeq:
@@ -110,9 +119,13 @@ class DraftEngine:
             if params is None:
                 raise SSDError(f"draft protocol: first request for sequence {seq_id} carries no params")
             s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params), processor)
-        if not 0 <= num_valid <= len(s.tokens) or not (new_tokens or num_valid):
-            raise SSDError(f"draft protocol: sequence {seq_id} keeps {num_valid} of {len(s.tokens)} "
+        if num_valid == 0:  # the whole context again
+            s.offset = 0
+            s.tokens.clear()
+        if not 0 <= num_valid - s.offset <= len(s.tokens) or not (new_tokens or num_valid):
+            raise SSDError(f"draft protocol: sequence {seq_id} keeps {num_valid} of {s.offset + len(s.tokens)} "
                            f"tokens and adds {len(new_tokens)}")
+        num_valid -= s.offset
         del s.tokens[num_valid:]
         first = not s.tokens
         s.tokens += new_tokens
@@ -171,6 +184,7 @@ class DraftEngine:
             chunks = []
             for b in live:
                 s = seqs[b]
+                self._window(s)
                 s.cached = min(s.cached, len(s.tokens) - 1)  # feed at least the newest token
                 self.kv.reserve(s.seq_id, len(s.tokens))
                 chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, 1))
@@ -191,6 +205,18 @@ class DraftEngine:
         self.step_s = sum(steps) / len(steps) if steps else None
         self.catchup = (catchup_s, catchup_tokens) if catchup_tokens else None
         return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+    def _window(self, s: DraftSeq) -> None:
+        """More than `window` tokens unread: drop all but the context's last `window` and
+        start over from them (the target verifies every token, so the draft may see less)."""
+        drop = len(s.tokens) - self.window if self.window is not None else 0
+        if drop <= 0 or len(s.tokens) - s.cached <= self.window:
+            return
+        del s.tokens[:drop]
+        s.offset += drop
+        s.confirmed -= drop
+        self.kv.release(s.seq_id)
+        s.cached = self.kv.match(s.seq_id, s.tokens)
 
     def _forced(self, seqs: list[DraftSeq], ks: list[int], tokens: list[list[int]],
                 qs: list[list[torch.Tensor]]) -> None:
@@ -213,6 +239,7 @@ class DraftEngine:
         their extra columns' token ids (DraftHead)."""
         chunks = []
         for s in seqs:
+            self._window(s)
             s.cached = min(s.cached, s.confirmed - 1)  # re-feed from the target's newest token
             self.kv.truncate(s.seq_id, s.cached)
             self.kv.reserve(s.seq_id, len(s.tokens))

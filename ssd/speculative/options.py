@@ -115,6 +115,11 @@ class SpecOptions:
         "occurred before, a round may propose what followed it (no draft step) instead of the draft's tokens, "
         "chosen by their measured acceptance and costs; the output stays exact. Default: on there",
         flag="--lookup", parse=parse_on_off, metavar="on|off")
+    draft_window: int | None = _option(
+        None, "the most tokens of a context the draft reads when it catches up (a prompt, or what it missed "
+        "while not drafting): beyond that it starts over from the context's last W tokens, as if they were "
+        "its whole context; the target still reads all, the output stays exact. Default: all of it",
+        flag="--draft-window", parse=int, metavar="W")
     ngram_min: int = _option(1, "prompt lookup (draft='ngram', or beside a draft): the shortest n-gram looked up",
                              flag="--ngram-min", parse=int, metavar="N")
     ngram_max: int = _option(4, "prompt lookup: the longest n-gram looked up (tried first)", flag="--ngram-max",
@@ -169,6 +174,8 @@ class SpecOptions:
         changed = [f.name for f in fields(self) if f.metadata["ssd_only"] and getattr(self, f.name) != f.default]
         if mode != "ssd" and changed:
             raise SSDError(f"{', '.join(changed)} only apply to mode 'ssd'")
+        if self.draft_window is not None:
+            check_int("draft_window", self.draft_window, 16)
         check_ngram_sizes(self.ngram_min, self.ngram_max)
         if self.prompt_lookup not in (None, True, False):
             raise SSDError(f"prompt_lookup must be True, False or None, got {self.prompt_lookup!r}")
@@ -256,6 +263,7 @@ class DraftConfig:
     saguaro_c: float | None = None
     vocab_ids: list[int] | None = None  # a reduced-vocabulary head's token ids (see SpecOptions.draft_vocab)
     prefix_caching: bool = True  # the draft's own prefix cache (EngineConfig.enable_prefix_caching)
+    window: int | None = None  # SpecOptions.draft_window
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -35,13 +35,13 @@ class DraftSeq:
     seq_id: int
     params: SamplingParams
     generator: torch.Generator | None
-    # Leading context tokens the draft dropped (DraftEngine's window): tokens[i] is the
-    # context's token offset + i, at draft position i.
-    offset: int = 0
     processor: LogitsProcessor | None = None  # SD: the request's penalties and constraint, the draft's copy
     tokens: list[int] = field(default_factory=list)  # confirmed tokens, then the current speculation
     confirmed: int = 0
     cached: int = 0  # leading tokens whose K/V are in the draft's cache
+    # Leading context tokens the draft dropped (DraftEngine's window): tokens[i] is the
+    # context's token offset + i, at draft position i.
+    offset: int = 0
     extra: ExtraTokens = field(default_factory=ExtraTokens)
     cache: SpeculationCache = field(default_factory=SpeculationCache)  # SSD
     # SSD: whether the current speculation came from the cache, and the fork candidates of
@@ -118,7 +118,7 @@ class DraftEngine:
         if s is None:
             if params is None:
                 raise SSDError(f"draft protocol: first request for sequence {seq_id} carries no params")
-            s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params), processor)
+            s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params), processor=processor)
         if num_valid == 0:  # the whole context again
             s.offset = 0
             s.tokens.clear()

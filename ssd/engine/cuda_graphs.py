@@ -6,16 +6,17 @@ rate). A graph replays the whole pass in one launch.
 
 A pass of T tokens runs in the graph of the smallest bucket B >= T: its tokens are padded to
 B (a padding token writes its K/V to a scratch slot no sequence owns, and sees only that
-slot), and its inputs (token ids, positions, slots, attention rows) travel to the GPU in one
-copy from one pinned buffer into the graph's static inputs. Longer passes (prompt chunks)
-run eagerly.
+slot), and its inputs (token ids, positions, slots, attention rows) are written with numpy into
+pinned buffers and reach the graph's static inputs in two copies. Longer passes (prompt
+chunks) run eagerly.
 
 Exactness: cuBLAS picks its kernel, so its reduction order, by the row count, so a row's
-logits depend on the bucket it ran in. The target's runner therefore gets one bucket of P rows
-(EngineConfig.cuda_graph_rows): a decode step and a verify pass of up to P tokens then give
-each token the same bits, and greedy SD and SSD equal AR while a pass holds at most P tokens
-(batch x (K + 1)). The attention kernel (kernels/attention_triton.py) is batch-invariant at
-any size. A draft's bits need not match anything, so its runner gets buckets 1, 2, 4, ...
+logits depend on the bucket it ran in. The target's smallest bucket is therefore P rows
+(EngineConfig.cuda_graph_rows), the next ones 2P, 4P, ... (llm_engine.target_buckets): a
+decode step and a verify pass of up to P tokens give each token the same bits, and greedy SD
+and SSD equal AR while a pass holds at most P tokens (batch x (K + 1)). The attention kernel
+(kernels/attention_triton.py) is batch-invariant at any size. A draft's bits need not match
+anything, so its runner gets buckets 1, 2, 4, ...
 """
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import torch
 
 from ssd.layers.attention import AttentionBatch
 
-INPUTS = 6  # token ids, positions, slots, q_row, q_len, the rows wanted out
+INPUTS = 6  # token ids, positions, slots, q_row, q_len, the rows wanted out: P each
+WANTED = 5  # the index of the last
 
 
 class CapturedSteps:
@@ -98,7 +100,7 @@ class CapturedSteps:
         for i, (x, pad) in enumerate(((ids, 0), (pos, 0), (slots, self.scratch), (q_row, r), (q_len, 1))):
             h[i * p:i * p + t] = x
             h[i * p + t:i * p + b] = pad
-        h[5 * p:5 * p + len(wanted)] = wanted
+        h[WANTED * p:WANTED * p + len(wanted)] = wanted
         width = max(len(row) for row in rows)
         table = self.host_rows_np[:self.max_keys * b].reshape(self.max_keys, b)
         for j, row in enumerate(rows):
@@ -119,11 +121,11 @@ class CapturedSteps:
             out = self._forward(b, head)
         else:
             graph.replay()
-        return out[self.static[5 * p:5 * p + len(wanted)]]
+        return out[self.static[WANTED * p:WANTED * p + len(wanted)]]
 
     def _views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         p, x = self.rows_max, self.static
-        ids, pos, slots, q_row, q_len = (x[i * p:i * p + b] for i in range(5))
+        ids, pos, slots, q_row, q_len = (x[i * p:i * p + b] for i in range(WANTED))
         rows = self.static_rows[b].view(self.max_keys, b).t()  # [b, keys], strided
         if not rows.is_cuda:  # the CPU kernels (tests) take contiguous int64 rows
             rows = rows.contiguous().long()

@@ -70,25 +70,18 @@ class CapturedSteps:
         wanted = np.arange(t) if logits_index is None else logits_index.cpu().numpy()
         return self._launch(*host[:5], wanted, host[5], head)
 
-    def run_chunks(self, chunks: list, tables: dict[int, list[int]], block_size: int, head: bool) -> torch.Tensor:
-        """ModelRunner.forward's causal chunks (one attention row each), read straight from the
-        block tables: the decode step's host work is a few numpy writes."""
-        rows, ids, pos, wanted = [], [], [], []
-        offsets = np.arange(block_size)
-        t = 0
-        for c in chunks:
-            n, end = len(c.tokens), c.start + len(c.tokens)
-            table = np.asarray(tables[c.owner][:-(-end // block_size)])
-            rows.append((table[:, None] * block_size + offsets).ravel()[:end])
-            ids += c.tokens
-            pos.append(np.arange(c.start, end))
-            wanted.append(np.arange(t + n - c.num_logits, t + n))
-            t += n
-        pos = np.concatenate(pos)
+    def run_chunks(self, chunks: list, cache, head: bool) -> torch.Tensor:
+        """ModelRunner.forward's causal chunks (one attention row each), their slots read from
+        the cache's block tables as numpy: the decode step's host work is a few numpy writes."""
+        rows = [cache.slot_array(c.owner, c.start + len(c.tokens)) for c in chunks]
         lengths = [len(c.tokens) for c in chunks]
+        ends = np.cumsum(lengths)
+        pos = np.concatenate([np.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)])
         slots = np.concatenate([row[c.start:] for row, c in zip(rows, chunks)])
+        wanted = np.concatenate([np.arange(end - c.num_logits, end) for c, end in zip(chunks, ends)])
+        ids = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=int(ends[-1]))
         q_row = np.repeat(np.arange(len(chunks)), lengths)
-        return self._launch(np.asarray(ids), pos, slots, q_row, pos + 1, np.concatenate(wanted), rows, head)
+        return self._launch(ids, pos, slots, q_row, pos + 1, wanted, rows, head)
 
     def _launch(self, ids, pos, slots, q_row, q_len, wanted, rows, head: bool) -> torch.Tensor:
         t, r = len(ids), len(rows)

@@ -13,6 +13,7 @@ With prefix caching (prefix_cache.py), full blocks of confirmed tokens are named
 one (`writable`) copies it first, so neither rollback nor speculation changes a block that
 another sequence or the cache still reads.
 """
+import numpy as np
 import torch
 
 from ssd.engine.prefix_cache import PrefixCache
@@ -108,9 +109,16 @@ class PagedKVCache:
 
     def slots(self, owner: int, start: int, end: int) -> torch.Tensor:
         """Cache slots of positions start..end-1 of `owner` (a CPU LongTensor), to read."""
-        table = torch.tensor(self.tables[owner], dtype=torch.long)
-        pos = torch.arange(start, end)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return torch.from_numpy(self.slot_array(owner, end)[start:])
+
+    def slot_array(self, owner: int, end: int) -> np.ndarray:
+        """Cache slots of positions 0..end-1 of `owner`, as int64 numpy (the captured steps
+        write them straight into their pinned inputs)."""
+        bs = self.block_size
+        table = np.asarray(self.tables[owner][:-(-end // bs)], dtype=np.int64)
+        if len(table) * bs < end:
+            raise IndexError(f"owner {owner} holds {len(table) * bs} slots, not {end}")
+        return (table[:, None] * bs + np.arange(bs)).ravel()[:end]
 
     def writable(self, owner: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions start..end-1 to write into (prepare_write)."""

@@ -64,7 +64,7 @@ class ModelRunner:
         if self.steps is not None and self.steps.fits(sum(lengths), len(chunks), max(ends)):
             for c, end in zip(chunks, ends):
                 self.cache.prepare_write(c.owner, c.start, end)
-            out = self.steps.run_chunks(chunks, self.cache.tables, self.cache.block_size, head)
+            out = self.steps.run_chunks(chunks, self.cache, head)
             for c, end in zip(chunks, ends):
                 self.cache.written(c.owner, end)
             return out

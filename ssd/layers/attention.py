@@ -108,13 +108,13 @@ class Attention(nn.Module):
         if attention_triton.available(q):  # windows in the kernel: no host sync, so CUDA graphs can hold it
             o = attention_triton.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len, self.scale,
                                            softcap=self.softcap, window=self.window)
-            return self.o_proj(o.reshape(t, self.q_size))
-        if self.window is not None:
-            batch = batch.windowed(self.window)
-        o = attention_cpu.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len,
-                                    self.scale, softcap=self.softcap)
-        if o is None:
-            o = self._sdpa(q, k_cache, v_cache, batch)
+        else:
+            if self.window is not None:
+                batch = batch.windowed(self.window)
+            o = attention_cpu.attention(q, k_cache, v_cache, batch.rows, batch.q_row, batch.q_len,
+                                        self.scale, softcap=self.softcap)
+            if o is None:
+                o = self._sdpa(q, k_cache, v_cache, batch)
         return self.o_proj(o.reshape(t, self.q_size))
 
     def _sdpa(self, q, k_cache, v_cache, batch: AttentionBatch) -> torch.Tensor:

@@ -96,12 +96,16 @@ class LLMEngine:
             self.k_policy = FixedK(k)
         else:
             opts = self.config.speculation
-            # Prompt lookup beside a draft model in this process (SD; module doc of adaptive_k.py).
-            lookup = NgramSpeculator(opts.ngram_min, opts.ngram_max) \
-                if opts.prompt_lookup is not False and isinstance(self.speculator, LocalSpeculator) else None
+            local = isinstance(self.speculator, LocalSpeculator)  # a draft model in this process (SD)
+            # Prompt lookup beside it (module doc of adaptive_k.py), and sibling leaves (siblings.py).
+            lookup = NgramSpeculator(opts.ngram_min, opts.ngram_max) if opts.prompt_lookup is not False and local \
+                else None
+            siblings = bool(opts.draft_siblings) and local
+            if local:
+                self.speculator.alternatives = siblings
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
                                   self.speculator.step_cost(), self.speculator.measures_steps, lookup,
-                                  opts.draft_window)
+                                  opts.draft_window, siblings)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 
@@ -150,7 +154,8 @@ class LLMEngine:
         lookups = {s.seq_id: self.k_policy.lookups[s.seq_id][:k] for s, k in zip(seqs, ks)
                    if k and s.seq_id in self.k_policy.lookups}
         if any(ks):
-            rounds = speculative_round(self.speculator, self.runner, self.cache, seqs, ks, lookups)
+            rounds = speculative_round(self.speculator, self.runner, self.cache, seqs, ks, lookups,
+                                       self.k_policy.siblings)
         else:  # plain decoding this round: no draft pass; the draft catches up when next asked
             start = time.perf_counter()
             drawn = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
@@ -162,7 +167,7 @@ class LLMEngine:
         events = []
         for r in rounds:
             r.seq.stats.record(r)
-            events.append(self._append(r.seq, r.tokens, [True] * r.accepted + [False], now, r.logprobs))
+            events.append(self._append(r.seq, r.tokens, r.from_draft, now, r.logprobs))
         return events
 
     def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float,

@@ -45,6 +45,10 @@ class RequestMetrics:
     # the tokens they gained (accepted lookup tokens + the target's token).
     lookup_rounds: int = 0
     tokens_on_lookup: int = 0
+    # SD with sibling leaves: rows verified beside the drafts, and rounds where one was taken
+    # (each gains one token over the chain).
+    sibling_rows: int = 0
+    rescues: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -57,8 +61,8 @@ class RequestMetrics:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens gained per target verify pass: 1 + accepted drafts per round."""
-        return 1 + self.accepted / self.rounds if self.rounds else 0.0
+        """Tokens gained per target verify pass: 1 + accepted drafts (and siblings) per round."""
+        return 1 + (self.accepted + self.rescues) / self.rounds if self.rounds else 0.0
 
     @property
     def mean_k(self) -> float:
@@ -101,6 +105,8 @@ class RequestMetrics:
         self.backup_s += p.backup_s
         self.draft_idle_s += p.idle_s
         self.draft_failures += p.failed_over
+        self.sibling_rows += r.siblings
+        self.rescues += r.rescued
         if p.lookup:
             self.lookup_rounds += 1
             self.tokens_on_lookup += accepted + 1

@@ -45,6 +45,9 @@ def test_expand_configs():
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("lookup", [True, False])) == [
         "ar", "sd k=auto lookup=on", "sd k=auto lookup=off", "ngram k=auto"]
     assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", lookup=False))["prompt_lookup"] is False
+    assert labels(["ar", "sd", "ngram"], "auto", sweep=("siblings", [False, True])) == [
+        "ar", "sd k=auto siblings=off", "sd k=auto siblings=on", "ngram k=auto"]
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", siblings=True))["draft_siblings"] is True
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("w", ["all", 64])) == [
         "ar", "sd k=auto w=all", "sd k=auto w=64", "ngram k=auto"]
     spec = BenchSpec("m", "d", [])
@@ -133,6 +136,7 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "ar,ngram", "--sweep", "v=full,100"], "needs one of the modes sd, ssd"),
     (["--modes", "ar,ngram", "--sweep", "lookup=on,off"], "needs one of the modes sd"),
     (["--modes", "ar,sd", "--sweep", "lookup=on,maybe"], "expected on or off"),
+    (["--modes", "ar,ssd", "--sweep", "siblings=on,off"], "needs one of the modes sd"),
     (["--modes", "ar,ngram", "--sweep", "w=all,64"], "needs one of the modes sd, ssd"),
     (["--modes", "ar,sd", "--sweep", "w=all,0"], "--sweep w: expected a whole number >= 1, got '0'"),
     (["--k", "often"], "bad K 'often'"),

@@ -27,7 +27,7 @@ from ssd.store import REGISTRY, gguf_path, resolve_model
 ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt lookup (draft="ngram"), no draft model
 PEERS = {"hf": ("hf", "hf-assisted"), "llamacpp": ("llamacpp", "llamacpp-spec")}  # --peers name -> rows
 SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab", "lookup": "lookup",  # --sweep key -> RunConfig field
-                "w": "draft_window"}
+                "w": "draft_window", "siblings": "siblings"}
 WARMUP_PROMPT = "Count from one to ten."
 WARMUP_TOKENS = 8
 
@@ -45,14 +45,16 @@ class RunConfig:
     draft_vocab: int | str | None = None  # sd and ssd: the draft head (V, "auto", "full"); None = the engine's default
     lookup: bool | None = None  # sd: prompt lookup beside the draft (SpecOptions.prompt_lookup); None = the default
     draft_window: int | str | None = None  # sd and ssd: SpecOptions.draft_window, or "all"; None = the default
+    siblings: bool | None = None  # sd: sibling leaves (SpecOptions.draft_siblings); None = the default
 
     @property
     def label(self) -> str:
         f = ",".join(map(str, self.fan_out)) if isinstance(self.fan_out, tuple) else self.fan_out
-        lookup = None if self.lookup is None else "on" if self.lookup else "off"
+        on_off = lambda v: None if v is None else "on" if v else "off"  # noqa: E731
         parts = [self.mode, *(f"{name}={v}" for name, v in (("k", self.k), ("f", f), ("backup", self.backup),
-                                                           ("v", self.draft_vocab), ("lookup", lookup),
-                                                           ("w", self.draft_window))
+                                                           ("v", self.draft_vocab), ("lookup", on_off(self.lookup)),
+                                                           ("w", self.draft_window),
+                                                           ("siblings", on_off(self.siblings)))
                               if v is not None)]
         return " ".join(parts)
 
@@ -71,7 +73,7 @@ def expand_configs(modes: Sequence[str], k: int, fan_out: FanOut | None = None, 
             mode, k, *((fan_out, backup) if mode == "ssd" else (None, None)))
         applies = sweep is not None and mode != "ar" and (
             sweep[0] == "k" or (sweep[0] == "f" and mode == "ssd") or (sweep[0] == "v" and mode in ("sd", "ssd"))
-            or (sweep[0] == "lookup" and mode == "sd") or (sweep[0] == "w" and mode in ("sd", "ssd")))
+            or (sweep[0] in ("lookup", "siblings") and mode == "sd") or (sweep[0] == "w" and mode in ("sd", "ssd")))
         configs += [replace(base, **{SWEEP_FIELDS[sweep[0]]: v}) for v in sweep[1]] if applies else [base]
     for peer in peers:
         plain, spec = PEERS[peer]
@@ -94,7 +96,7 @@ class BenchSpec:
     threads: int | None = None
     draft_quantization: str | None = "auto"  # the engine's option (SpecOptions.draft_quantization)
     seed: int = 0  # of every LLM's sampling generator
-    sweep: str | None = None  # the --sweep key ("k", "f", "v", "lookup", "w") when the configurations sweep one
+    sweep: str | None = None  # the --sweep key ("k", "f", "v", "lookup", "w", "siblings") when the configurations sweep one
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,
@@ -115,6 +117,8 @@ class BenchSpec:
             kwargs["draft_vocab"] = c.draft_vocab
         if c.lookup is not None:
             kwargs["prompt_lookup"] = c.lookup
+        if c.siblings is not None:
+            kwargs["draft_siblings"] = c.siblings
         if c.draft_window is not None:
             kwargs["draft_window"] = None if c.draft_window == "all" else c.draft_window
         return kwargs

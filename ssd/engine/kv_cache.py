@@ -120,6 +120,13 @@ class PagedKVCache:
             raise IndexError(f"owner {owner} holds {len(table) * bs} slots, not {end}")
         return (table[:, None] * bs + np.arange(bs)).ravel()[:end]
 
+    def copy_position(self, owner: int, src: int, dst: int) -> None:
+        """Position src's K/V (every layer) into position dst's slot, both written by `owner`
+        (a verify pass's sibling leaf taking its chain token's place, ssd/speculative/siblings.py)."""
+        self.prepare_write(owner, dst, dst + 1)
+        slots = self.slot_array(owner, max(src, dst) + 1)
+        self.kv[:, :, int(slots[dst])] = self.kv[:, :, int(slots[src])]
+
     def writable(self, owner: int, start: int, end: int) -> torch.Tensor:
         """Slots of positions start..end-1 to write into (prepare_write)."""
         self.prepare_write(owner, start, end)

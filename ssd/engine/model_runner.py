@@ -1,6 +1,6 @@
 """Packs a step's work into tensors for one forward pass of a model over the paged cache."""
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,11 @@ class Chunk:
     tokens: list[int]
     start: int
     num_logits: int
+    # A tree: the last len(forks) tokens are alternatives, each to the chain token of index
+    # forks[i] (the tokens before them are the chain): at that token's position, it sees the
+    # chain before it and itself (ssd/speculative/siblings.py). Their K/V go to the slots after
+    # the chain's.
+    forks: list[int] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -61,7 +66,8 @@ class ModelRunner:
         """Logits [sum of num_logits, vocab] in chunk order (head=False: final hidden states)."""
         lengths = [len(c.tokens) for c in chunks]
         ends = [c.start + n for c, n in zip(chunks, lengths)]
-        if self.steps is not None and self.steps.fits(sum(lengths), len(chunks), max(ends)):
+        if self.steps is not None and not any(c.forks for c in chunks) and \
+                self.steps.fits(sum(lengths), len(chunks), max(ends)):
             for c, end in zip(chunks, ends):
                 self.cache.prepare_write(c.owner, c.start, end)
             out = self.steps.run_chunks(chunks, self.cache, head)
@@ -73,12 +79,22 @@ class ModelRunner:
         slot_mapping = torch.cat([self.cache.writable(c.owner, c.start, c.start + n)
                                   for c, n in zip(chunks, lengths)])
         kv = [self.cache.slots(c.owner, 0, c.start + n) for c, n in zip(chunks, lengths)]
-        rows = torch.zeros(len(chunks), max(len(x) for x in kv), dtype=torch.long)
-        for i, x in enumerate(kv):
-            rows[i, :len(x)] = x
         # Causal: token i of chunk b sits at position start_b + i and sees keys 0..start_b + i.
         q_row = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
         q_len = positions + 1
+        # A fork sees its chain token's prefix and, in a row of its own, its own slot.
+        at, fork_rows = 0, []
+        for c, n, x in zip(chunks, lengths, kv):
+            chain = n - len(c.forks)
+            for i, j in enumerate(c.forks):
+                t, prefix = at + chain + i, c.start + j
+                positions[t], q_row[t], q_len[t] = prefix, len(chunks) + len(fork_rows), prefix + 1
+                fork_rows.append(torch.cat([x[:prefix], x[c.start + chain + i:c.start + chain + i + 1]]))
+            at += n
+        kv += fork_rows
+        rows = torch.zeros(len(kv), max(len(x) for x in kv), dtype=torch.long)
+        for i, x in enumerate(kv):
+            rows[i, :len(x)] = x
 
         row_ends = torch.tensor(lengths).cumsum(0)
         logits_index = torch.cat([torch.arange(end - c.num_logits, end)

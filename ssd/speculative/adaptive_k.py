@@ -59,7 +59,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ssd.engine.sequence import Sequence
-from ssd.speculative.round import Round
+from ssd.speculative.round import Proposal, Round
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, Sibling, SiblingPolicy, eligible
 
 if TYPE_CHECKING:  # ngram.py -> speculator.py -> draft_engine.py import round_k from here
     from ssd.speculative.ngram import NgramSpeculator
@@ -199,6 +200,8 @@ class FixedK:
     def observe(self, rounds: list[Round]) -> None:
         pass
 
+    siblings = None  # no sibling leaves without measured costs (AutoK)
+
     def release(self, seq_id: int) -> None:
         pass
 
@@ -210,18 +213,23 @@ class AutoK(FixedK):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
     def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
-                 steps_measured: bool = False, lookup: "NgramSpeculator | None" = None, window: int | None = None):
+                 steps_measured: bool = False, lookup: "NgramSpeculator | None" = None, window: int | None = None,
+                 siblings: bool = False):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
         steps_measured: the draft times its steps itself (observe's step_s; SD), else a round's
         wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
-        beside the draft (module doc); window: the most tokens a catch-up reads (draft_window)."""
+        beside the draft (module doc); window: the most tokens a catch-up reads (draft_window);
+        siblings: choose sibling leaves for the draft's proposals (siblings.py)."""
         super().__init__(k_max)
         self.lookup, self.window = lookup, window
+        self.sibling_policy = SiblingPolicy() if siblings else None
+        if siblings:
+            self.siblings = self._siblings
         self.lookup_engine = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
         self.found: dict[int, tuple[list[int], int]] = {}  # seq_id -> this round's lookup and its match class
         self.steps_measured = steps_measured
-        self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2)})
+        self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2 + (MAX_PER_SEQUENCE if siblings else 0))})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
         self.catchup_token: float | None = None  # the draft's cost per token it catches up on, once measured
         self.engine = Acceptance(ENGINE_DECAY)
@@ -298,6 +306,18 @@ class AutoK(FixedK):
                 ks[b] = k + 1
                 state.explore_wait = 0
         return ks
+
+    def _siblings(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[list[Sibling]]:
+        """This round's sibling leaves (siblings.py), at the rate its chains make: their expected
+        tokens over the round's draft steps and verify pass."""
+        prior = self.engine.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
+        gain = sum(expected_tokens(self._state(s).acceptance.rates(len(p.tokens), prior, SEQ_WEIGHT))[-1]
+                   for s, p in zip(seqs, proposals))
+        rows = sum(len(p.tokens) + 1 for p in proposals)
+        deepest = max((len(p.tokens) for p in proposals if not p.lookup), default=0)
+        rate = gain / max(deepest * self.draft_step + self.verify(rows), 1e-9)
+        wanted = [p.alternatives if eligible(s) and not p.lookup else [] for s, p in zip(seqs, proposals)]
+        return self.sibling_policy.choose(wanted, rate, self.verify, rows, [s.seq_id for s in seqs])
 
     def _evidence(self, seq: Sequence, position: int) -> float:
         """The sequence's own decayed rounds that reached draft position `position` (0-based)."""
@@ -401,7 +421,10 @@ class AutoK(FixedK):
             per = max(0.0, catchup[0] - self.draft_step) / catchup[1]
             self.catchup_token = per if self.catchup_token is None else \
                 self.catchup_token + TIME_EMA * (per - self.catchup_token)
-        self.verify.observe(sum(r.drafted for r in rounds) + len(rounds), verify_s)
+        self.verify.observe(sum(r.drafted + r.siblings for r in rounds) + len(rounds), verify_s)
+        if self.sibling_policy is not None:
+            for r in rounds:
+                self.sibling_policy.observe(r.seq.seq_id, r.rescued)
 
     def _state(self, seq: Sequence) -> SeqState:
         return self.seqs.setdefault(seq.seq_id, SeqState())
@@ -409,6 +432,8 @@ class AutoK(FixedK):
     def release(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.found.pop(seq_id, None)
+        if self.sibling_policy is not None:
+            self.sibling_policy.release(seq_id)
         if self.lookup is not None:
             self.lookup.release(seq_id)
         self.probing.discard(seq_id)

@@ -21,6 +21,7 @@ from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import round_k
 from ssd.speculative.options import DraftConfig
+from ssd.speculative.siblings import Alternative
 from ssd.speculative.spec_cache import SpeculationCache
 from ssd.speculative.vocab import DraftHead, ExtraTokens
 
@@ -167,12 +168,16 @@ class DraftEngine:
 
     # ---- drafting -------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, seqs: list[DraftSeq], ks: list[int]) -> list[tuple[list[int], torch.Tensor | None]]:
+    def draft(self, seqs: list[DraftSeq], ks: list[int], alternatives: bool = False
+              ) -> list[tuple[list[int], torch.Tensor | None, list[Alternative]]]:
         """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
         per token; the first pass feeds whatever the draft has not seen (a prompt, the target's
-        token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests)."""
+        token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests,
+        and with `alternatives` each drafted token's runner-up (greedy requests without
+        changed logits, ssd/speculative/siblings.py; else empty))."""
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        alts: list[list[Alternative]] = [[] for _ in seqs]
         steps: list[float] = []  # times of the steps that fed one or two tokens per sequence
         catchup_s, catchup_tokens = 0.0, 0
         while True:
@@ -189,12 +194,15 @@ class DraftEngine:
                 self.kv.reserve(s.seq_id, len(s.tokens))
                 chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, 1))
                 s.cached = len(s.tokens)
-            picked, q = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live], [1] * len(live))
+            picked, q, runner_up = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
+                                             [1] * len(live), alternatives)
             for row, b in enumerate(live):
                 seqs[b].tokens.append(picked[row])
                 tokens[b].append(picked[row])
                 if q[row] is not None:
                     qs[b].append(q[row][0])
+                if runner_up[row] is not None and len(alts[b]) == len(tokens[b]) - 1:  # none after a forced token
+                    alts[b].append(runner_up[row])
             # A first step that feeds a prompt or many tokens missed while K was 0 is catch-up,
             # not what one more draft token costs (adaptive_k.py reads step_s).
             if max(len(c.tokens) for c in chunks) <= 2:
@@ -204,7 +212,7 @@ class DraftEngine:
                 catchup_tokens += sum(len(c.tokens) for c in chunks)
         self.step_s = sum(steps) / len(steps) if steps else None
         self.catchup = (catchup_s, catchup_tokens) if catchup_tokens else None
-        return [(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+        return [(t, torch.stack(q) if q else None, a) for t, q, a in zip(tokens, qs, alts)]
 
     def _window(self, s: DraftSeq) -> None:
         """More than `window` tokens unread: drop all but the context's last `window` and
@@ -249,14 +257,25 @@ class DraftEngine:
         logits, extra_ids = self.head(self.runner.forward(chunks, head=False), [s.extra for s in seqs], rows)
         return list(zip(logits.split(rows), extra_ids.split(rows) if extra_ids is not None else [None] * len(seqs)))
 
-    def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int]
-             ) -> tuple[list[int], list[torch.Tensor | None]]:
+    def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int], alternatives: bool = False
+             ) -> tuple[list[int], list[torch.Tensor | None], list[Alternative | None]]:
         """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows.
-        Returns the tokens and, per sequence, the distributions drawn from over the whole
-        vocabulary (None for greedy rows)."""
+        Returns the tokens, per sequence the distributions drawn from over the whole
+        vocabulary (None for greedy rows), and per row with `alternatives` the runner-up of a
+        greedy row of a request with unchanged logits (else None)."""
         logits, extra_ids = self.head(hidden, [s.extra for s in seqs], rows)
         out, qs, start = [], [], 0
-        greedy = self.head.token_ids(logits.argmax(-1), extra_ids).tolist()
+        if alternatives:
+            top = logits.topk(2, dim=-1)
+            p = torch.exp(top.values - logits.logsumexp(-1, keepdim=True))
+            ids = self.head.token_ids(top.indices, extra_ids)
+            greedy, second = ids[:, 0].tolist(), ids[:, 1].tolist()
+            p1, p2 = p[:, 0].tolist(), p[:, 1].tolist()
+            plain = [s.params.greedy_decoding and s.processor is None for s, n in zip(seqs, rows) for _ in range(n)]
+            runner_up = [Alternative(second[i], p1[i], p2[i]) if plain[i] else None for i in range(len(plain))]
+        else:
+            greedy = self.head.token_ids(logits.argmax(-1), extra_ids).tolist()
+            runner_up = [None] * sum(rows)
         for s, n in zip(seqs, rows):
             if s.processor is not None:  # SD, one row: the request's changes over the whole vocabulary
                 ids = None if extra_ids is None else extra_ids[start:start + n]
@@ -279,4 +298,4 @@ class DraftEngine:
                 out += self.head.token_ids(sample(q, s.generator), ids).tolist()
                 qs.append(self.head.over_vocabulary(q, ids))
             start += n
-        return out, qs
+        return out, qs, runner_up

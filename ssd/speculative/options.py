@@ -115,6 +115,12 @@ class SpecOptions:
         "occurred before, a round may propose what followed it (no draft step) instead of the draft's tokens, "
         "chosen by their measured acceptance and costs; the output stays exact. Default: on there",
         flag="--lookup", parse=parse_on_off, metavar="on|off")
+    draft_siblings: bool | None = _option(
+        None, "SD with a draft model and K auto: sibling leaves. Where the draft was unsure, its runner-up joins the "
+        "verify pass as one more row beside its top choice; where the target takes it, the round gains a token. "
+        "Chosen by their measured rescue rate against the cost of a row; greedy requests only (sampled ones keep "
+        "the chain); the output stays exact. Default: off",
+        flag="--siblings", parse=parse_on_off, metavar="on|off")
     draft_window: int | None = _option(
         None, "the most tokens of a context the draft reads when it catches up (a prompt, or what it missed "
         "while not drafting): beyond that it starts over from the context's last W tokens, as if they were "
@@ -182,6 +188,11 @@ class SpecOptions:
         if self.prompt_lookup and (mode != "sd" or self.speculate_k != AUTO_K):
             raise SSDError("prompt_lookup beside a draft model applies to mode 'sd' with speculate_k='auto' "
                            "(for prompt lookup alone, use draft='ngram')")
+        if self.draft_siblings not in (None, True, False):
+            raise SSDError(f"draft_siblings must be True, False or None, got {self.draft_siblings!r}")
+        if self.draft_siblings and (mode != "sd" or self.speculate_k != AUTO_K):
+            raise SSDError("draft_siblings applies to mode 'sd' with speculate_k='auto' (their choice rests on "
+                           "auto-K's measured costs)")
         if self.draft_quantization not in ("auto", None, *QUANTIZATIONS):
             raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
                            f"got {self.draft_quantization!r}")

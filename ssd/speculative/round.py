@@ -2,9 +2,12 @@
 
   1. propose: the draft side gives K tokens per sequence (SD: drafted now; SSD: usually
      ready in the speculation cache);
-  2. the target scores [last, d_1..d_K] in one forward pass (K+1 rows of logits);
+  2. the target scores [last, d_1..d_K] in one forward pass (K+1 rows of logits), with SD's
+     sibling leaves where the K policy chose some (siblings.py: the draft's runner-up beside
+     d_j, one more row each);
   3. verify (verifier.py): an exact prefix of the drafts is accepted, plus one token of the
-     target's own (a recovery token, or the bonus token after all K);
+     target's own (a recovery token, or the bonus token after all K); where a sibling is that
+     recovery token, it is taken and its row gives the target's next token too;
   4. accept: the target's KV cache keeps the valid prefix (rolling back is a truncation),
      and the draft side is told what the target kept.
 
@@ -25,9 +28,12 @@ from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits, token_logprobs
 from ssd.engine.sequence import Sequence
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, Alternative, Sibling, keep_sibling, rescue
 from ssd.speculative.verifier import verify, verify_greedy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ssd.speculative.speculator import Speculator
 
 
@@ -45,6 +51,8 @@ class Proposal:
     idle_s: float = 0.0  # waiting for this request
     failed_over: bool = False  # SSD: the worker failed during this round and SD took over
     lookup: bool = False  # prompt lookup's tokens, chosen by the K policy instead of the draft's
+    # SD: each drafted token's runner-up, where sibling leaves were asked for (siblings.py).
+    alternatives: list[Alternative] = field(default_factory=list)
 
 
 @dataclass
@@ -64,32 +72,53 @@ class Round:
     step_s: float | None = None
     catchup: tuple[float, int] | None = None
     logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
+    siblings: int = 0  # sibling leaves verified beside the drafts (siblings.py)
+    rescued: bool = False  # one was taken: `tokens` are the accepted drafts, it, the target's own
 
     @property
     def drafted(self) -> int:
         return len(self.proposal.tokens)
 
+    @property
+    def from_draft(self) -> list[bool]:
+        """Per token of `tokens`: proposed by the draft side?"""
+        return [True] * (self.accepted + self.rescued) + [False]
+
 
 def speculative_round(speculator: "Speculator", target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
-                      ks: list[int], lookups: dict[int, list[int]] | None = None) -> list[Round]:
+                      ks: list[int], lookups: dict[int, list[int]] | None = None,
+                      siblings: "Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None" = None
+                      ) -> list[Round]:
     """One round for the decoding sequences, ks[i] draft tokens asked for seqs[i]; `cache` is
     the target's KV cache, which `target` writes. lookups: prompt lookup's tokens by seq_id,
     proposed for those sequences instead of asking the draft (which then holds nothing new of
-    them: its next round there catches up)."""
+    them: its next round there catches up). siblings: the K policy's choice of sibling leaves
+    for the proposals (siblings.py), verified in the same pass."""
     lookups = lookups or {}
     t0 = time.perf_counter()
     asked = [(s, k) for s, k in zip(seqs, ks) if s.seq_id not in lookups]
     drafted = iter(speculator.propose([s for s, _ in asked], [k for _, k in asked]) if asked else [])
     proposals = [Proposal(lookups[s.seq_id], lookup=True) if s.seq_id in lookups else next(drafted) for s in seqs]
+    if siblings is not None:
+        for s, p in zip(seqs, proposals):  # sibling leaves need slots past the chain's, where there are some
+            if p.alternatives:
+                need = s.num_tokens + len(p.tokens) + MAX_PER_SEQUENCE
+                if cache.can_reserve(s.seq_id, need):
+                    cache.reserve(s.seq_id, need)
+                else:
+                    p.alternatives = []
+    leaves = siblings(seqs, proposals) if siblings is not None else [[] for _ in seqs]
     t1 = time.perf_counter()
-    logits = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens, s.num_tokens - 1, len(p.tokens) + 1)
-                             for s, p in zip(seqs, proposals)])
+    logits = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens + [b.token for b in sib], s.num_tokens - 1,
+                                   len(p.tokens) + 1 + len(sib), [1 + b.depth for b in sib])
+                             for s, p, sib in zip(seqs, proposals, leaves)])
     t2 = time.perf_counter()
     step_s, catchup = (speculator.last_step_s(), speculator.last_catchup()) if asked else (None, None)
     rounds, row = [], 0
-    for seq, k, prop in zip(seqs, ks, proposals):
+    for seq, k, prop, sib in zip(seqs, ks, proposals, leaves):
         n = len(prop.tokens)
-        rows, row = logits[row:row + n + 1], row + n + 1
+        tree, row = logits[row:row + n + 1 + len(sib)], row + n + 1 + len(sib)
+        rows = tree[:n + 1]
         if seq.processor is not None:  # row i after the draft tokens before it, as AR would have it
             rows = seq.processor.process(rows, seq.token_ids, prop.tokens)
         if seq.params.greedy_decoding:
@@ -100,10 +129,16 @@ def speculative_round(speculator: "Speculator", target: ModelRunner, cache: Page
             q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
             verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
-        cache.truncate(seq.seq_id, valid)
         if not prop.lookup:
             speculator.kept(seq, valid)
         tokens = prop.tokens[:verdict.accepted] + [verdict.token]
+        taken = rescue(tree, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
+        if taken is not None:  # the sibling at the rejected depth, then its row's token
+            keep_sibling(cache, seq, n, taken[0], verdict.accepted)
+            valid += 1
+            tokens.append(taken[1])
+        cache.truncate(seq.seq_id, valid)
         lps = None if seq.params.logprobs is None else token_logprobs(rows, tokens, seq.params.logprobs)
-        rounds.append(Round(seq, k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, step_s, catchup, lps))
+        rounds.append(Round(seq, k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, step_s, catchup, lps,
+                            len(sib), taken is not None))
     return rounds

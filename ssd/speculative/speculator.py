@@ -89,9 +89,10 @@ class LocalSpeculator(Speculator):
     def __init__(self, engine: DraftEngine):
         super().__init__()
         self.engine = engine
+        self.alternatives = False  # also each drafted token's runner-up (sibling leaves, siblings.py)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        return propose_locally(self, self.engine, seqs, ks)
+        return propose_locally(self, self.engine, seqs, ks, self.alternatives)
 
     def step_cost(self) -> float:
         return self.engine.runner.timed_pass(1, repeat=2)
@@ -113,8 +114,8 @@ class LocalSpeculator(Speculator):
         return self.engine.kv.blocks_in_use
 
 
-def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int]
-                    ) -> list[Proposal]:
+def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int],
+                    alternatives: bool = False) -> list[Proposal]:
     """SD's proposals: tell the draft what the target kept, then draft K tokens for each. A
     request that changes its logits (penalties, a constraint) has the draft propose under
     the same changes, from a copy of its own."""
@@ -123,4 +124,4 @@ def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequ
         num_valid, tokens, params = speculator.next_update(seq)
         fork = seq.processor.fork() if params is not None and seq.processor is not None else None
         drafts.append(engine.sync(seq.seq_id, num_valid, tokens, params, k, fork))
-    return [Proposal(tokens, q) for tokens, q in engine.draft(drafts, ks)]
+    return [Proposal(tokens, q, alternatives=alts) for tokens, q, alts in engine.draft(drafts, ks, alternatives)]

@@ -71,7 +71,7 @@ class SSDDraft:
             else:
                 drafted = [self._placeholders(s, k, near) for _, s, k, near in misses]
             seconds = time.perf_counter() - start
-            for (i, s, k, _), (tokens, q) in zip(misses, drafted):
+            for (i, s, k, _), (tokens, q, *_) in zip(misses, drafted):
                 s.after_hit = False
                 replies[i] = Proposal(tokens, q, False, backup_s=seconds * k / sum(ks))
         self._pending = [r.seq_id for r, reply in zip(requests, replies) if reply.tokens]
@@ -134,7 +134,7 @@ class SSDDraft:
             positions, batch = tree.step(i, live_t)
             hidden = engine.runner.run(inputs[live_t], positions, batch, head=False)
             groups = _runs([forks[b].seq for b in live])
-            picked, q = engine.pick(hidden, [s for s, _ in groups], [n for _, n in groups])
+            picked, q, _ = engine.pick(hidden, [s for s, _ in groups], [n for _, n in groups])
             inputs[live_t] = torch.tensor(picked, device=engine.device)
             row = 0
             for (_, n), q_group in zip(groups, q):

@@ -200,7 +200,9 @@ class FixedK:
     def observe(self, rounds: list[Round]) -> None:
         pass
 
-    siblings = None  # no sibling leaves without measured costs (AutoK)
+    # The round's sibling leaves (siblings.py) for speculative_round, or None: they need
+    # auto-K's measured costs.
+    siblings: "Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None" = None
 
     def release(self, seq_id: int) -> None:
         pass
@@ -224,8 +226,7 @@ class AutoK(FixedK):
         super().__init__(k_max)
         self.lookup, self.window = lookup, window
         self.sibling_policy = SiblingPolicy() if siblings else None
-        if siblings:
-            self.siblings = self._siblings
+        self.siblings = self._siblings if siblings else None
         self.lookup_engine = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
         self.found: dict[int, tuple[list[int], int]] = {}  # seq_id -> this round's lookup and its match class
         self.steps_measured = steps_measured

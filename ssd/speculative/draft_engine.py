@@ -261,8 +261,9 @@ class DraftEngine:
              ) -> tuple[list[int], list[torch.Tensor | None], list[Alternative | None]]:
         """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows.
         Returns the tokens, per sequence the distributions drawn from over the whole
-        vocabulary (None for greedy rows), and per row with `alternatives` the runner-up of a
-        greedy row of a request with unchanged logits (else None)."""
+        vocabulary (None for greedy rows), and per row with `alternatives`, for a request with
+        unchanged logits, the runner-up: the likeliest token other than the one picked (else
+        None)."""
         logits, extra_ids = self.head(hidden, [s.extra for s in seqs], rows)
         out, qs, start = [], [], 0
         if alternatives:
@@ -295,7 +296,13 @@ class DraftEngine:
                 q = probs_from_logits(logits[start:start + n], s.params)
                 if self.saguaro is not None:
                     q = saguaro(q, *self.saguaro)
-                out += self.head.token_ids(sample(q, s.generator), ids).tolist()
+                picked = sample(q, s.generator)
+                out += self.head.token_ids(picked, ids).tolist()
                 qs.append(self.head.over_vocabulary(q, ids))
+                if alternatives:  # a function of q and the pick alone: a fair one-hot candidate
+                    second = q.scatter(-1, picked.unsqueeze(-1), -1.0).argmax(-1)
+                    p1, p2 = q.gather(-1, picked.unsqueeze(-1))[:, 0].tolist(), q.gather(-1, second.unsqueeze(-1))[:, 0].tolist()
+                    for r, t in enumerate(self.head.token_ids(second, ids).tolist()):
+                        runner_up[start + r] = Alternative(t, p1[r], p2[r])
             start += n
         return out, qs, runner_up

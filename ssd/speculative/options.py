@@ -118,8 +118,8 @@ class SpecOptions:
     draft_siblings: bool | None = _option(
         None, "SD with a draft model and K auto: sibling leaves. Where the draft was unsure, its runner-up joins the "
         "verify pass as one more row beside its top choice; where the target takes it, the round gains a token. "
-        "Chosen by their measured rescue rate against the cost of a row; greedy requests only (sampled ones keep "
-        "the chain); the output stays exact. Default: off",
+        "Chosen by their measured rescue rate against the cost of a row; sampled requests are verified by the "
+        "multi-candidate rule; the output stays exact. Default: off",
         flag="--siblings", parse=parse_on_off, metavar="on|off")
     draft_window: int | None = _option(
         None, "the most tokens of a context the draft reads when it catches up (a prompt, or what it missed "

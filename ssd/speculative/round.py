@@ -7,7 +7,8 @@
      d_j, one more row each);
   3. verify (verifier.py): an exact prefix of the drafts is accepted, plus one token of the
      target's own (a recovery token, or the bonus token after all K); where a sibling is that
-     recovery token, it is taken and its row gives the target's next token too;
+     recovery token (greedy), or is drawn in its place (sampled: the multi-candidate rule), it
+     is taken and its row gives the target's next token too;
   4. accept: the target's KV cache keeps the valid prefix (rolling back is a truncation),
      and the draft side is told what the target kept.
 
@@ -26,10 +27,10 @@ import torch.nn.functional as F
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import probs_from_logits, token_logprobs
+from ssd.engine.sampler import probs_from_logits, sample, token_logprobs
 from ssd.engine.sequence import Sequence
 from ssd.speculative.siblings import MAX_PER_SEQUENCE, Alternative, Sibling, keep_sibling, rescue
-from ssd.speculative.verifier import verify, verify_greedy
+from ssd.speculative.verifier import verify, verify_greedy, verify_with_siblings
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -121,18 +122,26 @@ def speculative_round(speculator: "Speculator", target: ModelRunner, cache: Page
         rows = tree[:n + 1]
         if seq.processor is not None:  # row i after the draft tokens before it, as AR would have it
             rows = seq.processor.process(rows, seq.token_ids, prop.tokens)
+        taken = None  # (sibling index, the token its row gives) where a sibling was taken
         if seq.params.greedy_decoding:
             verdict = verify_greedy(rows, prop.tokens)
+            taken = rescue(tree, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
         else:
             p = probs_from_logits(rows, seq.params)
             # The target's head may be padded past the draft's vocabulary: q is 0 there.
             q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
-            verdict = verify(p, torch.tensor(prop.tokens, dtype=torch.long), q, seq.generator)
+            drafts = torch.tensor(prop.tokens, dtype=torch.long)
+            if sib:
+                verdict, took = verify_with_siblings(p, drafts, q, {b.depth: b.token for b in sib}, seq.generator)
+                if took:
+                    i = next(i for i, b in enumerate(sib) if b.depth == verdict.accepted)
+                    taken = i, int(sample(probs_from_logits(tree[n + 1 + i:n + 2 + i], seq.params), seq.generator)[0])
+            else:
+                verdict = verify(p, drafts, q, seq.generator)
         valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         if not prop.lookup:
             speculator.kept(seq, valid)
         tokens = prop.tokens[:verdict.accepted] + [verdict.token]
-        taken = rescue(tree, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
         if taken is not None:  # the sibling at the rejected depth, then its row's token
             keep_sibling(cache, seq, n, taken[0], verdict.accepted)
             valid += 1

@@ -18,9 +18,14 @@ from the rounds (rescues seen / rescues expected, decayed), since a small draft'
 probabilities are not the target's. Where a wider pass costs more than it gains, no sibling
 is chosen and the round is today's chain.
 
-Only greedy requests whose logits nothing changes (no penalties, constraint or logprobs)
-get siblings. Sampled requests keep the chain: they would need the multi-candidate rule
-(recursive rejection sampling over the siblings), which is not built.
+Sampled requests: the chain's d_j is drawn from the draft's q_j and the sibling is the
+likeliest other token of q_j, a function of q_j and d_j alone, so it is a fair one-hot
+candidate. Verification is the multi-candidate rule (recursive rejection sampling,
+verifier.verify_with_siblings): at the first rejected depth the token is due from the residual
+r = norm(max(0, p - q)); the sibling there is taken with probability r(s), else the token is
+drawn from r without s, which is again exactly r; a taken sibling's row then gives the next
+token, drawn from p there. Requests whose logits something changes (penalties, a
+constraint) or that ask for logprobs keep the chain.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -51,8 +56,9 @@ class Sibling:
 
 
 def eligible(seq: Sequence) -> bool:
-    """A request that greedy verification over a tree serves exactly as it is written here."""
-    return seq.params.greedy_decoding and seq.processor is None and seq.params.logprobs is None
+    """A request whose verification over a tree is written here: its logits unchanged (no
+    penalties or constraint) and no logprobs asked for."""
+    return seq.processor is None and seq.params.logprobs is None
 
 
 class SiblingPolicy:

@@ -48,6 +48,35 @@ def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
     return Verdict(accepted=k, token=best[k])
 
 
+def verify_with_siblings(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, siblings: dict[int, int],
+                         generator: torch.Generator | None) -> tuple[Verdict, bool]:
+    """verify() where some depths j have a sibling leaf s_j (ssd/speculative/siblings.py): a second
+    candidate for d_j's place, proposed one-hot. At the first rejected depth k the token must be
+    drawn from the residual r = norm(max(0, p_k - q_k)); with a sibling there, s_k is taken with
+    probability r(s_k) and otherwise the token is drawn from r without s_k: the multi-candidate
+    rule (recursive rejection sampling) for a one-hot second candidate, whose result is again
+    distributed as r. Returns the verdict and whether the sibling was taken (then `token` is s_k).
+
+    Draws K uniforms, then one more uniform where the first rejected depth has a sibling, then
+    V exponentials unless the sibling was taken."""
+    K, V = draft.shape[0], p.shape[-1]
+    draft = draft.to(p.device)
+    q = F.one_hot(draft, V).to(p.dtype) if q is None else q
+    u = torch.rand(K, generator=generator, device=p.device, dtype=torch.float32)
+    accepted = u.double() * q[torch.arange(K), draft].double() < p[torch.arange(K), draft].double()
+    k = int(torch.cat([~accepted, accepted.new_ones(1)]).byte().argmax())
+    residual = (p[k] - q[k]).clamp_min(0) if k < K else p[k]
+    residual = residual if residual.sum() > 0 else p[k]  # as in verify_many: rounding only
+    s = siblings.get(k) if k < K else None
+    if s is not None:
+        v = torch.rand(1, generator=generator, device=p.device, dtype=torch.float32)
+        if v.double() * residual.sum().double() < residual[s].double():
+            return Verdict(k, s), True
+        residual = residual.clone()
+        residual[s] = 0
+    return Verdict(k, int(sample(residual.unsqueeze(0), generator)[0])), False
+
+
 def verify_many(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
                 generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """N rounds at once that share one generator: p [N, K+1, V], draft [N, K], q [N, K, V] or

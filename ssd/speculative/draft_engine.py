@@ -173,8 +173,8 @@ class DraftEngine:
         """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
         per token; the first pass feeds whatever the draft has not seen (a prompt, the target's
         token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests,
-        and with `alternatives` each drafted token's runner-up (greedy requests without
-        changed logits, ssd/speculative/siblings.py; else empty))."""
+        and with `alternatives` each drafted token's runner-up (requests whose logits nothing
+        changes, ssd/speculative/siblings.py; else empty))."""
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]

@@ -266,17 +266,9 @@ class DraftEngine:
         None)."""
         logits, extra_ids = self.head(hidden, [s.extra for s in seqs], rows)
         out, qs, start = [], [], 0
-        if alternatives:
-            top = logits.topk(2, dim=-1)
-            p = torch.exp(top.values - logits.logsumexp(-1, keepdim=True))
-            ids = self.head.token_ids(top.indices, extra_ids)
-            greedy, second = ids[:, 0].tolist(), ids[:, 1].tolist()
-            p1, p2 = p[:, 0].tolist(), p[:, 1].tolist()
-            plain = [s.params.greedy_decoding and s.processor is None for s, n in zip(seqs, rows) for _ in range(n)]
-            runner_up = [Alternative(second[i], p1[i], p2[i]) if plain[i] else None for i in range(len(plain))]
-        else:
-            greedy = self.head.token_ids(logits.argmax(-1), extra_ids).tolist()
-            runner_up = [None] * sum(rows)
+        greedy_cols = logits.argmax(-1)
+        greedy = self.head.token_ids(greedy_cols, extra_ids).tolist()
+        runner_up: list[Alternative | None] = [None] * sum(rows)
         for s, n in zip(seqs, rows):
             if s.processor is not None:  # SD, one row: the request's changes over the whole vocabulary
                 ids = None if extra_ids is None else extra_ids[start:start + n]
@@ -291,6 +283,10 @@ class DraftEngine:
             elif s.params.greedy_decoding:
                 out += greedy[start:start + n]
                 qs.append(None)
+                if alternatives:
+                    ids = None if extra_ids is None else extra_ids[start:start + n]
+                    runner_up[start:start + n] = self._runners_up(torch.softmax(logits[start:start + n], -1),
+                                                                  greedy_cols[start:start + n], ids)
             else:
                 ids = None if extra_ids is None else extra_ids[start:start + n]
                 q = probs_from_logits(logits[start:start + n], s.params)
@@ -299,10 +295,15 @@ class DraftEngine:
                 picked = sample(q, s.generator)
                 out += self.head.token_ids(picked, ids).tolist()
                 qs.append(self.head.over_vocabulary(q, ids))
-                if alternatives:  # a function of q and the pick alone: a fair one-hot candidate
-                    second = q.scatter(-1, picked.unsqueeze(-1), -1.0).argmax(-1)
-                    p1, p2 = q.gather(-1, picked.unsqueeze(-1))[:, 0].tolist(), q.gather(-1, second.unsqueeze(-1))[:, 0].tolist()
-                    for r, t in enumerate(self.head.token_ids(second, ids).tolist()):
-                        runner_up[start + r] = Alternative(t, p1[r], p2[r])
+                if alternatives:
+                    runner_up[start:start + n] = self._runners_up(q, picked, ids)
             start += n
         return out, qs, runner_up
+
+    def _runners_up(self, q: torch.Tensor, picked: torch.Tensor, ids: torch.Tensor | None) -> list[Alternative]:
+        """Per row of q (the head's columns), its likeliest column other than the one picked:
+        a function of q and the pick alone, so a fair one-hot candidate (siblings.py)."""
+        second = q.scatter(-1, picked.unsqueeze(-1), -1.0).argmax(-1)
+        p1 = q.gather(-1, picked.unsqueeze(-1))[:, 0].tolist()
+        p2 = q.gather(-1, second.unsqueeze(-1))[:, 0].tolist()
+        return [Alternative(t, a, b) for t, a, b in zip(self.head.token_ids(second, ids).tolist(), p1, p2)]

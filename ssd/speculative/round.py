@@ -29,8 +29,8 @@ from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits, sample, token_logprobs
 from ssd.engine.sequence import Sequence
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, Alternative, Sibling, keep_sibling, rescue
-from ssd.speculative.verifier import verify, verify_greedy, verify_with_siblings
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, Alternative, Sibling, keep_sibling
+from ssd.speculative.verifier import rescue, verify, verify_greedy, verify_with_siblings
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -7,7 +7,7 @@ leaf: one more verify row, at d_j's position, that sees the chain's tokens befor
 itself (the tree mask as attention rows: `Chunk.forks`, ssd/engine/model_runner.py). Greedy
 verification follows the target's argmax down the tree: where the chain's first rejected
 depth j has a sibling equal to the target's token there, the sibling is taken and its own row
-gives one more token, so the round gains one token over the chain (`rescue`); its K/V move to
+gives one more token, so the round gains one token over the chain (`verifier.rescue`); its K/V move to
 d_j's slot. No draft pass is added: the runner-up comes from the step that drafted d_j.
 
 Which depths get one: the likeliest rescues first, while a rescue's expected token is worth
@@ -29,8 +29,6 @@ constraint) or that ask for logprobs keep the chain.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.sequence import Sequence
@@ -105,18 +103,6 @@ class SiblingPolicy:
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
-
-
-def rescue(logits: torch.Tensor, drafts: list[int], siblings: list[Sibling], accepted: int, token: int
-           ) -> tuple[int, int] | None:
-    """Greedy verification's step into a sibling: logits [K + 1 + S, V] (the chain's rows, then
-    one per sibling), the chain's verdict (`accepted` drafts, then the target's `token`). Where
-    the first rejected depth has a sibling that is that token: (its index, the token its own
-    row gives); else None."""
-    for i, s in enumerate(siblings):
-        if s.depth == accepted < len(drafts) and s.token == token:
-            return i, int(logits[len(drafts) + 1 + i].argmax())
-    return None
 
 
 def keep_sibling(cache: PagedKVCache, seq: Sequence, drafts: int, index: int, depth: int) -> None:

@@ -12,11 +12,15 @@ the same formula accepts exactly the prefix where d_i == argmax p_i and gives t 
 whether q is one-hot, soft, or None.
 """
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ssd.engine.sampler import sample
+
+if TYPE_CHECKING:
+    from ssd.speculative.siblings import Sibling
 
 
 @dataclass
@@ -46,6 +50,18 @@ def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
     best = logits.argmax(-1).tolist()
     k = next((i for i, d in enumerate(draft) if d != best[i]), len(draft))
     return Verdict(accepted=k, token=best[k])
+
+
+def rescue(logits: torch.Tensor, drafts: list[int], siblings: list["Sibling"], accepted: int, token: int
+           ) -> tuple[int, int] | None:
+    """Greedy verification's step into a sibling: logits [K + 1 + S, V] (the chain's rows, then
+    one per sibling), the chain's verdict (`accepted` drafts, then the target's `token`). Where
+    the first rejected depth has a sibling that is that token: (its index, the token its own
+    row gives); else None."""
+    for i, s in enumerate(siblings):
+        if s.depth == accepted < len(drafts) and s.token == token:
+            return i, int(logits[len(drafts) + 1 + i].argmax())
+    return None
 
 
 def verify_with_siblings(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, siblings: dict[int, int],

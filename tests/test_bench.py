@@ -48,6 +48,9 @@ def test_expand_configs():
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("siblings", [False, True])) == [
         "ar", "sd k=auto siblings=off", "sd k=auto siblings=on", "ngram k=auto"]
     assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", siblings=True))["draft_siblings"] is True
+    assert labels(["ar", "sd", "ssd", "ngram"], 3, sweep=("guesses", [False, True])) == [
+        "ar", "sd k=3 guesses=off", "sd k=3 guesses=on", "ssd k=3 guesses=off", "ssd k=3 guesses=on", "ngram k=3"]
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", 3, guesses=False))["draft_guesses"] is False
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("w", ["all", 64])) == [
         "ar", "sd k=auto w=all", "sd k=auto w=64", "ngram k=auto"]
     spec = BenchSpec("m", "d", [])
@@ -137,6 +140,7 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "ar,ngram", "--sweep", "lookup=on,off"], "needs one of the modes sd"),
     (["--modes", "ar,sd", "--sweep", "lookup=on,maybe"], "expected on or off"),
     (["--modes", "ar,ssd", "--sweep", "siblings=on,off"], "needs one of the modes sd"),
+    (["--modes", "ar,ngram", "--sweep", "guesses=on,off"], "needs one of the modes sd, ssd"),
     (["--modes", "ar,ngram", "--sweep", "w=all,64"], "needs one of the modes sd, ssd"),
     (["--modes", "ar,sd", "--sweep", "w=all,0"], "--sweep w: expected a whole number >= 1, got '0'"),
     (["--k", "often"], "bad K 'often'"),

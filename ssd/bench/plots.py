@@ -102,7 +102,8 @@ def plot_sweep(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
                                        else ("on" if v else "off") if isinstance(v, bool) else str(v) for v in values])
     ax.set_xlabel({"k": "K (draft tokens per round)", "f": "f (SSD fan-out)",
                    "v": "V (tokens of the draft's head)", "lookup": "prompt lookup beside the draft",
-                   "w": "W (the draft's window, tokens)", "siblings": "sibling leaves"}[key])
+                   "w": "W (the draft's window, tokens)", "siblings": "sibling leaves",
+                   "guesses": "the draft's guesses (prompt lookup)"}[key])
     ax.set_ylabel("speedup vs AR (decode tok/s)")
     ax.grid(alpha=0.3)
     return _save(fig, ax, result, path)

@@ -27,7 +27,7 @@ from ssd.store import REGISTRY, gguf_path, resolve_model
 ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt lookup (draft="ngram"), no draft model
 PEERS = {"hf": ("hf", "hf-assisted"), "llamacpp": ("llamacpp", "llamacpp-spec")}  # --peers name -> rows
 SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab", "lookup": "lookup",  # --sweep key -> RunConfig field
-                "w": "draft_window", "siblings": "siblings"}
+                "w": "draft_window", "siblings": "siblings", "guesses": "guesses"}
 WARMUP_PROMPT = "Count from one to ten."
 WARMUP_TOKENS = 8
 
@@ -46,6 +46,7 @@ class RunConfig:
     lookup: bool | None = None  # sd: prompt lookup beside the draft (SpecOptions.prompt_lookup); None = the default
     draft_window: int | str | None = None  # sd and ssd: SpecOptions.draft_window, or "all"; None = the default
     siblings: bool | None = None  # sd: sibling leaves (SpecOptions.draft_siblings); None = the default
+    guesses: bool | None = None  # sd and ssd: the draft's guesses (SpecOptions.draft_guesses); None = the default
 
     @property
     def label(self) -> str:
@@ -54,7 +55,8 @@ class RunConfig:
         parts = [self.mode, *(f"{name}={v}" for name, v in (("k", self.k), ("f", f), ("backup", self.backup),
                                                            ("v", self.draft_vocab), ("lookup", on_off(self.lookup)),
                                                            ("w", self.draft_window),
-                                                           ("siblings", on_off(self.siblings)))
+                                                           ("siblings", on_off(self.siblings)),
+                                                           ("guesses", on_off(self.guesses)))
                               if v is not None)]
         return " ".join(parts)
 
@@ -73,7 +75,7 @@ def expand_configs(modes: Sequence[str], k: int, fan_out: FanOut | None = None, 
             mode, k, *((fan_out, backup) if mode == "ssd" else (None, None)))
         applies = sweep is not None and mode != "ar" and (
             sweep[0] == "k" or (sweep[0] == "f" and mode == "ssd") or (sweep[0] == "v" and mode in ("sd", "ssd"))
-            or (sweep[0] in ("lookup", "siblings") and mode == "sd") or (sweep[0] == "w" and mode in ("sd", "ssd")))
+            or (sweep[0] in ("lookup", "siblings") and mode == "sd") or (sweep[0] in ("w", "guesses") and mode in ("sd", "ssd")))
         configs += [replace(base, **{SWEEP_FIELDS[sweep[0]]: v}) for v in sweep[1]] if applies else [base]
     for peer in peers:
         plain, spec = PEERS[peer]
@@ -96,7 +98,7 @@ class BenchSpec:
     threads: int | None = None
     draft_quantization: str | None = "auto"  # the engine's option (SpecOptions.draft_quantization)
     seed: int = 0  # of every LLM's sampling generator
-    sweep: str | None = None  # the --sweep key ("k", "f", "v", "lookup", "w", "siblings") when the configurations sweep one
+    sweep: str | None = None  # the --sweep key ("k", "f", "v", "lookup", "w", "siblings", "guesses") when the configurations sweep one
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,
@@ -119,6 +121,8 @@ class BenchSpec:
             kwargs["prompt_lookup"] = c.lookup
         if c.siblings is not None:
             kwargs["draft_siblings"] = c.siblings
+        if c.guesses is not None:
+            kwargs["draft_guesses"] = c.guesses
         if c.draft_window is not None:
             kwargs["draft_window"] = None if c.draft_window == "all" else c.draft_window
         return kwargs

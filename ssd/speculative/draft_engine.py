@@ -20,10 +20,23 @@ from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import round_k
+from ssd.speculative.ngram_index import NgramIndex
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.siblings import Alternative
 from ssd.speculative.spec_cache import SpeculationCache
 from ssd.speculative.vocab import DraftHead, ExtraTokens
+
+
+GUESS_NGRAM_MAX = 4  # the longest n-gram looked up for the draft's guesses
+
+
+def agreed(picked: list[int], guess: list[int]) -> int:
+    """How many leading tokens of a guess the draft picked itself, row by row: a row's pick
+    stands only where the tokens fed before it were the draft's own."""
+    right = 0
+    while right < len(guess) and picked[right] == guess[right]:
+        right += 1
+    return right
 
 
 @dataclass
@@ -49,6 +62,8 @@ class DraftSeq:
     # the tree built from it (per depth, most likely first).
     after_hit: bool = False
     candidates: list[list[int]] = field(default_factory=list)
+    # Prompt lookup's index of its confirmed tokens, for the draft's guesses (DraftEngine._guess).
+    ngrams: NgramIndex = field(default_factory=lambda: NgramIndex(GUESS_NGRAM_MAX))
 
     @property
     def spec(self) -> list[int]:
@@ -73,16 +88,17 @@ class DraftEngine:
     def __init__(self, model: DecoderLM, device: torch.device, *, k_max: int, cache_tokens: int,
                  block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None,
                  vocab_ids: tuple[int, ...] | None = None, prefix_salt: str | None = None,
-                 window: int | None = None):
+                 window: int | None = None, guesses: bool = False):
         """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
         vocab_ids: the token ids of a reduced-vocabulary head (the model's logits are for those,
         in that order): the draft proposes only them and each sequence's own tokens (DraftHead),
         and its q is 0 on every other token. prefix_salt: the draft's own prefix cache
         (PagedKVCache), None for none. window: the most tokens of a context the draft reads
         when catching up; beyond that it starts over from the context's last `window` tokens
-        (positions from 0: RoPE sees the same distances), None for all."""
+        (positions from 0: RoPE sees the same distances), None for all. guesses: prompt lookup's
+        guesses of the draft's next tokens join its passes (_guess)."""
         cfg = model.config
-        self.window = window
+        self.window, self.guesses = window, guesses
         self.k_max, self.device, self.saguaro = k_max, device, saguaro
         self.max_len = cfg.max_position_embeddings
         self.head = DraftHead(model, vocab_ids, device)
@@ -107,7 +123,7 @@ class DraftEngine:
         return cls(model, device, k_max=cfg.k_max, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
                    seed=cfg.seed, saguaro=saguaro, vocab_ids=ids,
                    prefix_salt=f"{cfg.model}|{cfg.dtype}|{cfg.weights}" if cfg.prefix_caching else None,
-                   window=cfg.window)
+                   window=cfg.window, guesses=cfg.guesses)
 
     def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None,
              k: int, processor: LogitsProcessor | None = None) -> DraftSeq:
@@ -136,6 +152,7 @@ class DraftEngine:
         self.head.extend(s.extra, new_tokens)
         s.confirmed = len(s.tokens)
         if first:  # a prompt, or the whole context again: start from the cached prefix
+            s.ngrams = NgramIndex(GUESS_NGRAM_MAX)
             self.kv.release(seq_id)
             s.cached = self.kv.match(seq_id, s.tokens)
         else:
@@ -178,7 +195,7 @@ class DraftEngine:
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]
-        steps: list[float] = []  # times of the steps that fed one or two tokens per sequence
+        step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence
         catchup_s, catchup_tokens = 0.0, 0
         while True:
             self._forced(seqs, ks, tokens, qs)
@@ -186,33 +203,57 @@ class DraftEngine:
             if not live:
                 break
             start = time.perf_counter()
-            chunks = []
+            chunks, guesses = [], []
             for b in live:
                 s = seqs[b]
                 self._window(s)
                 s.cached = min(s.cached, len(s.tokens) - 1)  # feed at least the newest token
-                self.kv.reserve(s.seq_id, len(s.tokens))
-                chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, 1))
-                s.cached = len(s.tokens)
+                guess = self._guess(s, ks[b] - len(tokens[b]) - 1)
+                self.kv.reserve(s.seq_id, len(s.tokens) + len(guess))
+                chunks.append(Chunk(s.seq_id, s.tokens[s.cached:] + guess, s.cached, 1 + len(guess)))
+                guesses.append(guess)
             picked, q, runner_up = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
-                                             [1] * len(live), alternatives)
-            for row, b in enumerate(live):
-                seqs[b].tokens.append(picked[row])
-                tokens[b].append(picked[row])
-                if q[row] is not None:
-                    qs[b].append(q[row][0])
-                if runner_up[row] is not None and len(alts[b]) == len(tokens[b]) - 1:  # none after a forced token
-                    alts[b].append(runner_up[row])
-            # A first step that feeds a prompt or many tokens missed while K was 0 is catch-up,
+                                             [1 + len(g) for g in guesses], alternatives)
+            row, advanced = 0, []
+            for i, b in enumerate(live):
+                s, guess = seqs[b], guesses[i]
+                right = agreed(picked[row:row + len(guess)], guess)  # their K/V stay
+                s.cached = len(s.tokens) + right
+                if right < len(guess):
+                    self.kv.truncate(s.seq_id, s.cached)
+                new = guess[:right] + [picked[row + right]]
+                s.tokens += new
+                if q[i] is not None:
+                    qs[b] += list(q[i][:len(new)])
+                for token, alt in zip(new, runner_up[row:row + len(new)]):
+                    if alt is not None and len(alts[b]) == len(tokens[b]):  # none after a forced token
+                        alts[b].append(alt)
+                    tokens[b].append(token)
+                advanced.append(len(new))
+                row += len(guess) + 1
+            # A first pass that feeds a prompt or many tokens missed while K was 0 is catch-up,
             # not what one more draft token costs (adaptive_k.py reads step_s).
-            if max(len(c.tokens) for c in chunks) <= 2:
-                steps.append(time.perf_counter() - start)
+            if max(len(c.tokens) - len(g) for c, g in zip(chunks, guesses)) <= 2:
+                step_s += time.perf_counter() - start
+                step_tokens += min(advanced)  # the batch is as far as its slowest sequence
             else:
                 catchup_s += time.perf_counter() - start
-                catchup_tokens += sum(len(c.tokens) for c in chunks)
-        self.step_s = sum(steps) / len(steps) if steps else None
+                catchup_tokens += sum(len(c.tokens) - len(g) for c, g in zip(chunks, guesses))
+        self.step_s = step_s / step_tokens if step_tokens else None
         self.catchup = (catchup_s, catchup_tokens) if catchup_tokens else None
         return [(t, torch.stack(q) if q else None, a) for t, q, a in zip(tokens, qs, alts)]
+
+    def _guess(self, s: DraftSeq, most: int) -> list[int]:
+        """Prompt lookup's guess of the draft's next `most` tokens after the one this pass picks
+        (what followed the latest earlier occurrence of its newest n-gram): fed in the same
+        pass, each row checks the one before it, so every guessed token the draft would have
+        picked itself saves a pass (a guessed row costs a few per cent of a step on a CPU,
+        bench/pass_cost.py). Requests whose logits the draft changes (penalties, a
+        constraint) take none."""
+        if not self.guesses or most <= 0 or s.processor is not None:
+            return []
+        s.ngrams.extend(s.tokens, s.confirmed)
+        return s.ngrams.match(s.tokens, most)[0]
 
     def _window(self, s: DraftSeq) -> None:
         """More than `window` tokens unread: drop all but the context's last `window` and
@@ -223,6 +264,7 @@ class DraftEngine:
         del s.tokens[:drop]
         s.offset += drop
         s.confirmed -= drop
+        s.ngrams = NgramIndex(GUESS_NGRAM_MAX)
         self.kv.release(s.seq_id)
         s.cached = self.kv.match(s.seq_id, s.tokens)
 

@@ -6,19 +6,10 @@ quote their input repeat long spans of it, which this proposes at no cost.
 The proposals are not drawn from any distribution, so they are verified as one-hot proposals
 (q = None, ssd/speculative/verifier.py): exact for greedy and sampled requests alike.
 """
-from dataclasses import dataclass, field
-
 from ssd.engine.sequence import Sequence
+from ssd.speculative.ngram_index import NgramIndex
 from ssd.speculative.round import Proposal
 from ssd.speculative.speculator import Speculator
-
-
-@dataclass
-class _Index:
-    """Where each n-gram (n = 1..ngram_max) of a sequence last ended, for the tokens seen so far."""
-
-    seen: int = 0  # tokens indexed
-    last: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> index just past its latest end
 
 
 class NgramSpeculator(Speculator):
@@ -26,7 +17,7 @@ class NgramSpeculator(Speculator):
         """ngram_min, ngram_max: as checked by the speculation options (check_ngram_sizes)."""
         super().__init__()
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
-        self.indexes: dict[int, _Index] = {}
+        self.indexes: dict[int, NgramIndex] = {}
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         return [Proposal(self.lookup(seq, k)) for seq, k in zip(seqs, ks)]
@@ -44,16 +35,6 @@ class NgramSpeculator(Speculator):
         """Up to k tokens that followed the latest earlier occurrence of the sequence's newest
         n-gram, longest n first, and that n (0: none found, or k = 0)."""
         tokens = seq.token_ids
-        index = self.indexes.setdefault(seq.seq_id, _Index())
-        # Index the n-grams that end before the newest token (the newest one is the query).
-        for end in range(max(index.seen, 1), len(tokens)):
-            for n in range(1, min(self.ngram_max, end) + 1):
-                index.last[tuple(tokens[end - n:end])] = end
-        index.seen = max(index.seen, len(tokens) - 1)
-        if k <= 0:
-            return [], 0
-        for n in range(min(self.ngram_max, len(tokens) - 1), self.ngram_min - 1, -1):
-            start = index.last.get(tuple(tokens[len(tokens) - n:]))
-            if start is not None:
-                return tokens[start:start + k], n
-        return [], 0
+        index = self.indexes.setdefault(seq.seq_id, NgramIndex(self.ngram_max))
+        index.extend(tokens, len(tokens))  # the n-grams that end before the newest token (the query's)
+        return index.match(tokens, k, self.ngram_min)

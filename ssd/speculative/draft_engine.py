@@ -188,7 +188,7 @@ class DraftEngine:
     def draft(self, seqs: list[DraftSeq], ks: list[int], alternatives: bool = False
               ) -> list[tuple[list[int], torch.Tensor | None, list[Alternative]]]:
         """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
-        per token; the first pass feeds whatever the draft has not seen (a prompt, the target's
+        per token (fewer where the draft's guesses are right, _guess); the first pass feeds whatever the draft has not seen (a prompt, the target's
         token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests,
         and with `alternatives` each drafted token's runner-up (requests whose logits nothing
         changes, ssd/speculative/siblings.py; else empty))."""
@@ -244,10 +244,10 @@ class DraftEngine:
         return [(t, torch.stack(q) if q else None, a) for t, q, a in zip(tokens, qs, alts)]
 
     def _guess(self, s: DraftSeq, most: int) -> list[int]:
-        """Prompt lookup's guess of the draft's next `most` tokens after the one this pass picks
-        (what followed the latest earlier occurrence of its newest n-gram): fed in the same
-        pass, each row checks the one before it, so every guessed token the draft would have
-        picked itself saves a pass (a guessed row costs a few per cent of a step on a CPU,
+        """Prompt lookup's guess of the draft's next `most` tokens, this pass's pick the first
+        (what followed the latest earlier occurrence of its newest n-gram): fed after the
+        token the pass drafts from, each row checks the one before it, so every guessed token
+        the draft would have picked itself saves a pass (a guessed row costs a few per cent of a step on a CPU,
         bench/pass_cost.py). Requests whose logits the draft changes (penalties, a
         constraint) take none."""
         if not self.guesses or most <= 0 or s.processor is not None:

@@ -248,9 +248,11 @@ class DraftEngine:
         (what followed the latest earlier occurrence of its newest n-gram): fed after the
         token the pass drafts from, each row checks the one before it, so every guessed token
         the draft would have picked itself saves a pass (a guessed row costs a few per cent of a step on a CPU,
-        bench/pass_cost.py). Requests whose logits the draft changes (penalties, a
-        constraint) take none."""
-        if not self.guesses or most <= 0 or s.processor is not None:
+        bench/pass_cost.py). Greedy requests only: a sampled row's pick is a draw, which a
+        guess matches less often, and each guessed row would cost its distribution over the
+        whole vocabulary (measured slower, bench/README.md, "The draft's guesses"); requests
+        whose logits the draft changes (penalties, a constraint) take none either."""
+        if not self.guesses or most <= 0 or s.processor is not None or not s.params.greedy_decoding:
             return []
         s.ngrams.extend(s.tokens, s.confirmed)
         return s.ngrams.match(s.tokens, most)[0]

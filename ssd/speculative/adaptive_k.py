@@ -9,7 +9,8 @@ before it were (its acceptance by position), drafting K tokens gains on average
 and a round costs D(K) = K x d (the wait for proposals: K draft steps in SD, mostly nothing on
 an SSD cache hit) plus V(R), the target's pass over R rows (R = K + 1 per sequence). All three
 are measured as the engine runs: V at start-up by timing the target on 1..K_max+1 rows and d
-by timing one draft step, then both from every round (moving averages), and the a_i from each
+by timing one draft step, then both from every round (d per drafted token: a pass drafts more
+than one where the draft's guesses are right) (moving averages), and the a_i from each
 sequence's own rounds (decayed counts) shrunk towards the engine-wide rates, which stand in
 for positions a sequence has not reached. The round's K per sequence maximises the batch's
 tokens per second, sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))); K = 0 is plain decoding,

@@ -9,6 +9,8 @@ table (n = 1..4 -> the most frequent next token, kept where n >= 2 or seen twice
 the answers to prompts --num-prompts onwards, and both guesses are scored at every position of
 the answers to the first --num-prompts prompts (the bench's) against the target's own next
 token (the draft agrees with it most of the time; this is an estimate, not the draft's picks).
+The last column is a table filled as the engine runs instead: from the answers before each one
+in a `ssd bench` of these sets (the earlier sets' bench prompts, then this set's earlier ones).
 
     python bench/shared_ngram_headroom.py humaneval gsm8k mtbench --num-prompts 4 --held-out 40 --threads 2
 """
@@ -34,6 +36,12 @@ def table_guess(table: dict, context: list[int]) -> int | None:
     return None
 
 
+def add(table: dict, out: list[int]) -> None:
+    for end in range(1, len(out)):
+        for n in range(1, min(N_MAX, end) + 1):
+            table[tuple(out[end - n:end])][out[end]] += 1
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("sets", nargs="+")
@@ -44,8 +52,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print("| set | positions | own guess right | own, 1-token match | table where own has none | table where own is 1-token |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print("| set | positions | own guess right | own, 1-token match | table where own has none | table where own is "
+          "1-token | table of the run so far, where own has none |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    run: dict = collections.defaultdict(collections.Counter)  # the answers so far, as the engine would see them
     with LLM(args.model) as llm:
         for name in args.sets:
             prompts = load_prompt_set(name, args.num_prompts + args.held_out)
@@ -54,9 +64,7 @@ def main() -> None:
             answers = [(llm.encode(o.prompt), o.token_ids) for o in outs]
             table: dict = collections.defaultdict(collections.Counter)
             for _, out in answers[args.num_prompts:]:
-                for end in range(1, len(out)):
-                    for n in range(1, min(N_MAX, end) + 1):
-                        table[tuple(out[end - n:end])][out[end]] += 1
+                add(table, out)
             c = collections.Counter()
             for prompt, out in answers[:args.num_prompts]:
                 for p in range(1, len(out)):
@@ -77,9 +85,12 @@ def main() -> None:
                     if not own:
                         c["table/none"] += shared is not None
                         c["table/none right"] += shared == out[p]
+                        c["run/none right"] += table_guess(run, context) == out[p]
+                add(run, out)
             share = lambda k, of: f"{c[k + ' right']} of {c[of]} ({c[k + ' right'] / max(1, c[of]):.0%})"  # noqa: E731
             print(f"| {name} | {c['positions']} | {share('own', 'own')} | {share('own1', 'own1')} "
-                  f"| {share('table/none', 'none')} | {share('table/own1', 'own1')} |", flush=True)
+                  f"| {share('table/none', 'none')} | {share('table/own1', 'own1')} | {share('run/none', 'none')} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

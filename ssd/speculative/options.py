@@ -125,8 +125,8 @@ class SpecOptions:
         None, "with a draft model: prompt lookup guesses the draft's next tokens (what followed the latest earlier "
         "occurrence of its newest n-gram), fed in the same draft pass; each guessed token the draft would have "
         "picked itself saves a draft pass; greedy requests only. The draft's tokens are the same, the output stays "
-        "exact. Default: on in SD (3-6 per cent faster on the bench sets), off in SSD (its tree steps take none; "
-        "unmeasured there)",
+        "exact. Default: on in SD (3-6 per cent faster on the bench sets), off in SSD (only its backups after a "
+        "miss would take them: no gain measured)",
         flag="--draft-guesses", parse=parse_on_off, metavar="on|off")
     draft_window: int | None = _option(
         None, "the most tokens of a context the draft reads when it catches up (a prompt, or what it missed "

@@ -8,7 +8,7 @@ from pathlib import Path
 from ssd.bench.plots import write_plots
 from ssd.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompt_set, load_prompts_file
 from ssd.bench.report import check_out, earlier_results, format_table, summarise, write_report
-from ssd.bench.runner import ENGINE_MODES, PEERS, BenchSpec, FanOut, expand_configs, run_bench
+from ssd.bench.runner import ENGINE_MODES, PEERS, SWEEP_MODES, BenchSpec, FanOut, expand_configs, run_bench
 from ssd.errors import SSDError
 from ssd.models.loader import QUANTIZATIONS
 from ssd.speculative.options import AUTO_K, parse_k, parse_on_off
@@ -57,8 +57,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    help="one configuration per value: k=2,4,auto (sd, ssd, ngram), f=1,2,3 (ssd), v=full,auto,32768 "
                    "(the draft head's vocabulary, sd and ssd, whose default is auto; see `ssd vocab`) or lookup=on,off "
                    "(prompt lookup beside the draft, sd with --k auto) or w=all,V,.. (--draft-window, sd and ssd) or "
-                   "siblings=on,off (sibling leaves, sd with --k auto) or guesses=on,off (--draft-guesses, sd and ssd); "
-                   "needs ar in --modes")
+                   "siblings=on,off (sibling leaves, sd with --k auto) or guesses=on,off (--draft-guesses, sd and "
+                   "ssd); needs ar in --modes")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 is greedy, where every mode must match AR token for token (default: 0)")
     b.add_argument("--batch-size", type=int, default=1, metavar="B",
@@ -141,10 +141,9 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     sweep = parse_sweep(args.sweep) if args.sweep else None
     if sweep and "ar" not in modes:
         raise SSDError("--sweep measures speedup vs AR: add ar to --modes")
-    needs = {"k": {"sd", "ssd", "ngram"}, "f": {"ssd"}, "v": {"sd", "ssd"}, "lookup": {"sd"}, "w": {"sd", "ssd"},
-             "siblings": {"sd"}, "guesses": {"sd", "ssd"}}
-    if sweep and not set(modes) & needs[sweep[0]]:
-        raise SSDError(f"--sweep {sweep[0]}=... needs one of the modes {', '.join(sorted(needs[sweep[0]]))} in --modes")
+    if sweep and not set(modes) & SWEEP_MODES[sweep[0]]:
+        raise SSDError(f"--sweep {sweep[0]}=... needs one of the modes {', '.join(sorted(SWEEP_MODES[sweep[0]]))} "
+                       "in --modes")
     if (args.f or args.backup) and "ssd" not in modes:
         raise SSDError("--f and --backup apply to mode ssd, which is not in --modes")
     k = parse_k(args.k)

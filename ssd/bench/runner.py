@@ -28,6 +28,9 @@ ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt looku
 PEERS = {"hf": ("hf", "hf-assisted"), "llamacpp": ("llamacpp", "llamacpp-spec")}  # --peers name -> rows
 SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab", "lookup": "lookup",  # --sweep key -> RunConfig field
                 "w": "draft_window", "siblings": "siblings", "guesses": "guesses"}
+# --sweep key -> the engine modes it applies to (the others run once, at the default)
+SWEEP_MODES = {"k": {"sd", "ssd", "ngram"}, "f": {"ssd"}, "v": {"sd", "ssd"}, "lookup": {"sd"}, "w": {"sd", "ssd"},
+               "siblings": {"sd"}, "guesses": {"sd", "ssd"}}
 WARMUP_PROMPT = "Count from one to ten."
 WARMUP_TOKENS = 8
 
@@ -73,9 +76,7 @@ def expand_configs(modes: Sequence[str], k: int, fan_out: FanOut | None = None, 
     for mode in modes:
         base = RunConfig(mode) if mode == "ar" else RunConfig(
             mode, k, *((fan_out, backup) if mode == "ssd" else (None, None)))
-        applies = sweep is not None and mode != "ar" and (
-            sweep[0] == "k" or (sweep[0] == "f" and mode == "ssd") or (sweep[0] == "v" and mode in ("sd", "ssd"))
-            or (sweep[0] in ("lookup", "siblings") and mode == "sd") or (sweep[0] in ("w", "guesses") and mode in ("sd", "ssd")))
+        applies = sweep is not None and mode in SWEEP_MODES[sweep[0]]
         configs += [replace(base, **{SWEEP_FIELDS[sweep[0]]: v}) for v in sweep[1]] if applies else [base]
     for peer in peers:
         plain, spec = PEERS[peer]
@@ -98,7 +99,7 @@ class BenchSpec:
     threads: int | None = None
     draft_quantization: str | None = "auto"  # the engine's option (SpecOptions.draft_quantization)
     seed: int = 0  # of every LLM's sampling generator
-    sweep: str | None = None  # the --sweep key ("k", "f", "v", "lookup", "w", "siblings", "guesses") when the configurations sweep one
+    sweep: str | None = None  # the --sweep key (SWEEP_FIELDS) when the configurations sweep one
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,

@@ -188,8 +188,8 @@ class DraftEngine:
     def draft(self, seqs: list[DraftSeq], ks: list[int], alternatives: bool = False
               ) -> list[tuple[list[int], torch.Tensor | None, list[Alternative]]]:
         """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
-        per token (fewer where the draft's guesses are right, _guess); the first pass feeds whatever the draft has not seen (a prompt, the target's
-        token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests,
+        per token (fewer where the draft's guesses are right, _guess); the first pass feeds
+        whatever the draft has not seen (a prompt, the target's token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests,
         and with `alternatives` each drafted token's runner-up (requests whose logits nothing
         changes, ssd/speculative/siblings.py; else empty))."""
         tokens: list[list[int]] = [[] for _ in seqs]
@@ -247,8 +247,8 @@ class DraftEngine:
         """Prompt lookup's guess of the draft's next `most` tokens, this pass's pick the first
         (what followed the latest earlier occurrence of its newest n-gram): fed after the
         token the pass drafts from, each row checks the one before it, so every guessed token
-        the draft would have picked itself saves a pass (a guessed row costs a few per cent of a step on a CPU,
-        bench/pass_cost.py). Greedy requests only: a sampled row's pick is a draw, which a
+        the draft would have picked itself saves a pass (a guessed row costs a few per cent of
+        a step on a CPU, bench/pass_cost.py). Greedy requests only: a sampled row's pick is a draw, which a
         guess matches less often, and each guessed row would cost its distribution over the
         whole vocabulary (measured slower, bench/README.md, "The draft's guesses"); requests
         whose logits the draft changes (penalties, a constraint) take none either."""

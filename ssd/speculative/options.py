@@ -190,18 +190,15 @@ class SpecOptions:
         if self.draft_window is not None:
             check_int("draft_window", self.draft_window, 16)
         check_ngram_sizes(self.ngram_min, self.ngram_max)
-        if self.prompt_lookup not in (None, True, False):
-            raise SSDError(f"prompt_lookup must be True, False or None, got {self.prompt_lookup!r}")
+        for name in ("prompt_lookup", "draft_siblings", "draft_guesses"):  # on, off, or the mode's default
+            if getattr(self, name) not in (None, True, False):
+                raise SSDError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.prompt_lookup and (mode != "sd" or self.speculate_k != AUTO_K):
             raise SSDError("prompt_lookup beside a draft model applies to mode 'sd' with speculate_k='auto' "
                            "(for prompt lookup alone, use draft='ngram')")
-        if self.draft_siblings not in (None, True, False):
-            raise SSDError(f"draft_siblings must be True, False or None, got {self.draft_siblings!r}")
         if self.draft_siblings and (mode != "sd" or self.speculate_k != AUTO_K):
             raise SSDError("draft_siblings applies to mode 'sd' with speculate_k='auto' (their choice rests on "
                            "auto-K's measured costs)")
-        if self.draft_guesses not in (None, True, False):
-            raise SSDError(f"draft_guesses must be True, False or None, got {self.draft_guesses!r}")
         if self.draft_quantization not in ("auto", None, *QUANTIZATIONS):
             raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
                            f"got {self.draft_quantization!r}")

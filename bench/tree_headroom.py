@@ -82,8 +82,10 @@ def replay_setup(description: str, sets: str) -> tuple[argparse.Namespace, list[
     return args, outputs
 
 
-def main() -> None:
-    args, outputs = replay_setup(__doc__.split("\n\n")[0], "humaneval,gsm8k,mtbench")
+def replay_costs(description: str, sets: str):
+    """replay_setup, then the draft's runner and the measured costs: (args, outputs, draft
+    runner, the target's T(M) for M = 1..17 rows, the draft's step), in seconds."""
+    args, outputs = replay_setup(description, sets)
     longest = max(len(a) + len(b) for _, a, b in outputs)
     draft = runner_for(args.draft, args.draft_weights, longest + 32)
     target = runner_for(args.model, "auto", 256)
@@ -93,6 +95,11 @@ def main() -> None:
     d = pass_seconds(draft, 1)
     print(f"measured: draft step {d * 1e3:.1f} ms; target T(M) ms: "
           + ", ".join(f"{m}: {T[m] * 1e3:.0f}" for m in T))
+    return args, outputs, draft, T, d
+
+
+def main() -> None:
+    _, outputs, draft, T, d = replay_costs(__doc__.split("\n\n")[0], "humaneval,gsm8k,mtbench")
 
     by_set: dict[str, list] = {}
     for name, prompt, out in outputs:

@@ -29,6 +29,7 @@ from ssd.models.loader import load_tokenizer, shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
 from ssd.speculative.draft_engine import DraftEngine
+from ssd.speculative.draft_stop import DraftStop
 from ssd.speculative.fanout import FanOut
 from ssd.speculative.ngram import NgramSpeculator
 from ssd.speculative.options import AUTO_K, NGRAM, DraftConfig
@@ -101,11 +102,13 @@ class LLMEngine:
             lookup = NgramSpeculator(opts.ngram_min, opts.ngram_max) if opts.prompt_lookup is not False and local \
                 else None
             siblings = bool(opts.draft_siblings) and local
+            # The draft's stopping rule (draft_stop.py), where the draft is a model in this process.
+            stop = DraftStop() if opts.draft_stop is not False and local else None
             if local:
-                self.speculator.alternatives = siblings
+                self.speculator.alternatives, self.speculator.stop = siblings, stop
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
                                   self.speculator.step_cost(), self.speculator.measures_steps, lookup,
-                                  opts.draft_window, siblings)
+                                  opts.draft_window, siblings, stop)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 

@@ -58,7 +58,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
                    "(the draft head's vocabulary, sd and ssd, whose default is auto; see `ssd vocab`) or lookup=on,off "
                    "(prompt lookup beside the draft, sd with --k auto) or w=all,V,.. (--draft-window, sd and ssd) or "
                    "siblings=on,off (sibling leaves, sd with --k auto) or guesses=on,off (--draft-guesses, sd and "
-                   "ssd); needs ar in --modes")
+                   "ssd) or stop=on,off (--draft-stop, sd with --k auto) or kmax=8,16 (--k-max, sd and ngram with --k "
+                   "auto); needs ar in --modes")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 is greedy, where every mode must match AR token for token (default: 0)")
     b.add_argument("--batch-size", type=int, default=1, metavar="B",
@@ -108,17 +109,20 @@ def parse_fan_out(text: str) -> FanOut:
 
 def parse_sweep(text: str) -> tuple[str, list]:
     """--sweep: "k=2,4,auto", "f=1,2,auto", "v=full,32768,16384" (reduced draft heads) or
-    "lookup=on,off", "w=all,256,64" (the draft's window), "siblings=on,off", "guesses=on,off"."""
-    m = re.fullmatch(r"\s*(k|f|v|lookup|w|siblings|guesses)\s*=\s*(.+)", text)
+    "lookup=on,off", "w=all,256,64" (the draft's window), "siblings=on,off", "guesses=on,off", "stop=on,off",
+    "kmax=8,16"."""
+    m = re.fullmatch(r"\s*(k|f|v|lookup|w|siblings|guesses|stop|kmax)\s*=\s*(.+)", text)
     if not m:
         raise SSDError(f"bad --sweep {text!r}: expected k=V,V,..., f=V,V,..., v=V,V,..., lookup=on,off, "
-                       "w=V,V,..., siblings=on,off or guesses=on,off (e.g. k=2,4,6)")
+                       "w=V,V,..., siblings=on,off, guesses=on,off, stop=on,off or kmax=V,V,... (e.g. k=2,4,6)")
     parse = {"k": lambda v, what: AUTO_K if v.strip() == AUTO_K else _positive(v, what),
              "f": _fan_out,
              "v": lambda v, what: v.strip() if v.strip() in ("full", "auto") else _positive(v, what),
              "lookup": lambda v, what: parse_on_off(v),
              "siblings": lambda v, what: parse_on_off(v),
              "guesses": lambda v, what: parse_on_off(v),
+             "stop": lambda v, what: parse_on_off(v),
+             "kmax": _positive,
              "w": lambda v, what: "all" if v.strip() == "all" else _positive(v, what)}[m[1]]
     values = [parse(v, f"--sweep {m[1]}") for v in m[2].split(",")]
     if len(set(values)) != len(values):

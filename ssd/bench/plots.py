@@ -103,7 +103,8 @@ def plot_sweep(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
     ax.set_xlabel({"k": "K (draft tokens per round)", "f": "f (SSD fan-out)",
                    "v": "V (tokens of the draft's head)", "lookup": "prompt lookup beside the draft",
                    "w": "W (the draft's window, tokens)", "siblings": "sibling leaves",
-                   "guesses": "the draft's guesses (prompt lookup)"}[key])
+                   "guesses": "the draft's guesses (prompt lookup)", "stop": "the draft's stopping rule",
+                   "kmax": "K max (auto-K's deepest round)"}[key])
     ax.set_ylabel("speedup vs AR (decode tok/s)")
     ax.grid(alpha=0.3)
     return _save(fig, ax, result, path)

@@ -27,10 +27,12 @@ from ssd.store import REGISTRY, gguf_path, resolve_model
 ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt lookup (draft="ngram"), no draft model
 PEERS = {"hf": ("hf", "hf-assisted"), "llamacpp": ("llamacpp", "llamacpp-spec")}  # --peers name -> rows
 SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab", "lookup": "lookup",  # --sweep key -> RunConfig field
-                "w": "draft_window", "siblings": "siblings", "guesses": "guesses"}
+                "w": "draft_window", "siblings": "siblings", "guesses": "guesses", "stop": "stop",
+                "kmax": "k_max"}
 # --sweep key -> the engine modes it applies to (the others run once, at the default)
 SWEEP_MODES = {"k": {"sd", "ssd", "ngram"}, "f": {"ssd"}, "v": {"sd", "ssd"}, "lookup": {"sd"}, "w": {"sd", "ssd"},
-               "siblings": {"sd"}, "guesses": {"sd", "ssd"}}
+               "siblings": {"sd"}, "guesses": {"sd", "ssd"}, "stop": {"sd"},
+               "kmax": {"sd", "ngram"}}
 WARMUP_PROMPT = "Count from one to ten."
 WARMUP_TOKENS = 8
 
@@ -50,6 +52,8 @@ class RunConfig:
     draft_window: int | str | None = None  # sd and ssd: SpecOptions.draft_window, or "all"; None = the default
     siblings: bool | None = None  # sd: sibling leaves (SpecOptions.draft_siblings); None = the default
     guesses: bool | None = None  # sd and ssd: the draft's guesses (SpecOptions.draft_guesses); None = the default
+    stop: bool | None = None  # sd: the draft's stopping rule (SpecOptions.draft_stop); None = the default
+    k_max: int | None = None  # sd and ngram with k auto: the most tokens a round drafts (SpecOptions.k_max)
 
     @property
     def label(self) -> str:
@@ -59,7 +63,9 @@ class RunConfig:
                                                            ("v", self.draft_vocab), ("lookup", on_off(self.lookup)),
                                                            ("w", self.draft_window),
                                                            ("siblings", on_off(self.siblings)),
-                                                           ("guesses", on_off(self.guesses)))
+                                                           ("guesses", on_off(self.guesses)),
+                                                           ("stop", on_off(self.stop)),
+                                                           ("kmax", self.k_max))
                               if v is not None)]
         return " ".join(parts)
 
@@ -124,6 +130,10 @@ class BenchSpec:
             kwargs["draft_siblings"] = c.siblings
         if c.guesses is not None:
             kwargs["draft_guesses"] = c.guesses
+        if c.stop is not None:
+            kwargs["draft_stop"] = c.stop
+        if c.k_max is not None:
+            kwargs["k_max"] = c.k_max
         if c.draft_window is not None:
             kwargs["draft_window"] = None if c.draft_window == "all" else c.draft_window
         return kwargs

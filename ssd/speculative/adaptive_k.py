@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ssd.engine.sequence import Sequence
+from ssd.speculative.draft_stop import DraftStop
 from ssd.speculative.round import Proposal, Round
 from ssd.speculative.siblings import MAX_PER_SEQUENCE, Sibling, SiblingPolicy, eligible
 
@@ -217,14 +218,16 @@ class AutoK(FixedK):
 
     def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
                  steps_measured: bool = False, lookup: "NgramSpeculator | None" = None, window: int | None = None,
-                 siblings: bool = False):
+                 siblings: bool = False, stop: DraftStop | None = None):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
         steps_measured: the draft times its steps itself (observe's step_s; SD), else a round's
         wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
         beside the draft (module doc); window: the most tokens a catch-up reads (draft_window);
-        siblings: choose sibling leaves for the draft's proposals (siblings.py)."""
+        siblings: choose sibling leaves for the draft's proposals (siblings.py); stop: the draft's
+        stopping rule (draft_stop.py), which drafting sequences it applies to get K = k_max for."""
         super().__init__(k_max)
+        self.stop = stop
         self.lookup, self.window = lookup, window
         self.sibling_policy = SiblingPolicy() if siblings else None
         self.siblings = self._siblings if siblings else None
@@ -307,7 +310,28 @@ class AutoK(FixedK):
                     and state.explore_wait >= EXPLORE_GAP and self._evidence(s, k) < EXPLORE_EVIDENCE:
                 ks[b] = k + 1
                 state.explore_wait = 0
+        if self.stop is not None:
+            self._let_stop(seqs, ks, gains)
         return ks
+
+    def _let_stop(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]]) -> None:
+        """The draft's stopping rule (draft_stop.py) takes over the length of the drafting
+        rounds it applies to (not probes, not lookup rounds): their K becomes k_max, a cap. Its
+        rate (a sequence's: the batch's over its sequences) before any round was measured: the
+        one expected of the K chosen here."""
+        drafting = [b for b, k in enumerate(ks) if k and seqs[b].seq_id not in self.lookups]
+        if not drafting:
+            return
+        deepest = max(ks[b] for b in drafting)
+        expected = sum(gains[b][ks[b]] for b in drafting)
+        rows = sum(ks[b] + 1 for b in drafting)
+        self.stop.plan(self.k_max, self.draft_step, self.verify,
+                       expected / len(drafting) / (deepest * self.draft_step + self.verify(rows)))
+        for b in drafting:
+            s = seqs[b]
+            if s.seq_id not in self.probing and s.seq_id != self.engine_probe and s.processor is None \
+                    and s.params.greedy_decoding:
+                ks[b] = self.k_max
 
     def _siblings(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[list[Sibling]]:
         """This round's sibling leaves (siblings.py), at the rate its chains make: their expected
@@ -427,6 +451,12 @@ class AutoK(FixedK):
         if self.sibling_policy is not None:
             for r in rounds:
                 self.sibling_policy.observe(r.seq.seq_id, r.rescued)
+        if self.stop is not None and any(drafted):
+            for r in rounds:
+                if r.proposal.confidences is not None:
+                    self.stop.observe(r.proposal.confidences, r.accepted)
+            if catchup is None:  # a catch-up's pass is no draft step
+                self.stop.observe_rate(sum(len(r.tokens) for r in rounds) / len(rounds), draft_s + verify_s)
 
     def _state(self, seq: Sequence) -> SeqState:
         return self.seqs.setdefault(seq.seq_id, SeqState())

@@ -20,6 +20,7 @@ from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import round_k
+from ssd.speculative.draft_stop import DraftStop
 from ssd.speculative.ngram_index import NgramIndex
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.siblings import Alternative
@@ -28,6 +29,9 @@ from ssd.speculative.vocab import DraftHead, ExtraTokens
 
 
 GUESS_NGRAM_MAX = 4  # the longest n-gram looked up for the draft's guesses
+# The most guessed rows a pass feeds: each costs the pass a little, and with draft_stop a
+# round's K is k_max, most of which it never drafts.
+GUESS_ROWS = 3
 
 
 def agreed(picked: list[int], guess: list[int]) -> int:
@@ -185,16 +189,23 @@ class DraftEngine:
 
     # ---- drafting -------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, seqs: list[DraftSeq], ks: list[int], alternatives: bool = False
-              ) -> list[tuple[list[int], torch.Tensor | None, list[Alternative]]]:
+    def draft(self, seqs: list[DraftSeq], ks: list[int], alternatives: bool = False, stop: DraftStop | None = None
+              ) -> list[tuple[list[int], torch.Tensor | None, list[Alternative], list[float] | None]]:
         """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
         per token (fewer where the draft's guesses are right, _guess); the first pass feeds
-        whatever the draft has not seen (a prompt, the target's token). Returns (tokens, q [k, V] they were drawn from, or None for greedy requests,
-        and with `alternatives` each drafted token's runner-up (requests whose logits nothing
-        changes, ssd/speculative/siblings.py; else empty))."""
+        whatever the draft has not seen (a prompt, the target's token). With `stop`, a greedy
+        request whose logits nothing changes drafts up to ks[b] tokens, as long as the rule of
+        draft_stop.py says one more is worth it. Returns (tokens, q [k, V] they were drawn from,
+        or None for greedy requests, with `alternatives` each drafted token's runner-up (requests
+        whose logits nothing changes, ssd/speculative/siblings.py; else empty), and where `stop`
+        applied, each token's top-1 probability (else None))."""
+        ks = list(ks)
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]
+        stops = [stop is not None and s.processor is None and s.params.greedy_decoding for s in seqs]
+        confs: list[list[float]] = [[] for _ in seqs]
+        survival = [1.0] * len(seqs)
         step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence
         catchup_s, catchup_tokens = 0.0, 0
         while True:
@@ -208,12 +219,12 @@ class DraftEngine:
                 s = seqs[b]
                 self._window(s)
                 s.cached = min(s.cached, len(s.tokens) - 1)  # feed at least the newest token
-                guess = self._guess(s, ks[b] - len(tokens[b]) - 1)
+                guess = self._guess(s, min(GUESS_ROWS, ks[b] - len(tokens[b]) - 1))
                 self.kv.reserve(s.seq_id, len(s.tokens) + len(guess))
                 chunks.append(Chunk(s.seq_id, s.tokens[s.cached:] + guess, s.cached, 1 + len(guess)))
                 guesses.append(guess)
-            picked, q, runner_up = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
-                                             [1 + len(g) for g in guesses], alternatives)
+            picked, q, runner_up, conf = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
+                                                   [1 + len(g) for g in guesses], alternatives, stop is not None)
             row, advanced = 0, []
             for i, b in enumerate(live):
                 s, guess = seqs[b], guesses[i]
@@ -229,6 +240,12 @@ class DraftEngine:
                     if alt is not None and len(alts[b]) == len(tokens[b]):  # none after a forced token
                         alts[b].append(alt)
                     tokens[b].append(token)
+                if stops[b]:  # the tokens of one pass come together: the rule reads the last
+                    for c in conf[row:row + len(new)]:
+                        confs[b].append(c)
+                        survival[b] *= stop.chance(c)
+                    if not stop.keep_going(survival[b], len(tokens[b])):
+                        ks[b] = len(tokens[b])
                 advanced.append(len(new))
                 row += len(guess) + 1
             # A first pass that feeds a prompt or many tokens missed while K was 0 is catch-up,
@@ -241,7 +258,8 @@ class DraftEngine:
                 catchup_tokens += sum(len(c.tokens) - len(g) for c, g in zip(chunks, guesses))
         self.step_s = step_s / step_tokens if step_tokens else None
         self.catchup = (catchup_s, catchup_tokens) if catchup_tokens else None
-        return [(t, torch.stack(q) if q else None, a) for t, q, a in zip(tokens, qs, alts)]
+        return [(t, torch.stack(q) if q else None, a, c if stopped else None)
+                for t, q, a, c, stopped in zip(tokens, qs, alts, confs, stops)]
 
     def _guess(self, s: DraftSeq, most: int) -> list[int]:
         """Prompt lookup's guess of the draft's next `most` tokens, this pass's pick the first
@@ -301,14 +319,16 @@ class DraftEngine:
         logits, extra_ids = self.head(self.runner.forward(chunks, head=False), [s.extra for s in seqs], rows)
         return list(zip(logits.split(rows), extra_ids.split(rows) if extra_ids is not None else [None] * len(seqs)))
 
-    def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int], alternatives: bool = False
-             ) -> tuple[list[int], list[torch.Tensor | None], list[Alternative | None]]:
+    def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int], alternatives: bool = False,
+             confidence: bool = False
+             ) -> tuple[list[int], list[torch.Tensor | None], list[Alternative | None], list[float] | None]:
         """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows.
         Returns the tokens, per sequence the distributions drawn from over the whole
-        vocabulary (None for greedy rows), and per row with `alternatives`, for a request with
+        vocabulary (None for greedy rows), per row with `alternatives`, for a request with
         unchanged logits, the runner-up: the likeliest token other than the one picked (else
-        None)."""
+        None), and with `confidence` each row's top-1 probability over the head (else None)."""
         logits, extra_ids = self.head(hidden, [s.extra for s in seqs], rows)
+        top = torch.softmax(logits, -1).amax(-1).tolist() if confidence else None
         out, qs, start = [], [], 0
         greedy_cols = logits.argmax(-1)
         greedy = self.head.token_ids(greedy_cols, extra_ids).tolist()
@@ -342,7 +362,7 @@ class DraftEngine:
                 if alternatives:
                     runner_up[start:start + n] = self._runners_up(q, picked, ids)
             start += n
-        return out, qs, runner_up
+        return out, qs, runner_up, top
 
     def _runners_up(self, q: torch.Tensor, picked: torch.Tensor, ids: torch.Tensor | None) -> list[Alternative]:
         """Per row of q (the head's columns), its likeliest column other than the one picked:

@@ -121,6 +121,12 @@ class SpecOptions:
         "Chosen by their measured rescue rate against the cost of a row; sampled requests are verified by the "
         "multi-candidate rule; the output stays exact. Default: off",
         flag="--siblings", parse=parse_on_off, metavar="on|off")
+    draft_stop: bool | None = _option(
+        None, "SD with a draft model and K auto: the draft's own stopping rule. A greedy round drafts while "
+        "the draft's confidence in its tokens (their top-1 probabilities, calibrated by measured acceptance) "
+        "makes one more token worth a draft step and a verify row, up to --k-max; the output stays exact. "
+        "Default: on there",
+        flag="--draft-stop", parse=parse_on_off, metavar="on|off")
     draft_guesses: bool | None = _option(
         None, "with a draft model: prompt lookup guesses the draft's next tokens (what followed the latest earlier "
         "occurrence of its newest n-gram), fed in the same draft pass; each guessed token the draft would have "
@@ -190,7 +196,7 @@ class SpecOptions:
         if self.draft_window is not None:
             check_int("draft_window", self.draft_window, 16)
         check_ngram_sizes(self.ngram_min, self.ngram_max)
-        for name in ("prompt_lookup", "draft_siblings", "draft_guesses"):  # on, off, or the mode's default
+        for name in ("prompt_lookup", "draft_siblings", "draft_stop", "draft_guesses"):  # on, off, or the mode's default
             if getattr(self, name) not in (None, True, False):
                 raise SSDError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         if self.prompt_lookup and (mode != "sd" or self.speculate_k != AUTO_K):
@@ -199,6 +205,9 @@ class SpecOptions:
         if self.draft_siblings and (mode != "sd" or self.speculate_k != AUTO_K):
             raise SSDError("draft_siblings applies to mode 'sd' with speculate_k='auto' (their choice rests on "
                            "auto-K's measured costs)")
+        if self.draft_stop and (mode != "sd" or self.speculate_k != AUTO_K):
+            raise SSDError("draft_stop applies to mode 'sd' with speculate_k='auto' (a fixed K is what a round "
+                           "drafts)")
         if self.draft_quantization not in ("auto", None, *QUANTIZATIONS):
             raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
                            f"got {self.draft_quantization!r}")

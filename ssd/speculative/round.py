@@ -54,6 +54,9 @@ class Proposal:
     lookup: bool = False  # prompt lookup's tokens, chosen by the K policy instead of the draft's
     # SD: each drafted token's runner-up, where sibling leaves were asked for (siblings.py).
     alternatives: list[Alternative] = field(default_factory=list)
+    # SD with draft_stop: each drafted token's top-1 probability, the draft's stopping rule's
+    # input (draft_stop.py); None where the rule did not apply.
+    confidences: list[float] | None = None
 
 
 @dataclass
@@ -148,6 +151,8 @@ def speculative_round(speculator: "Speculator", target: ModelRunner, cache: Page
             tokens.append(taken[1])
         cache.truncate(seq.seq_id, valid)
         lps = None if seq.params.logprobs is None else token_logprobs(rows, tokens, seq.params.logprobs)
-        rounds.append(Round(seq, k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, step_s, catchup, lps,
+        # Where the draft stopped by its own rule, K was only a cap: the round asked for what it drafted.
+        asked = k if prop.confidences is None else len(prop.tokens)
+        rounds.append(Round(seq, asked, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, step_s, catchup, lps,
                             len(sib), taken is not None))
     return rounds

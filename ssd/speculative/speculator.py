@@ -11,6 +11,7 @@ from contextlib import AbstractContextManager, nullcontext
 from ssd.engine.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft_engine import DraftEngine
+from ssd.speculative.draft_stop import DraftStop
 from ssd.speculative.round import Proposal
 
 
@@ -90,9 +91,10 @@ class LocalSpeculator(Speculator):
         super().__init__()
         self.engine = engine
         self.alternatives = False  # also each drafted token's runner-up (sibling leaves, siblings.py)
+        self.stop: DraftStop | None = None  # the K policy's stopping rule (draft_stop.py), if it has one
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        return propose_locally(self, self.engine, seqs, ks, self.alternatives)
+        return propose_locally(self, self.engine, seqs, ks, self.alternatives, self.stop)
 
     def step_cost(self) -> float:
         return self.engine.runner.timed_pass(1, repeat=2)
@@ -115,7 +117,7 @@ class LocalSpeculator(Speculator):
 
 
 def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequence], ks: list[int],
-                    alternatives: bool = False) -> list[Proposal]:
+                    alternatives: bool = False, stop: DraftStop | None = None) -> list[Proposal]:
     """SD's proposals: tell the draft what the target kept, then draft K tokens for each. A
     request that changes its logits (penalties, a constraint) has the draft propose under
     the same changes, from a copy of its own."""
@@ -124,4 +126,5 @@ def propose_locally(speculator: Speculator, engine: DraftEngine, seqs: list[Sequ
         num_valid, tokens, params = speculator.next_update(seq)
         fork = seq.processor.fork() if params is not None and seq.processor is not None else None
         drafts.append(engine.sync(seq.seq_id, num_valid, tokens, params, k, fork))
-    return [Proposal(tokens, q, alternatives=alts) for tokens, q, alts in engine.draft(drafts, ks, alternatives)]
+    return [Proposal(tokens, q, alternatives=alts, confidences=confs)
+            for tokens, q, alts, confs in engine.draft(drafts, ks, alternatives, stop)]

@@ -134,7 +134,7 @@ class SSDDraft:
             positions, batch = tree.step(i, live_t)
             hidden = engine.runner.run(inputs[live_t], positions, batch, head=False)
             groups = _runs([forks[b].seq for b in live])
-            picked, q, _ = engine.pick(hidden, [s for s, _ in groups], [n for _, n in groups])
+            picked, q, _, _ = engine.pick(hidden, [s for s, _ in groups], [n for _, n in groups])
             inputs[live_t] = torch.tensor(picked, device=engine.device)
             row = 0
             for (_, n), q_group in zip(groups, q):

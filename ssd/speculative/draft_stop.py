@@ -1,0 +1,75 @@
+"""Where an SD round's draft stops: at the depth where one more token is no longer worth its
+cost, judged by the draft's own confidence in the tokens it drafted (`draft_stop`).
+
+Auto-K (adaptive_k.py) chooses K before a round from acceptance by position, which knows
+nothing of the text at hand: a round drafts K tokens whether the draft is sure of them or
+not. Here the draft keeps going while it is sure and stops where it is not. After drafting
+token j, with top-1 probabilities c_1..c_j (over its head), the chance that the target takes
+all j is about S_j = f(c_1) ... f(c_j), f the draft's calibration: the measured acceptance
+of a drafted token, once the tokens before it were accepted, by its probability (decayed
+counts in BINS bins, from every round; the prior is f(c) = c). One more token would add
+S_j x a tokens on average (a, the acceptance of a reached token, the counts' mean) and costs
+a draft step d plus a verify row, V(j + 2) - V(j + 1); the time it takes would make r x (its
+cost) tokens at the rate r of the rounds so far (a sequence's tokens per second, moving
+average). So the draft goes on while
+
+    S_j x a >= r x (d + V(j + 2) - V(j + 1)),
+
+up to the round's K, which auto-K then sets to k_max for the sequences this applies to
+(greedy requests whose logits nothing changes: their proposals are the draft's argmax, so
+only the proposals' length depends on the rule, and verification stays exact). Replayed on
+the bench sets' greedy outputs (bench/draft_stop_headroom.py), the rule gained 4-9 % over the
+best fixed K.
+"""
+from collections.abc import Callable
+
+BINS = 10
+PRIOR_WEIGHT = 2.0  # the prior f(c) = c, worth this many tokens per bin
+DECAY = 0.998  # per round
+RATE_EMA = 0.2
+
+
+class DraftStop:
+    """The draft's calibration and the stopping rule (module doc); auto-K owns one, SD's
+    draft reads it as it drafts."""
+
+    def __init__(self) -> None:
+        self.reached = [PRIOR_WEIGHT] * BINS
+        self.accepted = [PRIOR_WEIGHT * (i + 0.5) / BINS for i in range(BINS)]
+        self.rate: float | None = None  # tokens per second of the rounds that drafted
+        self.floors: list[float] = []  # floors[j - 1]: the least S_j at which token j + 1 is drafted
+
+    def chance(self, confidence: float) -> float:
+        """f(c): how often the target took a drafted token of this top-1 probability."""
+        b = min(BINS - 1, max(0, int(confidence * BINS)))
+        return self.accepted[b] / self.reached[b]
+
+    def keep_going(self, survival: float, depth: int) -> bool:
+        """Draft token depth + 1, the chain so far taken whole with probability `survival`?"""
+        return depth <= len(self.floors) and survival >= self.floors[depth - 1]
+
+    def plan(self, k_max: int, step_s: float, verify: Callable[[int], float], fallback_rate: float) -> None:
+        """This round's floors, from the draft step's and the verify pass's costs; the rate is
+        the rounds' measured one, or `fallback_rate` before any round was measured."""
+        rate = self.rate if self.rate is not None else fallback_rate
+        mean = sum(self.accepted) / sum(self.reached)
+        self.floors = [rate * (step_s + verify(j + 2) - verify(j + 1)) / max(mean, 1e-6) for j in range(1, k_max)]
+
+    def observe(self, confidences: list[float], accepted: int) -> None:
+        """A round's drafted tokens' top-1 probabilities and how many the target took: each
+        token up to the first rejected one was reached."""
+        self.reached = [r * DECAY for r in self.reached]
+        self.accepted = [a * DECAY for a in self.accepted]
+        for j, c in enumerate(confidences[:accepted + 1]):
+            b = min(BINS - 1, max(0, int(c * BINS)))
+            self.reached[b] += 1
+            self.accepted[b] += j < accepted
+
+    def observe_rate(self, tokens: float, seconds: float) -> None:
+        """A drafting round's tokens per sequence of its batch, and its draft and verify time.
+        (In a batch each sequence's next token is weighed against its own share of the rate:
+        a pass it needs alone still holds up the others, which is what this leaves out.)"""
+        if seconds <= 0:
+            return
+        now = tokens / seconds
+        self.rate = now if self.rate is None else self.rate + RATE_EMA * (now - self.rate)

@@ -1,0 +1,98 @@
+"""draft_stop: an SD round's draft goes on while its confidence makes one more token worth its
+cost (ssd/speculative/draft_stop.py). Only the proposals' length depends on it: greedy output
+stays AR's, sampled and constrained requests draft the K they are given."""
+import pytest
+import torch
+
+from ssd import LLM, SamplingParams
+from ssd.errors import SSDError
+from ssd.models.loader import load_model
+from ssd.speculative.draft_engine import DraftEngine
+from ssd.speculative.draft_stop import BINS, PRIOR_WEIGHT, DraftStop
+from ssd.speculative.options import SpecOptions
+from test_ngram import REPEATING
+
+
+@pytest.fixture(scope="module")
+def smollm_model(smollm_dir):
+    return load_model(smollm_dir, torch.device("cpu"), torch.float32, "auto")
+
+
+def test_calibration_starts_at_the_confidence_and_learns_from_reached_tokens():
+    stop = DraftStop()
+    assert stop.chance(0.95) == pytest.approx(0.95)
+    assert stop.chance(0.05) == pytest.approx(0.05)
+    # Tokens 0 and 1 were reached (0 taken, 1 rejected); token 2 never was.
+    stop.observe([0.93, 0.91, 0.15], accepted=1)
+    top, low = BINS - 1, int(0.15 * BINS)
+    assert stop.reached[top] == pytest.approx(PRIOR_WEIGHT * 0.998 + 2)
+    assert stop.accepted[top] == pytest.approx(PRIOR_WEIGHT * 0.95 * 0.998 + 1)
+    assert stop.reached[low] == pytest.approx(PRIOR_WEIGHT * 0.998)
+    for _ in range(200):  # a draft sure of itself and always wrong
+        stop.observe([0.95], accepted=0)
+    assert stop.chance(0.95) < 0.1
+
+
+def test_floors_weigh_a_token_against_its_cost_at_the_rounds_rate():
+    stop = DraftStop()
+    verify = lambda rows: 0.02 + 0.001 * rows  # noqa: E731
+    stop.plan(4, 0.005, verify, fallback_rate=50.0)
+    mean = sum(stop.accepted) / sum(stop.reached)
+    assert stop.floors == pytest.approx([50.0 * 0.006 / mean] * 3)
+    assert stop.keep_going(1.0, 1) and not stop.keep_going(0.5, 1)
+    assert not stop.keep_going(1.0, 4)  # k_max drafted: no floor past it
+    stop.observe_rate(10, 0.5)  # a measured rate replaces the fallback
+    stop.plan(4, 0.005, verify, fallback_rate=50.0)
+    assert stop.floors[0] == pytest.approx(20.0 * 0.006 / mean)
+
+
+def _draft(model, floors: list[float], params: list[SamplingParams], k: int = 6):
+    engine = DraftEngine(model, torch.device("cpu"), k_max=k, cache_tokens=1024)
+    stop = DraftStop()
+    stop.floors = floors
+    prompt = list(range(400, 440))
+    seqs = [engine.sync(i, 0, prompt, p, k) for i, p in enumerate(params)]
+    return engine.draft(seqs, [k] * len(seqs), stop=stop)
+
+
+def test_the_draft_stops_where_the_rule_says(smollm_model):
+    greedy = SamplingParams.greedy(max_tokens=64)
+    (always,) = _draft(smollm_model, [0.0] * 5, [greedy])
+    (never,) = _draft(smollm_model, [2.0] * 5, [greedy])
+    assert len(always[0]) == 6 and len(never[0]) == 1
+    assert never[0] == always[0][:1]
+    assert len(always[3]) == 6 and all(0.0 < c <= 1.0 for c in always[3])
+    assert never[3] == always[3][:1]
+
+
+def test_sampled_requests_draft_the_k_they_are_given(smollm_model):
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=64)
+    drawn, greedy = _draft(smollm_model, [2.0] * 5, [sampled, SamplingParams.greedy(max_tokens=64)])
+    assert len(drawn[0]) == 6 and drawn[1] is not None and drawn[3] is None
+    assert len(greedy[0]) == 1 and greedy[3] is not None
+
+
+def test_sd_with_the_stop_is_exact_and_drafts_rounds_of_many_lengths(smollm_dir, truncated_draft, ar_outputs):
+    params = SamplingParams.greedy(max_tokens=64, ignore_eos=True)
+    prompts = [REPEATING, "List three prime numbers and say why they are prime."]
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_stop=True) as llm:
+        stop = llm.engine.k_policy.stop
+        assert stop is not None and llm.engine.speculator.stop is stop
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
+    lengths = [k for o in outs for k, n in enumerate(o.metrics.k_hist) if n and k]
+    assert len(lengths) >= 3, [o.metrics.k_hist for o in outs]
+    assert sum(stop.reached) > BINS * PRIOR_WEIGHT  # calibrated from the rounds
+
+
+def test_sd_without_the_stop_has_none(smollm_dir):
+    with LLM(smollm_dir, draft=smollm_dir, mode="sd", draft_stop=False) as llm:
+        assert llm.engine.k_policy.stop is None and llm.engine.speculator.stop is None
+
+
+@pytest.mark.parametrize("mode, k", [("sd", 4), ("ssd", 4)])
+def test_draft_stop_needs_sd_with_auto_k(mode, k):
+    with pytest.raises(SSDError, match="draft_stop applies to mode 'sd' with speculate_k='auto'"):
+        SpecOptions(speculate_k=k, draft_stop=True).check(mode)
+    with pytest.raises(SSDError, match="draft_stop must be True, False or None"):
+        SpecOptions(draft_stop="yes").resolved("sd")

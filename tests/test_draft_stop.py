@@ -44,6 +44,9 @@ def test_floors_weigh_a_token_against_its_cost_at_the_rounds_rate():
     stop.observe_rate(10, 0.5)  # a measured rate replaces the fallback
     stop.plan(4, 0.005, verify, fallback_rate=50.0)
     assert stop.floors[0] == pytest.approx(20.0 * 0.006 / mean)
+    stop.observe_rate(2, 0.5)  # moving averages of tokens and seconds: (10 - 1.6) / 0.5
+    stop.plan(4, 0.005, verify, fallback_rate=50.0)
+    assert stop.floors[0] == pytest.approx(16.8 * 0.006 / mean)
 
 
 def _draft(model, floors: list[float], params: list[SamplingParams], k: int = 6):

@@ -10,8 +10,8 @@ of a drafted token, once the tokens before it were accepted, by its probability 
 counts in BINS bins, from every round; the prior is f(c) = c). One more token would add
 S_j x a tokens on average (a, the acceptance of a reached token, the counts' mean) and costs
 a draft step d plus a verify row, V(j + 2) - V(j + 1); the time it takes would make r x (its
-cost) tokens at the rate r of the rounds so far (a sequence's tokens per second, moving
-average). So the draft goes on while
+cost) tokens at the rate r of the rounds so far (a sequence's tokens per second: moving
+averages of a round's tokens and of its seconds). So the draft goes on while
 
     S_j x a >= r x (d + V(j + 2) - V(j + 1)),
 
@@ -36,7 +36,10 @@ class DraftStop:
     def __init__(self) -> None:
         self.reached = [PRIOR_WEIGHT] * BINS
         self.accepted = [PRIOR_WEIGHT * (i + 0.5) / BINS for i in range(BINS)]
-        self.rate: float | None = None  # tokens per second of the rounds that drafted
+        # A sequence's tokens and seconds per drafting round, moving averages: their ratio is
+        # the rate (steadier than averaging the rounds' own rates, which go from 1 token to k_max + 1).
+        self.tokens: float | None = None
+        self.seconds = 0.0
         self.floors: list[float] = []  # floors[j - 1]: the least S_j at which token j + 1 is drafted
 
     def chance(self, confidence: float) -> float:
@@ -51,7 +54,7 @@ class DraftStop:
     def plan(self, k_max: int, step_s: float, verify: Callable[[int], float], fallback_rate: float) -> None:
         """This round's floors, from the draft step's and the verify pass's costs; the rate is
         the rounds' measured one, or `fallback_rate` before any round was measured."""
-        rate = self.rate if self.rate is not None else fallback_rate
+        rate = self.tokens / self.seconds if self.tokens is not None else fallback_rate
         mean = sum(self.accepted) / sum(self.reached)
         self.floors = [rate * (step_s + verify(j + 2) - verify(j + 1)) / max(mean, 1e-6) for j in range(1, k_max)]
 
@@ -71,5 +74,8 @@ class DraftStop:
         a pass it needs alone still holds up the others, which is what this leaves out.)"""
         if seconds <= 0:
             return
-        now = tokens / seconds
-        self.rate = now if self.rate is None else self.rate + RATE_EMA * (now - self.rate)
+        if self.tokens is None:
+            self.tokens, self.seconds = tokens, seconds
+        else:
+            self.tokens += RATE_EMA * (tokens - self.tokens)
+            self.seconds += RATE_EMA * (seconds - self.seconds)

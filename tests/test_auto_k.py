@@ -9,7 +9,7 @@ import transformers
 from ssd import LLM, SamplingParams
 from ssd.exactness import pooled_p_value
 from ssd.errors import SSDError
-from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, Timings, expected_tokens
+from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, CatchupCost, Timings, expected_tokens
 from ssd.speculative.ngram import NgramSpeculator
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from ssd.speculative.round import Proposal, Round
@@ -95,7 +95,7 @@ def test_a_long_prompt_with_a_short_answer_is_not_prefilled_for_the_draft():
     """Drafting starts only if what it saves over the tokens left pays the draft's catch-up."""
     policy = _policy()
     _rounds(policy, [_Seq(0)], lambda k: k, 30)  # a draft that is always right
-    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # a step + 1 ms per token
+    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000, 500_500))  # a step + 1 ms per token
     short_prompt, long_prompt = _Seq(1, num_tokens=300, max_tokens=64), _Seq(2, num_tokens=3000, max_tokens=64)
     assert policy.choose([short_prompt])[0] > 0  # 0.3 s of catch-up, ~2 s saved
     assert policy.choose([long_prompt]) == [0]  # 3 s of catch-up
@@ -361,7 +361,7 @@ def test_a_long_prompt_with_a_short_answer_takes_lookup_rounds_not_the_draft():
     finds the text, it proposes instead (a summary quoting its document), else plain decoding."""
     policy = _lookup_policy()
     _rounds(policy, [_Seq(1)], lambda k: k, 30)  # the draft is always right ...
-    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # ... and reads 1 ms a token
+    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000, 500_500))  # ... and reads 1 ms a token
     for i in range(8):
         policy.lookup_engine[3].observe(8, 8)  # long matches were right before
     seq = _Text(2, length=3000, period=500, max_tokens=64)
@@ -378,7 +378,7 @@ def test_the_drafts_catch_up_must_pay_against_the_lookup_not_plain_decoding():
     never reads the document."""
     policy = _lookup_policy()
     _rounds(policy, [_Seq(1)], lambda k: k, 30)  # the draft is always right ...
-    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000))  # ... and reads 1 ms a token
+    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000, 500_500))  # ... and reads 1 ms a token
     for i in range(8):
         policy.lookup_engine[3].observe(8, 8)
     seq = _Text(2, length=600, period=300, max_tokens=128)
@@ -449,3 +449,22 @@ def test_prompt_lookup_option():
         SpecOptions(prompt_lookup="yes").resolved("sd")
     with pytest.raises(SSDError, match="prompt lookup alone"):
         LLM("smollm2-135m-instruct", draft="ngram", mode="sd", prompt_lookup=True)
+
+
+def test_the_catch_up_cost_grows_with_the_context_its_attention_reads():
+    """Catch-ups measured on the Zen 5 host (a 148-token prompt, a 960-token one, 3 tokens at
+    position 1000): the fit prices each size near what it cost, where one cost per token,
+    learnt mostly from short prompts, would price the long prompt at about half of it."""
+    cost = CatchupCost()
+    assert cost(100, 5000.0) is None
+    keys = lambda n, start=0: n * (start + (n + 1) / 2)  # noqa: E731
+    for _ in range(3):
+        cost.observe(0.111, 148, keys(148))
+        cost.observe(0.0022, 3, keys(3, 1000))
+    cost.observe(1.213, 960, keys(960))
+    assert cost(960, keys(960)) == pytest.approx(1.213, rel=0.1)
+    assert cost(148, keys(148)) == pytest.approx(0.111, rel=0.25)
+    assert cost(300, keys(300)) < cost(960, keys(960)) * 300 / 960  # cheaper a token when shorter
+    one = CatchupCost()
+    one.observe(1.0, 1000, 0.0)  # no keys counted: a cost per token
+    assert one(500, 0.0) == pytest.approx(0.5, rel=0.02)  # (the ridge shrinks it by 1 per cent)

@@ -23,7 +23,8 @@ position is thin.
 
 Drafting for a sequence also costs a catch-up: the draft must first read the tokens it has
 not seen (the whole prompt the first time, the tokens decoded plainly while K was 0): a
-draft step plus a measured cost per token read. Once the engine-wide rates rest on
+draft step plus their measured cost, per token read and per key their attention reads
+(CatchupCost: a long prompt costs more a token). Once the engine-wide rates rest on
 ENGINE_EVIDENCE (decayed) rounds, a sequence starts (or resumes) drafting only if the time
 the chosen K saves over its remaining tokens (max_tokens left) pays for that catch-up, so a
 long prompt with a short answer is decoded plainly rather than prefilled twice. Before
@@ -78,6 +79,8 @@ PROBE_BUDGET = 0.05  # share of plain decoding time a sequence spends on probes,
 ENGINE_EVIDENCE = 8  # decayed rounds at the first position
 PROBE_BACKOFF = 16  # a probe that gains nothing doubles the wait before the next, up to this factor
 CATCHUP_GUESS = 0.05  # a catch-up token's cost in draft steps, until one is measured
+CATCHUP_DECAY = 0.9  # per catch-up measured (CatchupCost)
+CATCHUP_RIDGE = 0.01
 EXPLORE_GAP = 4  # a drafting sequence tries one token deeper than chosen every this many rounds ...
 EXPLORE_EVIDENCE = 1.0  # ... while its own (decayed) rounds that reached that position are fewer
 # Prompt lookup's acceptance assumed before any is measured, by match length 1, 2, 3, 4+
@@ -136,6 +139,35 @@ def expected_tokens(rates: list[float]) -> list[float]:
         run *= a
         out.append(out[-1] + run)
     return out
+
+
+class CatchupCost:
+    """The draft's catch-up beyond a step, fitted as a x tokens + b x keys (the keys their
+    attention reads, each token's position + 1 summed) by decayed least squares over the
+    catch-ups measured: a long prompt costs more a token than a short one, by attention's
+    share, which grows with the context (on the Zen 5 host 0.75 ms a token over a 148-token
+    prompt, 1.26 ms over a 960-token one). Tokens count in thousands and keys in millions, so
+    the two columns are of a size."""
+
+    def __init__(self) -> None:
+        self.sums: list[float] | None = None  # decayed sums of n n, n k, k k, n y, k y
+
+    def observe(self, seconds: float, tokens: int, keys: float) -> None:
+        n, k = tokens / 1e3, keys / 1e6
+        new = [n * n, n * k, k * k, n * seconds, k * seconds]
+        self.sums = new if self.sums is None else [CATCHUP_DECAY * a + b for a, b in zip(self.sums, new)]
+
+    def __call__(self, tokens: int, keys: float) -> float | None:
+        """Seconds for a catch-up of this size; None before any was measured."""
+        if self.sums is None:
+            return None
+        nn, nk, kk, ny, ky = self.sums
+        nn, kk = nn * (1 + CATCHUP_RIDGE), kk * (1 + CATCHUP_RIDGE)  # alike sizes alone: a stable fit
+        det = nn * kk - nk * nk
+        a, b = ((ny * kk - ky * nk) / det, (ky * nn - ny * nk) / det) if det > 0 else (-1.0, -1.0)
+        if b < 0 or a < 0:  # noise, or one size alone: the better of the one-column fits
+            a, b = (ny / nn, 0.0) if kk == 0 or ny * ny / nn >= ky * ky / kk else (0.0, ky / kk)
+        return a * tokens / 1e3 + b * keys / 1e6
 
 
 class Timings:
@@ -236,7 +268,7 @@ class AutoK(FixedK):
         self.steps_measured = steps_measured
         self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2 + (MAX_PER_SEQUENCE if siblings else 0))})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
-        self.catchup_token: float | None = None  # the draft's cost per token it catches up on, once measured
+        self.catchup = CatchupCost()  # the draft's cost of reading tokens it has not seen
         self.engine = Acceptance(ENGINE_DECAY)
         self.seqs: dict[int, SeqState] = {}
         self.probing: set[int] = set()  # the sequences probing on their own budget this round
@@ -265,7 +297,7 @@ class AutoK(FixedK):
         costs: dict[int, float] = {}  # b -> what a probe would cost now, for the sequences at K = 0
         for b, s in enumerate(seqs):
             missed = s.num_tokens - self.seqs[s.seq_id].seen
-            catchup = self._catchup_s(missed) if missed > 2 else 0.0
+            catchup = self._catchup_s(missed, s.num_tokens) if missed > 2 else 0.0
             best_case = self._saving(hopeful, hopeful_k, s)
             # What drafting saves over the tokens left must pay a long catch-up: by the measured
             # rates, or while too little is measured by the prior's (a long prompt with a short
@@ -358,10 +390,15 @@ class AutoK(FixedK):
         """D(k) + V(k + 1): one sequence's round drafting k tokens."""
         return k * self.draft_step + self.verify(k + 1)
 
-    def _catchup_s(self, tokens: int) -> float:
-        """The draft's pass over `tokens` it has not seen: a step plus a cost per token."""
-        per = self.catchup_token if self.catchup_token is not None else CATCHUP_GUESS * self.draft_step
-        return self.draft_step + per * (tokens if self.window is None else min(tokens, self.window))
+    def _catchup_s(self, tokens: int, context: int) -> float:
+        """The draft's pass over the last `tokens` of a context it has not seen: a step plus
+        their measured cost (CatchupCost; before any, a guess per token). Past the window it
+        reads only the context's last `window` tokens, from position 0."""
+        start = context - tokens
+        if self.window is not None and tokens > self.window:
+            tokens, start = self.window, 0
+        fitted = self.catchup(tokens, tokens * (start + (tokens + 1) / 2))
+        return self.draft_step + (fitted if fitted is not None else CATCHUP_GUESS * self.draft_step * tokens)
 
     def _saving(self, gain: list[float], k: int, seq: Sequence, without: float | None = None) -> float:
         """Seconds that drafting k tokens a round saves over the sequence's remaining tokens,
@@ -443,10 +480,8 @@ class AutoK(FixedK):
         if step is not None:  # None: no step without catch-up this round
             self.draft_step = self.draft_step + TIME_EMA * (step - self.draft_step) if self.draft_measured else step
             self.draft_measured = True
-        if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus this per token read
-            per = max(0.0, catchup[0] - self.draft_step) / catchup[1]
-            self.catchup_token = per if self.catchup_token is None else \
-                self.catchup_token + TIME_EMA * (per - self.catchup_token)
+        if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
+            self.catchup.observe(max(0.0, catchup[0] - self.draft_step), catchup[1], catchup[2])
         self.verify.observe(sum(r.drafted + r.siblings for r in rounds) + len(rounds), verify_s)
         if self.sibling_policy is not None:
             for r in rounds:

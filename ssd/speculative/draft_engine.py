@@ -113,7 +113,8 @@ class DraftEngine:
         self.runner.warm_up()
         self.seqs: dict[int, DraftSeq] = {}
         self.step_s: float | None = None  # the last draft() call's mean step, catch-up steps left out
-        self.catchup: tuple[float, int] | None = None  # the last draft() call's catch-up: (seconds, tokens read)
+        # The last draft() call's catch-up: (seconds, tokens read, the keys their attention read).
+        self.catchup: tuple[float, int, float] | None = None
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
             self._seeds.seed()
@@ -207,7 +208,7 @@ class DraftEngine:
         confs: list[list[float]] = [[] for _ in seqs]
         survival = [1.0] * len(seqs)
         step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence
-        catchup_s, catchup_tokens = 0.0, 0
+        catchup_s, catchup_tokens, catchup_keys = 0.0, 0, 0.0
         while True:
             self._forced(seqs, ks, tokens, qs)
             live = [b for b, k in enumerate(ks) if len(tokens[b]) < k]
@@ -255,9 +256,12 @@ class DraftEngine:
                 step_tokens += min(advanced)  # the batch is as far as its slowest sequence
             else:
                 catchup_s += time.perf_counter() - start
-                catchup_tokens += sum(len(c.tokens) - len(g) for c, g in zip(chunks, guesses))
+                for c, g in zip(chunks, guesses):
+                    n = len(c.tokens) - len(g)
+                    catchup_tokens += n
+                    catchup_keys += n * (c.start + (n + 1) / 2)  # each token attends to those before it and itself
         self.step_s = step_s / step_tokens if step_tokens else None
-        self.catchup = (catchup_s, catchup_tokens) if catchup_tokens else None
+        self.catchup = (catchup_s, catchup_tokens, catchup_keys) if catchup_tokens else None
         return [(t, torch.stack(q) if q else None, a, c if stopped else None)
                 for t, q, a, c, stopped in zip(tokens, qs, alts, confs, stops)]
 

@@ -72,9 +72,10 @@ class Round:
     draft_s: float = 0.0  # the target's wait for the proposals
     verify_s: float = 0.0  # the target's pass (the verify pass, or the plain step)
     # Where the draft times its own steps (SD): seconds per draft token, catch-up left out
-    # (None: no such step), and its catch-up (seconds, tokens it read that it had not seen).
+    # (None: no such step), and its catch-up (seconds, tokens it read that it had not seen, and
+    # the keys their attention read: each token's position + 1, summed).
     step_s: float | None = None
-    catchup: tuple[float, int] | None = None
+    catchup: tuple[float, int, float] | None = None
     logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
     siblings: int = 0  # sibling leaves verified beside the drafts (siblings.py)
     rescued: bool = False  # one was taken: `tokens` are the accepted drafts, it, the target's own

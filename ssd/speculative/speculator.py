@@ -38,9 +38,10 @@ class Speculator:
         """Seconds per draft token in the last round, catch-up left out; None: no such step."""
         return None
 
-    def last_catchup(self) -> tuple[float, int] | None:
+    def last_catchup(self) -> tuple[float, int, float] | None:
         """The last round's catch-up where the draft timed it: (seconds, tokens it read that it
-        had not seen: a prompt, tokens decoded while K was 0); None: none, or not timed here."""
+        had not seen: a prompt, tokens decoded while K was 0, and the keys their attention
+        read); None: none, or not timed here."""
         return None
 
     def kv_blocks_in_use(self) -> int | None:
@@ -102,7 +103,7 @@ class LocalSpeculator(Speculator):
     def last_step_s(self) -> float | None:
         return self.engine.step_s
 
-    def last_catchup(self) -> tuple[float, int] | None:
+    def last_catchup(self) -> tuple[float, int, float] | None:
         return self.engine.catchup
 
     def release(self, seq_id: int) -> None:

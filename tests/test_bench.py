@@ -51,6 +51,12 @@ def test_expand_configs():
     assert labels(["ar", "sd", "ssd", "ngram"], 3, sweep=("guesses", [False, True])) == [
         "ar", "sd k=3 guesses=off", "sd k=3 guesses=on", "ssd k=3 guesses=off", "ssd k=3 guesses=on", "ngram k=3"]
     assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", 3, guesses=False))["draft_guesses"] is False
+    assert labels(["ar", "sd", "ssd"], "auto", sweep=("stop", [False, True])) == [
+        "ar", "sd k=auto stop=off", "sd k=auto stop=on", "ssd k=auto"]
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", stop=False))["draft_stop"] is False
+    assert labels(["ar", "sd", "ngram"], "auto", sweep=("kmax", [8, 16])) == [
+        "ar", "sd k=auto kmax=8", "sd k=auto kmax=16", "ngram k=auto kmax=8", "ngram k=auto kmax=16"]
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("ngram", "auto", k_max=16))["k_max"] == 16
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("w", ["all", 64])) == [
         "ar", "sd k=auto w=all", "sd k=auto w=64", "ngram k=auto"]
     spec = BenchSpec("m", "d", [])
@@ -142,6 +148,9 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "ar,ssd", "--sweep", "siblings=on,off"], "needs one of the modes sd"),
     (["--modes", "ar,ngram", "--sweep", "guesses=on,off"], "needs one of the modes sd, ssd"),
     (["--modes", "ar,ngram", "--sweep", "w=all,64"], "needs one of the modes sd, ssd"),
+    (["--modes", "ar,ssd", "--sweep", "stop=on,off"], "needs one of the modes sd"),
+    (["--modes", "ar,ssd", "--sweep", "kmax=8,16"], "needs one of the modes ngram, sd"),
+    (["--modes", "ar,sd", "--sweep", "kmax=8,0"], "--sweep kmax: expected a whole number >= 1, got '0'"),
     (["--modes", "ar,sd", "--sweep", "w=all,0"], "--sweep w: expected a whole number >= 1, got '0'"),
     (["--k", "often"], "bad K 'often'"),
     (["--modes", "ar,sd", "--f", "2"], "apply to mode ssd"),

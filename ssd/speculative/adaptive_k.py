@@ -80,7 +80,7 @@ ENGINE_EVIDENCE = 8  # decayed rounds at the first position
 PROBE_BACKOFF = 16  # a probe that gains nothing doubles the wait before the next, up to this factor
 CATCHUP_GUESS = 0.05  # a catch-up token's cost in draft steps, until one is measured
 CATCHUP_DECAY = 0.9  # per catch-up measured (CatchupCost)
-CATCHUP_RIDGE = 0.01
+CATCHUP_RIDGE = 0.01  # ... and its diagonal's relative ridge
 EXPLORE_GAP = 4  # a drafting sequence tries one token deeper than chosen every this many rounds ...
 EXPLORE_EVIDENCE = 1.0  # ... while its own (decayed) rounds that reached that position are fewer
 # Prompt lookup's acceptance assumed before any is measured, by match length 1, 2, 3, 4+

@@ -347,23 +347,20 @@ class AutoK(FixedK):
         return ks
 
     def _let_stop(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]]) -> None:
-        """The draft's stopping rule (draft_stop.py) takes over the length of the drafting
-        rounds it applies to (not probes, not lookup rounds): their K becomes k_max, a cap. Its
-        rate (a sequence's: the batch's over its sequences) before any round was measured: the
-        one expected of the K chosen here."""
+        """The draft's stopping rule (draft_stop.py) takes over the length of a drafting round
+        where one sequence drafts alone (not a probe, not a lookup round): its K becomes k_max,
+        a cap. The rule's rate before any round was measured: the one expected of the K chosen
+        here."""
         drafting = [b for b, k in enumerate(ks) if k and seqs[b].seq_id not in self.lookups]
-        if not drafting:
+        s = seqs[drafting[0]] if len(drafting) == 1 else None
+        self.stop.active = s is not None and s.seq_id not in self.probing and s.seq_id != self.engine_probe \
+            and s.processor is None and s.params.greedy_decoding
+        if not self.stop.active:
             return
-        deepest = max(ks[b] for b in drafting)
-        expected = sum(gains[b][ks[b]] for b in drafting)
-        rows = sum(ks[b] + 1 for b in drafting)
+        k = ks[drafting[0]]
         self.stop.plan(self.k_max, self.draft_step, self.verify,
-                       expected / len(drafting) / (deepest * self.draft_step + self.verify(rows)))
-        for b in drafting:
-            s = seqs[b]
-            if s.seq_id not in self.probing and s.seq_id != self.engine_probe and s.processor is None \
-                    and s.params.greedy_decoding:
-                ks[b] = self.k_max
+                       gains[drafting[0]][k] / (k * self.draft_step + self.verify(k + 1)))
+        ks[drafting[0]] = self.k_max
 
     def _siblings(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[list[Sibling]]:
         """This round's sibling leaves (siblings.py), at the rate its chains make: their expected
@@ -490,8 +487,8 @@ class AutoK(FixedK):
             for r in rounds:
                 if r.proposal.confidences is not None:
                     self.stop.observe(r.proposal.confidences, r.accepted)
-            if catchup is None:  # a catch-up's pass is no draft step
-                self.stop.observe_rate(sum(len(r.tokens) for r in rounds) / len(rounds), draft_s + verify_s)
+            if catchup is None and self.stop.active:  # (a catch-up's pass is no draft step)
+                self.stop.observe_rate(sum(len(r.tokens) for r in rounds), draft_s + verify_s)
 
     def _state(self, seq: Sequence) -> SeqState:
         return self.seqs.setdefault(seq.seq_id, SeqState())

@@ -194,9 +194,9 @@ class DraftEngine:
               ) -> list[tuple[list[int], torch.Tensor | None, list[Alternative], list[float] | None]]:
         """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
         per token (fewer where the draft's guesses are right, _guess); the first pass feeds
-        whatever the draft has not seen (a prompt, the target's token). With `stop`, a greedy
-        request whose logits nothing changes drafts up to ks[b] tokens, as long as the rule of
-        draft_stop.py says one more is worth it. Returns (tokens, q [k, V] they were drawn from,
+        whatever the draft has not seen (a prompt, the target's token). With an active `stop`,
+        a greedy request whose logits nothing changes drafts up to ks[b] tokens, as long as the
+        rule of draft_stop.py says one more is worth it. Returns (tokens, q [k, V] they were drawn from,
         or None for greedy requests, with `alternatives` each drafted token's runner-up (requests
         whose logits nothing changes, ssd/speculative/siblings.py; else empty), and where `stop`
         applied, each token's top-1 probability (else None))."""
@@ -204,7 +204,7 @@ class DraftEngine:
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]
-        stops = [stop is not None and s.processor is None and s.params.greedy_decoding for s in seqs]
+        stops = [stop is not None and stop.active and s.processor is None and s.params.greedy_decoding for s in seqs]
         confs: list[list[float]] = [[] for _ in seqs]
         survival = [1.0] * len(seqs)
         step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence
@@ -225,7 +225,7 @@ class DraftEngine:
                 chunks.append(Chunk(s.seq_id, s.tokens[s.cached:] + guess, s.cached, 1 + len(guess)))
                 guesses.append(guess)
             picked, q, runner_up, conf = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
-                                                   [1 + len(g) for g in guesses], alternatives, stop is not None)
+                                                   [1 + len(g) for g in guesses], alternatives, any(stops))
             row, advanced = 0, []
             for i, b in enumerate(live):
                 s, guess = seqs[b], guesses[i]

@@ -10,14 +10,18 @@ of a drafted token, once the tokens before it were accepted, by its probability 
 counts in BINS bins, from every round; the prior is f(c) = c). One more token would add
 S_j x a tokens on average (a, the acceptance of a reached token, the counts' mean) and costs
 a draft step d plus a verify row, V(j + 2) - V(j + 1); the time it takes would make r x (its
-cost) tokens at the rate r of the rounds so far (a sequence's tokens per second: moving
-averages of a round's tokens and of its seconds). So the draft goes on while
+cost) tokens at the rate r of the rule's rounds so far (tokens per second: moving averages
+of a round's tokens and of its seconds). So the draft goes on while
 
     S_j x a >= r x (d + V(j + 2) - V(j + 1)),
 
 up to the round's K, which auto-K then sets to k_max for the sequences this applies to
 (greedy requests whose logits nothing changes: their proposals are the draft's argmax, so
-only the proposals' length depends on the rule, and verification stays exact). Replayed on
+only the proposals' length depends on the rule, and verification stays exact). Only where
+one sequence drafts alone: in a batch, one sequence's deeper draft holds up every other's
+pass and adds rows to a larger verify pass, which this rule does not price, and with it on,
+batches of 4 ran 0.84-0.88x (bench/results/zen5-stop-batch4); auto-K's K, which weighs the
+batch's costs, stands there. Replayed on
 the bench sets' greedy outputs (bench/draft_stop_headroom.py), the rule gained 4-9 % over the
 best fixed K.
 """
@@ -41,6 +45,7 @@ class DraftStop:
         self.tokens: float | None = None
         self.seconds = 0.0
         self.floors: list[float] = []  # floors[j - 1]: the least S_j at which token j + 1 is drafted
+        self.active = False  # this round: auto-K applies the rule where one sequence drafts alone
 
     def chance(self, confidence: float) -> float:
         """f(c): how often the target took a drafted token of this top-1 probability."""
@@ -69,9 +74,7 @@ class DraftStop:
             self.accepted[b] += j < accepted
 
     def observe_rate(self, tokens: float, seconds: float) -> None:
-        """A drafting round's tokens per sequence of its batch, and its draft and verify time.
-        (In a batch each sequence's next token is weighed against its own share of the rate:
-        a pass it needs alone still holds up the others, which is what this leaves out.)"""
+        """A round of the rule's: its tokens, and its draft and verify time."""
         if seconds <= 0:
             return
         if self.tokens is None:

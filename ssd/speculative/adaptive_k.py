@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ssd.engine.sequence import Sequence
-from ssd.speculative.draft_stop import DraftStop
+from ssd.speculative.draft_stop import DraftStop, applies
 from ssd.speculative.round import Proposal, Round
 from ssd.speculative.siblings import MAX_PER_SEQUENCE, Sibling, SiblingPolicy, eligible
 
@@ -354,7 +354,7 @@ class AutoK(FixedK):
         drafting = [b for b, k in enumerate(ks) if k and seqs[b].seq_id not in self.lookups]
         s = seqs[drafting[0]] if len(drafting) == 1 else None
         self.stop.active = s is not None and s.seq_id not in self.probing and s.seq_id != self.engine_probe \
-            and s.processor is None and s.params.greedy_decoding
+            and applies(s)
         if not self.stop.active:
             return
         k = ks[drafting[0]]

@@ -20,7 +20,7 @@ from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import round_k
-from ssd.speculative.draft_stop import DraftStop
+from ssd.speculative.draft_stop import DraftStop, applies
 from ssd.speculative.ngram_index import NgramIndex
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.siblings import Alternative
@@ -204,7 +204,7 @@ class DraftEngine:
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]
-        stops = [stop is not None and stop.active and s.processor is None and s.params.greedy_decoding for s in seqs]
+        stops = [stop is not None and stop.active and applies(s) for s in seqs]
         confs: list[list[float]] = [[] for _ in seqs]
         survival = [1.0] * len(seqs)
         step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence
@@ -332,7 +332,9 @@ class DraftEngine:
         unchanged logits, the runner-up: the likeliest token other than the one picked (else
         None), and with `confidence` each row's top-1 probability over the head (else None)."""
         logits, extra_ids = self.head(hidden, [s.extra for s in seqs], rows)
-        top = torch.softmax(logits, -1).amax(-1).tolist() if confidence else None
+        # The greedy rows' distribution, once, for the confidences and the runners-up.
+        probs = torch.softmax(logits, -1) if confidence or alternatives else None
+        top = probs.amax(-1).tolist() if confidence else None
         out, qs, start = [], [], 0
         greedy_cols = logits.argmax(-1)
         greedy = self.head.token_ids(greedy_cols, extra_ids).tolist()
@@ -353,7 +355,7 @@ class DraftEngine:
                 qs.append(None)
                 if alternatives:
                     ids = None if extra_ids is None else extra_ids[start:start + n]
-                    runner_up[start:start + n] = self._runners_up(torch.softmax(logits[start:start + n], -1),
+                    runner_up[start:start + n] = self._runners_up(probs[start:start + n],
                                                                   greedy_cols[start:start + n], ids)
             else:
                 ids = None if extra_ids is None else extra_ids[start:start + n]

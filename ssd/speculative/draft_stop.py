@@ -21,16 +21,33 @@ only the proposals' length depends on the rule, and verification stays exact). O
 one sequence drafts alone: in a batch, one sequence's deeper draft holds up every other's
 pass and adds rows to a larger verify pass, which this rule does not price, and with it on,
 batches of 4 ran 0.84-0.88x (bench/results/zen5-stop-batch4); auto-K's K, which weighs the
-batch's costs, stands there. Replayed on
-the bench sets' greedy outputs (bench/draft_stop_headroom.py), the rule gained 4-9 % over the
-best fixed K.
+batch's costs, stands there. Replayed on the bench sets' greedy outputs
+(bench/draft_stop_headroom.py), the rule gained 4-9 % over the best fixed K.
 """
 from collections.abc import Callable
+from typing import Protocol
+
+from ssd.sampling_params import SamplingParams
 
 BINS = 10
 PRIOR_WEIGHT = 2.0  # the prior f(c) = c, worth this many tokens per bin
 DECAY = 0.998  # per round
 RATE_EMA = 0.2
+
+
+class _Request(Protocol):  # a Sequence (the target's side) or a DraftSeq (the draft's)
+    processor: object | None
+    params: SamplingParams
+
+
+def applies(request: _Request) -> bool:
+    """Whether the rule may set a request's length: greedy, its logits unchanged (its
+    proposals are the draft's argmax chain, so only their length is the rule's)."""
+    return request.processor is None and request.params.greedy_decoding
+
+
+def _bin(confidence: float) -> int:
+    return min(BINS - 1, max(0, int(confidence * BINS)))
 
 
 class DraftStop:
@@ -49,7 +66,7 @@ class DraftStop:
 
     def chance(self, confidence: float) -> float:
         """f(c): how often the target took a drafted token of this top-1 probability."""
-        b = min(BINS - 1, max(0, int(confidence * BINS)))
+        b = _bin(confidence)
         return self.accepted[b] / self.reached[b]
 
     def keep_going(self, survival: float, depth: int) -> bool:
@@ -69,7 +86,7 @@ class DraftStop:
         self.reached = [r * DECAY for r in self.reached]
         self.accepted = [a * DECAY for a in self.accepted]
         for j, c in enumerate(confidences[:accepted + 1]):
-            b = min(BINS - 1, max(0, int(c * BINS)))
+            b = _bin(c)
             self.reached[b] += 1
             self.accepted[b] += j < accepted
 

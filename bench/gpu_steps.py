@@ -21,13 +21,10 @@ from ssd.kernels import attention_triton
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 
+from shapes import SHAPES
+
 DEV = "cuda"  # --device cpu: a smoke run of this script's code on a CPU (no figures)
 
-LLAMA_8B = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
-            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
-            "rms_norm_eps": 1e-5, "max_position_embeddings": 16384, "tie_word_embeddings": False,
-            "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 8192, "rope_theta": 500000.0}}
 
 
 def sync() -> None:
@@ -83,8 +80,9 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     return 2 * gib * 2**30 / statistics.median(times)
 
 
-def build(layers: int) -> DecoderLM:
-    cfg = ModelConfig.from_dict({**LLAMA_8B, "num_hidden_layers": layers})
+def build(shape: str, layers: int | None = None) -> DecoderLM:
+    """A random model of SHAPES[shape] (with `layers` layers if given) on DEV, bf16 on CUDA."""
+    cfg = ModelConfig.from_dict({**SHAPES[shape], **({"num_hidden_layers": layers} if layers else {})})
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16 if DEV == "cuda" else torch.float32)
     with torch.device(DEV):
@@ -145,7 +143,7 @@ def main() -> None:
     res["attention_rel_err"] = attention_check() if DEV == "cuda" else {}
     print("attention rel err", res["attention_rel_err"], flush=True)
 
-    model = build(args.layers)
+    model = build("llama3.1-8b", args.layers)
     res["weight_bytes"] = wb = weight_bytes(model)
     res["floor_s"] = floor = wb / bw
     cfg = model.config
@@ -205,14 +203,6 @@ def main() -> None:
     res["host_s_bucket16"] = host - replay
     print(f"replay (bucket 16) {replay * 1e3:.3f} ms; step wall {host * 1e3:.3f} ms; host share "
           f"{(host - replay) * 1e6:.0f} us", flush=True)
-    # Host time of the runner alone, the GPU kept busy (queue depth): wall of forward() without a sync.
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.repeat):
-        exact.forward([Chunk(0, [first], ctx, 1)])
-    res["host_launch_s"] = (time.perf_counter() - t0) / args.repeat
-    sync()
-
     long = args.long_context
     cache.reserve(0, long + 64)
     fill = torch.randint(0, cfg.vocab_size, (long - ctx,), generator=gen).tolist()
@@ -286,7 +276,7 @@ def main() -> None:
           f"({s['bandwidth_share_bucket1']:.0%} of the floor) | exact bucket 16 {s['graph_exact_tok_s']:.1f} tok/s "
           f"({s['bandwidth_share_exact']:.0%}; {s['exact_over_bucket1']:.3f}x bucket 1's step)")
     print("verify(K+1)/decode(1): " + ", ".join(f"K={k} {v:.3f}" for k, v in s["verify_over_decode"].items()))
-    print(f"host share of an exact step {res['host_s_bucket16'] * 1e6:.0f} us; launch-only {res['host_launch_s'] * 1e6:.0f} us;"
+    print(f"host share of an exact step {res['host_s_bucket16'] * 1e6:.0f} us;"
           f" decode at {long} / at {ctx}: {s['decode_long_over_short']:.3f}")
 
 

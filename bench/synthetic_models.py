@@ -12,9 +12,11 @@ probability `accept` per token, and after a rejection the target's token is the 
 second choice, so SSD's speculation cache can hit it with a fan-out of 1 or more.
 
     python bench/synthetic_models.py --target-like DIR --draft-like DIR --out DIR [--accept 0.8]
+        [--target-shape llama3.1-8b --draft-shape llama3.2-1b]
 
 DIR: a model folder whose config.json and tokenizer files are copied (the weights are not
-read), e.g. ~/.cache/ssd-engine/models/qwen2.5-coder-1.5b-instruct.
+read), e.g. ~/.cache/ssd-engine/models/qwen2.5-coder-1.5b-instruct. A shape (bench/shapes.py)
+replaces its layers' shapes and architecture; the vocabulary stays DIR's, for its tokenizer.
 """
 import argparse
 import json
@@ -24,13 +26,20 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from shapes import SHAPES
+
 EMBED_STD = 10.0  # the planted map must dominate the ~N(0, 4) noise of 28 random layers
 INIT_STD = 0.02  # transformers' default initialiser range
 
 
 def build(like: Path, out: Path, f: torch.Tensor, disagree: torch.Tensor | None, g: torch.Tensor | None,
-          dtype: torch.dtype, device: str, seed: int) -> None:
+          dtype: torch.dtype, device: str, seed: int, shape: str | None = None) -> None:
     cfg = json.loads((like / "config.json").read_text())
+    if shape:
+        for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "rope_scaling",
+                    "rope_parameters", "architectures"):
+            cfg.pop(key, None)
+        cfg |= {k: v for k, v in SHAPES[shape].items() if k != "vocab_size"}
     out.mkdir(parents=True, exist_ok=True)
     for p in like.iterdir():
         if p.suffix != ".safetensors" and p.is_file():
@@ -73,6 +82,8 @@ def main() -> None:
     ap.add_argument("--target-like", type=Path, required=True)
     ap.add_argument("--draft-like", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True, help="writes OUT/target and OUT/draft")
+    ap.add_argument("--target-shape", choices=sorted(SHAPES), help="the target's layers (default: like's)")
+    ap.add_argument("--draft-shape", choices=sorted(SHAPES), help="the draft's layers (default: like's)")
     ap.add_argument("--accept", type=float, default=0.8, help="per-token greedy agreement (default: 0.8)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -84,9 +95,10 @@ def main() -> None:
     disagree = torch.nonzero(torch.rand(vocab, generator=gen) >= args.accept).squeeze(1)
     g = (f + 1 + torch.randint(vocab - 1, (vocab,), generator=gen)) % vocab  # != f(v)
     dtype = getattr(torch, args.dtype)
-    build(args.target_like, args.out / "target", f.to(args.device), None, None, dtype, args.device, args.seed + 1)
+    build(args.target_like, args.out / "target", f.to(args.device), None, None, dtype, args.device, args.seed + 1,
+          args.target_shape)
     build(args.draft_like, args.out / "draft", f.to(args.device), disagree.to(args.device), g.to(args.device),
-          dtype, args.device, args.seed + 2)
+          dtype, args.device, args.seed + 2, args.draft_shape)
     print(f"wrote {args.out}/target and {args.out}/draft: {len(disagree)} of {vocab} tokens "
           f"({len(disagree) / vocab:.1%}) where the draft's first choice differs")
 

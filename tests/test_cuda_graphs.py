@@ -59,6 +59,14 @@ def test_interpreted_rms_norm_and_act_mul(fused):
     norm.weight.data = torch.randn(96, generator=g)
     x = torch.randn(5, 96, generator=g)
     assert rel_err(fused.rms_norm(x, norm.weight, 1e-6), norm._norm(x)) < 1e-6
+    h = torch.randn(5, 96, generator=g)
+    total, y = fused.add_rms_norm(x, h, norm.weight, 1e-6)
+    assert torch.equal(total, x + h) and torch.equal(y, fused.rms_norm(x + h, norm.weight, 1e-6))
+    # bf16: the norm reads the rounded sum (the interpreter rounds to bf16 its own way, so the
+    # sum's bits against torch's add are checked on the GPU: bench/gpu_profile.py)
+    xb, hb = x.bfloat16(), (h * 1e-2).bfloat16()
+    total, y = fused.add_rms_norm(xb, hb, norm.weight, 1e-6)
+    assert torch.equal(y, fused.rms_norm(total, norm.weight, 1e-6)) and rel_err(total, xb + hb) < 1e-2
     gate_up = torch.randn(3, 2 * 1100, generator=g)  # not a multiple of the block
     for name, gelu in (("silu", False), ("gelu_tanh", True)):
         gate, up = gate_up.chunk(2, dim=-1)
@@ -77,6 +85,12 @@ def test_interpreted_rope_cache(fused, rotary_dim):
     q_ref, k_ref = rope(positions, q, k)
     assert rel_err(out, q_ref) < 1e-6
     assert rel_err(k_cache[slots], k_ref) < 1e-6 and torch.equal(v_cache[slots], v)
+    # q, k and v as views of one qkv projection's rows (the layers' case): read at its stride
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+    views = [x.view(4, -1, 64) for x in qkv.split([6 * 64, 2 * 64, 2 * 64], 1)]
+    k_cache2, v_cache2 = torch.zeros(16, 2, 64), torch.zeros(16, 2, 64)
+    out2 = fused.rope_cache(*views, positions, rope.cos, rope.sin, k_cache2, v_cache2, slots)
+    assert torch.equal(out2, out) and torch.equal(k_cache2, k_cache) and torch.equal(v_cache2, v_cache)
     written = torch.zeros(16, dtype=torch.bool)
     written[slots] = True
     assert not k_cache[~written].any() and not v_cache[~written].any()
@@ -112,7 +126,7 @@ def test_interpreted_attention_matches_float64(interpreted, kv_heads, group, dim
     v_cache = torch.randn(slots, kv_heads, dim, generator=g)
     rows = torch.stack([torch.randperm(slots, generator=g)[:1200] for _ in range(3)])
     q_row = torch.tensor([0, 0, 1, 2, 2])
-    q_len = torch.tensor([1, 65, 1100, 7, 513])  # 1100 and 513: several splits of 512 keys, merged
+    q_len = torch.tensor([1, 65, 1100, 7, 513])  # 65, 513: splits of 64 keys; 1100: 9 of 128, merged
     q = torch.randn(len(q_row), kv_heads * group, dim, generator=g)
     out = interpreted.attention(q, k_cache, v_cache, rows, q_row, q_len, dim ** -0.5, softcap=softcap, window=window)
     ref = reference(q, k_cache, v_cache, rows, q_row, q_len, dim ** -0.5, softcap, window)
@@ -121,7 +135,8 @@ def test_interpreted_attention_matches_float64(interpreted, kv_heads, group, dim
 
 
 def test_interpreted_attention_is_batch_invariant(interpreted):
-    """A query's output has the same bits alone and among others (its keys walked in one order)."""
+    """A query's output has the same bits alone and among others, and in a row tensor only as wide
+    as its keys (fewer programs in the grid): its keys are cut and walked in one order."""
     g = torch.Generator().manual_seed(7)
     k_cache, v_cache = torch.randn(900, 2, 64, generator=g), torch.randn(900, 2, 64, generator=g)
     rows = torch.randperm(900, generator=g)[:800].view(1, 800)
@@ -129,9 +144,10 @@ def test_interpreted_attention_is_batch_invariant(interpreted):
     lens = torch.tensor([800, 17, 65])
     together = interpreted.attention(q, k_cache, v_cache, rows, torch.zeros(3, dtype=torch.long), lens, 0.125)
     for t in range(3):
-        alone = interpreted.attention(q[t:t + 1], k_cache, v_cache, rows, torch.zeros(1, dtype=torch.long),
-                                      lens[t:t + 1], 0.125)
-        assert torch.equal(alone[0], together[t])
+        for width in (800, int(lens[t])):
+            alone = interpreted.attention(q[t:t + 1], k_cache, v_cache, rows[:, :width].contiguous(),
+                                          torch.zeros(1, dtype=torch.long), lens[t:t + 1], 0.125)
+            assert torch.equal(alone[0], together[t])
 
 
 def passes(runner: ModelRunner, cache: PagedKVCache, ids: list[int]) -> list[torch.Tensor]:
@@ -195,3 +211,16 @@ def test_draft_tree_steps_through_padded_static_steps(truncated_draft, smollm_di
         trees.append(([r.tokens for r in replies],
                       [{key: b.tokens for key, b in engine.seqs[i].cache.entries.items()} for i in range(2)]))
     assert trees[0] == trees[1] and all(trees[0][1])
+
+
+def test_warm_up_runs_every_bucket(smollm_dir):
+    """Each bucket's graph is captured at start-up (for a draft: of hidden states), not in a
+    request's first passes, whose time auto-K reads as what drafting costs. On the CPU the
+    bucket's padded pass runs eagerly; the key records that it ran."""
+    model = load_model(smollm_dir, CPU, torch.float32)
+    cache = PagedKVCache(model.config, 256, 16, CPU, torch.float32)
+    runner = ModelRunner(model, cache, CPU, [1, 2, 4], max_keys=64)
+    before = cache.held()  # the padding tokens' scratch block
+    runner.warm_up(head=False)
+    assert set(runner.steps.graphs) == {(1, False), (2, False), (4, False)}
+    assert cache.held() == before  # the warm-up's slots are free again

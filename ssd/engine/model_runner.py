@@ -39,23 +39,29 @@ class ModelRunner:
         self.steps = None if not graph_buckets else CapturedSteps(model, cache.kv, cache.scratch_slot(), max_keys,
                                                                   graph_buckets)
 
-    def warm_up(self) -> None:
-        """One throw-away forward pass of one token: every kernel the model calls is built (or
-        loaded) now, with its message on stderr, not inside the first request's time or
-        streamed text; first-call allocations happen here too."""
-        self.timed_pass(1)
+    def warm_up(self, head: bool = True) -> None:
+        """Throw-away forward passes: every kernel the model calls is built (or loaded) now, with
+        its message on stderr, not inside the first request's time or streamed text; first-call
+        allocations happen here too. With captured steps, one pass per bucket, so that each
+        bucket's graph (of final hidden states with head=False: a draft's passes) is captured
+        now: a capture inside a request's pass holds it up, and auto-K would take that time
+        for what drafting costs (on an H200, SD with auto K drafted nothing while the draft's
+        graphs were captured in its first rounds: bench/results/gpu-h200-b)."""
+        for rows in self.steps.buckets if self.steps is not None else [1]:
+            self.timed_pass(rows, head=head)
 
     @torch.inference_mode()
-    def timed_pass(self, rows: int, repeat: int = 1) -> float:
+    def timed_pass(self, rows: int, repeat: int = 1, head: bool = True) -> float:
         """Seconds of a throw-away forward pass over `rows` tokens of one sequence, all with
-        logits (as a verify pass of rows - 1 drafts); the fastest of `repeat` passes."""
+        logits (as a verify pass of rows - 1 drafts; head=False: final hidden states); the
+        fastest of `repeat` passes."""
         owner = WARM_UP_OWNER
         self.cache.reserve(owner, rows)
         try:
             best = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                self.forward([Chunk(owner, [0] * rows, 0, rows)]).cpu()  # .cpu(): waits for a GPU
+                self.forward([Chunk(owner, [0] * rows, 0, rows)], head).cpu()  # .cpu(): waits for a GPU
                 best = min(best, time.perf_counter() - t0)
             return best
         finally:

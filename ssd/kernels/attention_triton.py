@@ -2,13 +2,16 @@
 
 The same contract as the CPU kernel (attention_cpu.py) and AttentionBatch: query t sees the
 keys in cache slots ``rows[q_row[t], :q_len[t]]`` (a sliding-window layer: the last `window`
-of them). A program serves one token, one kv head and one split of SPLIT keys: it loads the
-token's query heads of that group and walks its keys in tiles of BLOCK, with an online
-softmax; a token with several splits has them merged in split order by a second kernel. The
-splits are cut at fixed key positions of the token's own row, so nothing depends on the other
-tokens of the call, their number or their rows: a query's output has the same bits in a
-decode step, a verify pass, a tree step or a prefill chunk (batch-invariant, as exact
-speculation needs), while a long context is still read by many programs at once.
+of them). A program serves one token, one kv head and one split of its keys: it loads the
+token's query heads of that group and walks the split's keys in tiles of BLOCK, with an online
+softmax; a token with several splits has them merged in split order by a second kernel. A
+token's n keys are cut into at most SPLITS splits of the smallest multiple of BLOCK that needs
+no more (n <= 1,024: tiles of 64, one program each), so its splits depend on n alone, not on
+the other tokens of the call, their number or their rows: a query's output has the same bits
+in a decode step, a verify pass, a tree step or a prefill chunk (batch-invariant, as exact
+speculation needs), and a decode step's few tokens are still read by many programs at once
+(one program per token and kv head walked 512 keys in 16 us, a quarter of a small model's
+step on an H200: bench/results/gpu-h200-b).
 
 It reads q_len on the device and never syncs with the host, so a CUDA graph can capture it
 (ssd/engine/cuda_graphs.py). On a CPU it runs only under ``TRITON_INTERPRET=1`` (the tests).
@@ -23,8 +26,8 @@ try:
 except ImportError:  # a CPU install without triton: the callers keep SDPA
     triton = None
 
-BLOCK = 64  # keys per tile
-SPLIT = 512  # keys per program: a long row is walked by several programs, merged in a fixed order
+BLOCK = 64  # keys per tile, and the unit of a split's size
+SPLITS = 16  # programs a token's keys are cut among at most (a kv head's), merged in a fixed order
 
 
 def available(q: torch.Tensor) -> bool:
@@ -37,9 +40,9 @@ if triton is not None:
     def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, m_ptr, l_ptr, acc_ptr, rows_ptr, q_row_ptr, q_len_ptr,
                           row_stride, key_stride, scale, softcap, window, splits,
                           KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr,
-                          D_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, SOFTCAP: tl.constexpr,
+                          D_P: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SOFTCAP: tl.constexpr,
                           WINDOW: tl.constexpr, IEEE: tl.constexpr):
-        """Program (t, h, j): keys [j * SPLIT, (j + 1) * SPLIT) of token t's window, kv head h.
+        """Program (t, h, j): split j of token t's window, kv head h (split sizes: _split_size).
         A token with one split writes its output; with more, each writes its running max,
         sum and unnormalised output for _combine_kernel."""
         t = tl.program_id(0)
@@ -50,9 +53,10 @@ if triton is not None:
         start = 0
         if WINDOW:
             start = tl.maximum(n - window, 0)
-        lo = start + j * SPLIT
+        size = _split_size(n - start, BLOCK_N, SPLITS)
+        lo = start + j * size
         if lo < n:
-            hi = tl.minimum(n, lo + SPLIT)
+            hi = tl.minimum(n, lo + size)
             g = tl.arange(0, GROUP_P)
             d = tl.arange(0, D_P)
             gd_mask = (g < GROUP)[:, None] & (d < D)[None, :]
@@ -87,7 +91,7 @@ if triton is not None:
                 else:
                     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m = m_new
-            if n - start <= SPLIT:
+            if n - start <= size:
                 out = acc / total[:, None]
                 tl.store(o_ptr + (t * KV_HEADS * GROUP + heads)[:, None] * D + d[None, :],
                          out.to(o_ptr.dtype.element_ty), mask=gd_mask)
@@ -98,9 +102,15 @@ if triton is not None:
                 tl.store(acc_ptr + (part * GROUP_P + g)[:, None] * D_P + d[None, :], acc)
 
     @triton.jit
+    def _split_size(keys, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+        """Keys per split of a token with `keys` keys: the smallest multiple of BLOCK_N that cuts
+        them into at most SPLITS splits (a function of `keys` alone: batch invariance)."""
+        return BLOCK_N * tl.cdiv(keys, BLOCK_N * SPLITS)
+
+    @triton.jit
     def _combine_kernel(o_ptr, m_ptr, l_ptr, acc_ptr, q_len_ptr, window, splits, KV_HEADS: tl.constexpr,
                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr,
-                        SPLIT: tl.constexpr, WINDOW: tl.constexpr):
+                        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, WINDOW: tl.constexpr):
         """Program (t, h): a token's splits merged in split order (a fixed order: the bits do
         not depend on the batch)."""
         t = tl.program_id(0)
@@ -109,7 +119,7 @@ if triton is not None:
         start = 0
         if WINDOW:
             start = tl.maximum(n - window, 0)
-        count = tl.cdiv(n - start, SPLIT)
+        count = tl.cdiv(n - start, _split_size(n - start, BLOCK_N, SPLITS))
         if count > 1:
             g = tl.arange(0, GROUP_P)
             d = tl.arange(0, D_P)
@@ -142,17 +152,17 @@ def attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row
     if t == 0:
         return out
     # The grid comes from the rows' width, which a captured step keeps fixed; programs past a
-    # token's keys return at once.
-    splits = triton.cdiv(min(rows.shape[1], window or rows.shape[1]), SPLIT)
+    # token's splits return at once.
+    splits = min(SPLITS, triton.cdiv(min(rows.shape[1], window or rows.shape[1]), BLOCK))
     group_p, dim_p = max(16, triton.next_power_of_2(group)), max(16, triton.next_power_of_2(dim))
     m = torch.empty(t, kv_heads, splits, group_p, dtype=torch.float32, device=q.device)
     total = torch.empty_like(m)
     acc = torch.empty(t, kv_heads, splits, group_p, dim_p, dtype=torch.float32, device=q.device)
-    meta = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_P=group_p, D=dim, D_P=dim_p, SPLIT=SPLIT,
+    meta = dict(KV_HEADS=kv_heads, GROUP=group, GROUP_P=group_p, D=dim, D_P=dim_p, BLOCK_N=BLOCK, SPLITS=SPLITS,
                 WINDOW=window is not None)
     _attention_kernel[(t, kv_heads, splits)](
         q.contiguous(), k_cache, v_cache, out, m, total, acc, rows, q_row, q_len, rows.stride(0), rows.stride(1),
-        scale, softcap or 1.0, window or 0, splits, BLOCK_N=BLOCK, SOFTCAP=softcap is not None,
+        scale, softcap or 1.0, window or 0, splits, SOFTCAP=softcap is not None,
         IEEE=q.dtype is torch.float32, **meta)
     if splits > 1:
         _combine_kernel[(t, kv_heads)](out, m, total, acc, q_len, window or 0, splits, **meta)

@@ -1,5 +1,5 @@
-"""Fused CUDA steps of a decoder layer, in Triton: RMSNorm, RoPE with the KV-cache write, and
-the gated activation. The GPU twin of fused_cpu.py.
+"""Fused CUDA steps of a decoder layer, in Triton: RMSNorm (with the residual add before it),
+RoPE with the KV-cache write, and the gated activation. The GPU twin of fused_cpu.py.
 
 Why: in eager PyTorch these three steps are about 35 small kernels a layer (RMSNorm's upcast,
 square, mean, rsqrt, products and downcast; RoPE's gathers, negation, concatenation, products
@@ -40,11 +40,27 @@ if triton is not None:
         tl.store(y_ptr + row * n + i, (x * inv * w).to(y_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
+    def _add_rms_norm_kernel(x_ptr, h_ptr, w_ptr, sum_ptr, y_ptr, n, eps, BLOCK: tl.constexpr):
+        """sum = x + h rounded to the dtype (torch's add), y = RMSNorm(sum): one pass, no add kernel."""
+        row = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BLOCK)
+        live = i < n
+        s = tl.load(x_ptr + row * n + i, mask=live, other=0.0).to(tl.float32) + \
+            tl.load(h_ptr + row * n + i, mask=live, other=0.0).to(tl.float32)
+        s = s.to(sum_ptr.dtype.element_ty)
+        tl.store(sum_ptr + row * n + i, s, mask=live)
+        x = s.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n + eps)
+        w = tl.load(w_ptr + i, mask=live, other=0.0).to(tl.float32)
+        tl.store(y_ptr + row * n + i, (x * inv * w).to(y_ptr.dtype.element_ty), mask=live)
+
+    @triton.jit
     def _rope_cache_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr,
-                           cos_ptr, sin_ptr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                           ROT: tl.constexpr, D_P: tl.constexpr):
+                           cos_ptr, sin_ptr, q_stride, k_stride, v_stride, HEADS: tl.constexpr,
+                           KV_HEADS: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr, D_P: tl.constexpr):
         """One program per token and head (q heads, then kv heads): rotate-half RoPE over the
-        first ROT dims; a kv head also writes its k and v into the cache at the token's slot."""
+        first ROT dims; a kv head also writes its k and v into the cache at the token's slot.
+        q, k and v are read at their tokens' strides (views of one qkv projection: no copies)."""
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         d = tl.arange(0, D_P)
@@ -57,20 +73,20 @@ if triton is not None:
         cos = tl.load(cos_ptr + p * ROT + d, mask=rot, other=1.0)
         sin = tl.load(sin_ptr + p * ROT + d, mask=rot, other=0.0)
         if h < HEADS:
-            src = q_ptr + (t * HEADS + h) * D
+            src = q_ptr + t * q_stride + h * D
             x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
             xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
             y = tl.where(rot, x * cos + sign * xp * sin, x)
             tl.store(q_out_ptr + (t * HEADS + h) * D + d, y.to(q_out_ptr.dtype.element_ty), mask=live)
         else:
             g = h - HEADS
-            src = k_ptr + (t * KV_HEADS + g) * D
+            src = k_ptr + t * k_stride + g * D
             x = tl.load(src + d, mask=live, other=0.0).to(tl.float32)
             xp = tl.load(src + partner, mask=rot, other=0.0).to(tl.float32)
             y = tl.where(rot, x * cos + sign * xp * sin, x)
             slot = tl.load(slot_ptr + t).to(tl.int64)
             tl.store(k_cache_ptr + (slot * KV_HEADS + g) * D + d, y.to(k_cache_ptr.dtype.element_ty), mask=live)
-            v = tl.load(v_ptr + (t * KV_HEADS + g) * D + d, mask=live, other=0.0)
+            v = tl.load(v_ptr + t * v_stride + g * D + d, mask=live, other=0.0)
             tl.store(v_cache_ptr + (slot * KV_HEADS + g) * D + d, v.to(v_cache_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
@@ -98,6 +114,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return y.view(x.shape)
 
 
+def add_rms_norm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + h, RMSNorm(x + h)) in one kernel."""
+    n = x.shape[-1]
+    x2, h2 = x.reshape(-1, n).contiguous(), h.reshape(-1, n).contiguous()
+    total, y = torch.empty_like(x2), torch.empty_like(x2)
+    if x2.shape[0]:
+        _add_rms_norm_kernel[(x2.shape[0],)](x2, h2, weight, total, y, n, eps, BLOCK=triton.next_power_of_2(n))
+    return total.view(x.shape), y.view(x.shape)
+
+
+def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x [T, heads, D] with contiguous heads (a view of a wider row, say), and its row stride."""
+    if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+        x = x.contiguous()
+    return x, x.stride(0)
+
+
 def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """q [T, heads, D] rotated by its positions (returned); k rotated and v written into the
@@ -105,10 +139,11 @@ def rope_cache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: tor
     t, heads, dim = q.shape
     kv_heads = k.shape[1]
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    (q, qs), (k, ks), (v, vs) = _rows(q), _rows(k), _rows(v)
     if t:
         _rope_cache_kernel[(t, heads + kv_heads)](
-            q.contiguous(), k.contiguous(), v.contiguous(), out, k_cache, v_cache, positions, slots, cos, sin,
-            HEADS=heads, KV_HEADS=kv_heads, D=dim, ROT=cos.shape[-1], D_P=triton.next_power_of_2(dim))
+            q, k, v, out, k_cache, v_cache, positions, slots, cos, sin, qs, ks, vs, HEADS=heads, KV_HEADS=kv_heads,
+            D=dim, ROT=cos.shape[-1], D_P=triton.next_power_of_2(dim))
     return out
 
 

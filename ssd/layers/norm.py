@@ -21,6 +21,16 @@ class RMSNorm(nn.Module):
             return rows_apart(self._norm, x.reshape(-1, x.shape[-1])).view_as(x)
         return self._norm(x)
 
+    def add_forward(self, x: torch.Tensor, branch: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + branch, this norm of it): a residual add and the norm after it, one kernel on
+        CUDA (the same bits as the two steps); branch None: nothing to add."""
+        if branch is None:
+            return x, self(x)
+        if fused_triton.available(x):
+            return fused_triton.add_rms_norm(x, branch, self.weight, self.eps)
+        x = x + branch
+        return x, self(x)
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()

@@ -45,13 +45,18 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
-    def forward(self, x, positions, batch, kv):
-        h = self.self_attn(self.input_layernorm(x), positions, batch, kv)
+    def forward(self, x: torch.Tensor, branch: torch.Tensor | None, positions: torch.Tensor, batch: AttentionBatch,
+                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the residual stream; branch: the previous layer's last output, not yet added to it
+        (None before the first layer), so that each add and the norm after it run as one kernel
+        on CUDA. Returns the stream and this layer's last output."""
+        x, h = self.input_layernorm.add_forward(x, branch)
+        h = self.self_attn(h, positions, batch, kv)
         if not self.gemma:
-            x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x))
-        x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+            x, h = self.post_attention_layernorm.add_forward(x, h)
+            return x, self.mlp(h)
+        x, h = self.pre_feedforward_layernorm.add_forward(x, self.post_attention_layernorm(h))
+        return x, self.post_feedforward_layernorm(self.mlp(h))
 
 
 class DecoderLM(nn.Module):
@@ -86,14 +91,15 @@ class DecoderLM(nn.Module):
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         stack = self.layer_stack() if self.fused_layers else None
         y = None if stack is None else stack.run(x, positions, batch, kv)
+        branch = None
         if y is not None:
             x = y
         else:
             for layer, layer_kv in zip(self.layers, kv):
-                x = layer(x, positions, batch, layer_kv)
+                x, branch = layer(x, branch, positions, batch, layer_kv)
         if logits_index is not None:
-            x = x[logits_index]
-        x = self.norm(x)
+            x, branch = x[logits_index], None if branch is None else branch[logits_index]
+        _, x = self.norm.add_forward(x, branch)
         return self.logits(x) if head else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,7 @@ class DraftEngine:
         # A draft's bits need not match anything: buckets of every size, each its own graph.
         buckets = [1 << i for i in range(7)] if device.type == "cuda" else None
         self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=min(self.max_len, cache_tokens) + k_max + 1)
-        self.runner.warm_up()
+        self.runner.warm_up(head=False)  # the draft's passes stop at hidden states (DraftHead)
         self.seqs: dict[int, DraftSeq] = {}
         self.step_s: float | None = None  # the last draft() call's mean step, catch-up steps left out
         # The last draft() call's catch-up: (seconds, tokens read, the keys their attention read).

@@ -25,6 +25,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="CUDA: the target's passes of up to P tokens run as one CUDA graph padded to P rows, so a "
                         "token's logits have the same bits in a decode step and a verify pass (SD/SSD == AR while "
                         "batch x (K+1) <= P); longer passes in graphs of 2P, 4P, ...; 0: eager (default: 16)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                   help="split the target's layers across N processes (CPU, gloo; weights become dequantized; "
+                        "each process gets --threads / N threads) (default: 1)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (default: full blocks of prompts seen before, and of earlier "
                         "turns of a chat, are read from the KV cache)")
@@ -72,7 +75,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     from ssd.speculative.options import SpecOptions
 
     kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len,
-              weights=args.weights, enable_prefix_caching=args.prefix_caching, cuda_graph_rows=args.cuda_graph_rows)
+              weights=args.weights, enable_prefix_caching=args.prefix_caching, cuda_graph_rows=args.cuda_graph_rows,
+              tensor_parallel_size=args.tensor_parallel_size)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")
@@ -194,7 +198,7 @@ def cmd_check(args: argparse.Namespace) -> None:
     kw = llm_kwargs(args)
     draft, mode = kw.pop("draft"), kw.pop("mode")
     engine_keys = ("device", "dtype", "threads", "max_model_len", "weights", "enable_prefix_caching",
-                   "cuda_graph_rows")
+                   "cuda_graph_rows", "tensor_parallel_size")
     engine = {key: kw.pop(key) for key in engine_keys}
     report = check(args.model, draft, prompts, mode=mode, engine=engine, spec=kw, params=sampling_params(args),
                    greedy_tokens=args.max_tokens, samples=args.samples, sample_tokens=args.sample_tokens,

@@ -9,7 +9,7 @@ import torch
 
 from ssd.checks import check_int, is_int
 from ssd.engine.placement import engine_threads, parse_placement
-from ssd.errors import SSDError
+from ssd.errors import SSDError, UnsupportedModelError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
 from ssd.speculative.options import NGRAM, SpecOptions
@@ -64,6 +64,9 @@ class EngineConfig:
     # many rows (engine/cuda_graphs.py); 0: eager. One row count keeps SD/SSD == AR while a pass
     # holds no more tokens (batch x (K + 1)).
     cuda_graph_rows: int = 16
+    # The target's layers split across this many processes (engine/tensor_parallel.py; CPU,
+    # unquantized weights); `threads` is then each rank's share of the threads.
+    tensor_parallel_size: int = 1
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -82,6 +85,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             check_int(name, getattr(self, name), 1)
         check_int("cuda_graph_rows", self.cuda_graph_rows, 0, 1024)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
         if self.kv_cache_tokens is not None:
             check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         if self.seed is not None:
@@ -95,6 +99,8 @@ class EngineConfig:
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.model = resolve_model(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
         self.weights = resolve_weights(self.model, self.device, self.weights)  # fail now, before a worker starts
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
@@ -102,6 +108,21 @@ class EngineConfig:
         elif not (is_int(self.max_model_len) and 1 < self.max_model_len <= limit):
             raise SSDError(f"max_model_len must be in 2..{limit} for this model, got {self.max_model_len}")
         self.kv_cache_tokens = self.kv_cache_tokens or max(self.max_model_len, MIN_CACHE_TOKENS)
+
+    def _check_tensor_parallel(self) -> None:
+        n = self.tensor_parallel_size
+        if self.device.type != "cpu":
+            raise SSDError(f"tensor_parallel_size={n} runs on the CPU (gloo) so far, not on {self.device.type}")
+        if self.weights == "auto":
+            self.weights = "dequantized"  # the split layers are plain matrices (GGUF blocks are not cut)
+        elif self.weights != "dequantized":
+            raise SSDError(f"tensor_parallel_size={n} needs weights='dequantized', not {self.weights!r}")
+        if n > self.model_config.num_kv_heads:
+            raise UnsupportedModelError(f"tensor_parallel_size={n} needs as many kv heads; the model has "
+                                        f"{self.model_config.num_kv_heads}")
+        if self.model_config.num_experts:
+            raise UnsupportedModelError("tensor parallelism does not split mixtures of experts yet")
+        self.threads = max(1, self.threads // n)
 
     @property
     def prefix_salt(self) -> str | None:

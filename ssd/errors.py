@@ -37,3 +37,8 @@ class VocabularyMismatchError(SSDError):
 
 class GrammarError(SamplingParamsError):
     """A JSON schema, regex or grammar that is malformed or cannot be compiled."""
+
+
+class RankError(SSDError):
+    """A tensor-parallel rank could not start, died, or broke the link: the model is gone
+    with it (each rank holds only a share of it)."""

@@ -23,9 +23,10 @@ from ssd.engine.registry import Registry
 from ssd.engine.sampler import next_tokens, token_logprobs
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
+from ssd.engine.tensor_parallel import Ranks, local_config, shard
 from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
-from ssd.models.loader import load_tokenizer, shared_model
+from ssd.models.loader import load_model, load_tokenizer, shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
 from ssd.speculative.draft_engine import DraftEngine
@@ -48,11 +49,17 @@ class LLMEngine:
         self.eos_ids = config.model_config.end_ids(tokenizer)
         self.grammars = Grammars(tokenizer, config.model_config.vocab_size, self.eos_ids)
         self.speculator: Speculator | None = None if config.draft is None else start_speculator(config, tokenizer)
-        # The target loads while an SSD worker loads the draft.
-        model = shared_model(config.model, config.device, config.dtype, config.weights)
+        # The target loads while an SSD worker loads the draft (and tensor-parallel ranks their shares).
+        self.ranks = None
+        if config.tensor_parallel_size > 1:
+            self.ranks = Ranks(config.tensor_parallel_size, config.model, config.dtype, config.weights,
+                               config.kv_cache_tokens, config.block_size, config.threads)
+            model = shard(load_model(config.model, config.device, config.dtype, config.weights), self.ranks.group)
+        else:
+            model = shared_model(config.model, config.device, config.dtype, config.weights)
         if self.speculator:
             self.speculator.wait_ready()
-        self.cache = PagedKVCache(config.model_config, config.kv_cache_tokens, config.block_size, config.device,
+        self.cache = PagedKVCache(local_config(model), config.kv_cache_tokens, config.block_size, config.device,
                                   config.dtype, config.prefix_salt)
         self.registry = Registry()  # everything held per sequence: one release reaches it all
         self.registry.register("target KV cache", self.cache)
@@ -132,6 +139,8 @@ class LLMEngine:
             self.finish(seq)
         if self.speculator is not None:
             self.speculator.close()
+        if self.ranks is not None:
+            self.ranks.close()
 
     def _forward(self, work: list[Work]) -> list[tuple[Sequence, int, list | None]]:
         """Prompt chunks and plain decoding steps in one pass; a token is drawn for each chunk

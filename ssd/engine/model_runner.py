@@ -36,6 +36,8 @@ class ModelRunner:
         most max_keys keys, run as CUDA graphs padded to the smallest bucket that holds them
         (cuda_graphs.py); None: every pass eagerly."""
         self.model, self.cache, self.device = model, cache, device
+        if model.tp_group is not None:  # a captured step would not send the other ranks its inputs
+            graph_buckets = None
         self.steps = None if not graph_buckets else CapturedSteps(model, cache.kv, cache.scratch_slot(), max_keys,
                                                                   graph_buckets)
 
@@ -117,6 +119,8 @@ class ModelRunner:
         """One forward pass over tokens placed by an explicit attention batch (a draft tree)."""
         if self.steps is not None and self.steps.fits(len(input_ids), *batch.rows.shape):
             return self.steps.run(input_ids, positions, batch, logits_index, head)
+        if self.model.tp_group is not None:  # the other ranks run this pass on their shards
+            self.model.tp_group.send_pass(input_ids, positions, batch, logits_index, head)
         dev = self.device
         batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
         return self.model(input_ids.to(dev), positions.to(dev), batch, self.cache.kv,

@@ -79,6 +79,7 @@ class DecoderLM(nn.Module):
         self.full_head: nn.Module | None = None  # a reduced head's rows of any token (loader.py)
         self.fused_layers = True  # run the layers as one CPU op where it applies (LayerStack)
         self._stack: LayerStack | None | bool = False  # built on first use; None: not applicable
+        self.tp_group = None  # this rank's tensor_parallel.Group once sharded (engine/tensor_parallel.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: torch.Tensor, logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:

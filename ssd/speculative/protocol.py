@@ -30,8 +30,11 @@ import datetime
 import hashlib
 import hmac
 import json
+import os
 import secrets
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -104,11 +107,14 @@ def _proof(secret: str, role: str, *nonces: bytes) -> bytes:
 
 
 def connect(host: str, port: int, rank: int, timeout: float, secret: str, *, backend: str | None = None,
-            listener: socket.socket | None = None) -> dist.ProcessGroup:
-    """A two-process group of its own (not the global default group, so several engines can
-    live in one process). The target (rank 0) hosts the store on `listener` and chooses the
-    backend; the worker reads it from there. Both sides authenticate before the group is made."""
-    store = dist.TCPStore(host, port, 2, rank == TARGET, timeout=datetime.timedelta(seconds=timeout),
+            listener: socket.socket | None = None, world: int = 2, peers: str = "the draft worker"
+            ) -> dist.ProcessGroup:
+    """A group of `world` processes of its own (not the global default group, so several
+    engines can live in one process): the target and a draft worker, or a tensor-parallel
+    model's ranks. Rank 0 hosts the store on `listener` and chooses the backend; the others
+    read it from there. Every rank authenticates with rank 0 before the group is made;
+    `peers` names the other ranks in rank 0's error."""
+    store = dist.TCPStore(host, port, world, rank == TARGET, timeout=datetime.timedelta(seconds=timeout),
                           wait_for_workers=False, master_listen_fd=None if listener is None else listener.fileno())
     if listener is not None:
         listener.detach()  # the store's server owns the socket now and closes it with the store
@@ -116,26 +122,28 @@ def connect(host: str, port: int, rank: int, timeout: float, secret: str, *, bac
     if rank == TARGET:
         store.set("ssd/nonce/target", mine)
         store.set("ssd/backend", backend or "gloo")
-        theirs = store.get("ssd/nonce/worker")
-        if not hmac.compare_digest(store.get("ssd/proof/worker"), _proof(secret, "worker", mine, theirs)):
-            raise LinkError("the draft worker did not prove it knows this run's secret")
-        store.set("ssd/proof/target", _proof(secret, "target", theirs, mine))
+        for r in range(1, world):
+            theirs = store.get(f"ssd/nonce/{r}")
+            if not hmac.compare_digest(store.get(f"ssd/proof/{r}"), _proof(secret, f"rank {r}", mine, theirs)):
+                raise LinkError(f"{peers} did not prove it knows this run's secret"
+                                + (f" (rank {r})" if world > 2 else ""))
+            store.set(f"ssd/proof/target/{r}", _proof(secret, "target", theirs, mine))
     else:
         theirs = store.get("ssd/nonce/target")
-        store.set("ssd/nonce/worker", mine)
-        store.set("ssd/proof/worker", _proof(secret, "worker", theirs, mine))
-        if not hmac.compare_digest(store.get("ssd/proof/target"), _proof(secret, "target", mine, theirs)):
+        store.set(f"ssd/nonce/{rank}", mine)
+        store.set(f"ssd/proof/{rank}", _proof(secret, f"rank {rank}", theirs, mine))
+        if not hmac.compare_digest(store.get(f"ssd/proof/target/{rank}"), _proof(secret, "target", mine, theirs)):
             raise LinkError("the target did not prove it knows this run's secret")
         backend = store.get("ssd/backend").decode()
     if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, 2)
+        return dist.ProcessGroupNCCL(store, rank, world)
     options = dist.ProcessGroupGloo._Options()
     # gloo listens on the host given for the store (the loopback for a local worker), not on
     # whatever address this machine's hostname resolves to.
     local = host in ("127.0.0.1", "::1", "localhost")
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == TARGET or local else "")]
     options._timeout = NO_TIMEOUT
-    return dist.ProcessGroupGloo(store, rank, 2, options)
+    return dist.ProcessGroupGloo(store, rank, world, options)
 
 
 # ---- sending and receiving --------------------------------------------------------------------
@@ -187,8 +195,8 @@ class Watcher:
     ends the peer, then `join`s those threads, before the process exits: one still inside
     gloo at exit kills the process ("terminate called without an active exception")."""
 
-    def __init__(self, alive: Callable[[], bool], timeout: float):
-        self.alive, self.timeout = alive, timeout
+    def __init__(self, alive: Callable[[], bool], timeout: float, peer: str = "the draft worker"):
+        self.alive, self.timeout, self.peer = alive, timeout, peer
         self._left: list[threading.Thread] = []
 
     def __call__(self, fn: Callable[[], T]) -> T:
@@ -207,9 +215,9 @@ class Watcher:
         try:
             while not done.wait(0.05):
                 if not self.alive():
-                    raise LinkError("the draft worker died")
+                    raise LinkError(f"{self.peer} died")
                 if time.monotonic() > deadline:
-                    raise LinkError(f"the draft worker did not answer within {self.timeout:.0f} s")
+                    raise LinkError(f"{self.peer} did not answer within {self.timeout:.0f} s")
         except BaseException:  # given up on, or Ctrl-C: the thread is still in the call
             self._left.append(thread)
             raise
@@ -219,9 +227,9 @@ class Watcher:
             # A dead worker shows up as a reset connection, often before the process is reaped.
             for _ in range(10):
                 if not self.alive():
-                    raise LinkError("the draft worker died")
+                    raise LinkError(f"{self.peer} died")
                 time.sleep(0.05)
-            raise LinkError(f"the link to the draft worker broke: {error[0]}")
+            raise LinkError(f"the link to {self.peer} broke: {error[0]}")
         return out[0]
 
     def wait(self, work: dist.Work) -> None:
@@ -309,3 +317,14 @@ def parse_address(address: str) -> tuple[str, int]:
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise SSDError(f"bad draft address {address!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
+
+
+def die_with_parent(parent_pid: int | None) -> None:
+    """A worker process (the draft's, a tensor-parallel rank): on Linux the kernel sends it
+    SIGTERM when the parent dies, so none is left behind."""
+    if parent_pid is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        sys.exit(0)

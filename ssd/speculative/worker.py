@@ -21,7 +21,7 @@ from ssd.engine.placement import Placement, parse_placement, pin
 from ssd.errors import SSDError
 from ssd.speculative.options import SECRET_ENV, DraftConfig
 from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, connect, decode_release, decode_requests,
-                                      encode_replies, parse_address)
+                                      die_with_parent, encode_replies, parse_address)
 from ssd.speculative.ssd_draft import SSDDraft
 
 
@@ -68,16 +68,6 @@ def serve(channel: Channel, device: torch.device) -> None:
             idle_from = time.perf_counter()
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
-    """Linux: the kernel sends SIGTERM when the parent dies, so no worker is left behind."""
-    if parent_pid is None or not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        sys.exit(0)
-
-
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connect", required=True, metavar="HOST:PORT",
                     help="the address the target waits at (LLM(..., draft_address=HOST:PORT))")
@@ -91,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         # Started by a target: it decides when we stop (a stray SIGINT is not ours to act on).
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     secret = os.environ.pop(SECRET_ENV, "")
     if not secret:
         raise SSDError(f"set {SECRET_ENV} to the secret the target was given (the same value on both hosts)")

@@ -1,0 +1,290 @@
+"""Tensor parallelism: one model's layers split across N processes (ranks) over torch.distributed
+(gloo on CPU, NCCL on CUDA), cut as Megatron-LM cuts them:
+
+- attention: each rank holds whole kv heads (a contiguous run, as even as their count allows:
+  SmolLM2's 3 at TP = 2 go 2 + 1) with the query heads of their groups: its share of qkv_proj's
+  rows and of o_proj's columns, and its heads' K/V in a KV cache of its own;
+- the MLP: a contiguous run of the intermediate features (rows of gate_up, columns of down);
+- the embedding and the output layer: a contiguous run of the vocabulary each;
+- norms: whole on every rank.
+
+Partial sums (o_proj's and down_proj's outputs, the embedding's looked-up rows) meet in a
+fixed order: every rank gathers all ranks' parts and adds them rank by rank. A row's bits so
+depend neither on the rows beside it (batch invariance: a verify pass scores a token as a
+decode step does, so greedy SD equals AR at any TP) nor on the rank; they differ from TP = 1's
+single product, which adds in another order (an embedding row is the same: one rank's row plus
+zeros). A pass starts on rank 0 (the engine's ModelRunner), which broadcasts its inputs
+(send_pass); the other ranks run the same pass on their shards (serve).
+
+Ranks 1..N-1 are processes of their own (`python -m ssd.engine.rank`), started by
+the engine (Ranks) on this machine, in sessions of their own, linked over the loopback with
+this run's secret (ssd/speculative/protocol.connect), and ended with it; each loads the model
+and keeps its share. A rank that dies or breaks the link ends the pass in flight with a
+RankError, and every later one: the model is gone with it.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import weakref
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ssd.errors import RankError, UnsupportedModelError
+from ssd.layers.attention import AttentionBatch
+from ssd.layers.linear import Linear
+from ssd.layers.moe import SparseMoE
+from ssd.models.config import ModelConfig
+from ssd.models.decoder import DecoderLM
+from ssd.speculative.options import SECRET_ENV
+from ssd.speculative.protocol import TARGET, LinkError, Watcher, connect, listen_socket, new_secret
+
+
+def spans(n: int, world: int) -> list[tuple[int, int]]:
+    """n items cut into `world` contiguous runs, the first n % world of them one longer."""
+    size, extra = divmod(n, world)
+    bounds = [0]
+    for r in range(world):
+        bounds.append(bounds[-1] + size + (r < extra))
+    return list(zip(bounds, bounds[1:]))
+
+
+@dataclass
+class Group:
+    """This rank's place in the tensor-parallel process group."""
+
+    pg: dist.ProcessGroup
+    rank: int
+    world: int
+    broken: str | None = None  # why the group can no longer run a pass
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' x added in rank order, on every rank (not all_reduce, whose order of
+        additions follows the buffer's size and the rank)."""
+        parts = self.gather(x)
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's x, by rank; their shapes may differ in the last dimension."""
+        widths = [int(w) for w in self._all_gather(torch.tensor([x.shape[-1]]))]
+        parts = self._all_gather(F.pad(x, (0, max(widths) - x.shape[-1])).contiguous())
+        return [p[..., :w] for p, w in zip(parts, widths)]
+
+    def send_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                  logits_index: torch.Tensor | None, head: bool) -> None:
+        """Rank 0: a pass's inputs to the other ranks (recv_pass)."""
+        r, s = batch.rows.shape
+        n = -1 if logits_index is None else len(logits_index)
+        self._broadcast(torch.tensor([len(input_ids), r, s, n, int(head)]))
+        for t in (input_ids, positions, batch.slot_mapping, batch.rows, batch.q_row, batch.q_len, logits_index):
+            if t is not None:
+                self._broadcast(t.long().contiguous())
+
+    def stop(self) -> None:
+        """Rank 0: the other ranks' serve() returns."""
+        self._broadcast(torch.tensor([-1, 0, 0, 0, 0]))
+
+    def recv_pass(self) -> tuple | None:
+        """The other ranks: the next pass's inputs, None when rank 0 stops."""
+        header = self._broadcast(torch.empty(5, dtype=torch.long)).tolist()
+        t, r, s, n, head = header
+        if t < 0:
+            return None
+        ids, pos, slots = (self._broadcast(torch.empty(t, dtype=torch.long)) for _ in range(3))
+        rows = self._broadcast(torch.empty(r, s, dtype=torch.long))
+        q_row, q_len = (self._broadcast(torch.empty(t, dtype=torch.long)) for _ in range(2))
+        logits_index = self._broadcast(torch.empty(n, dtype=torch.long)) if n >= 0 else None
+        return ids, pos, AttentionBatch(slots, rows, q_row, q_len), logits_index, bool(head)
+
+    # The group is made by ssd/speculative/protocol.connect, outside torch.distributed's
+    # registry of groups: its own methods, not dist.broadcast(group=...).
+    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        self._wait(lambda: self.pg.broadcast(t, 0))
+        return t
+
+    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        self._wait(lambda: self.pg.allgather([parts], [t]))
+        return parts
+
+    def _wait(self, op) -> None:
+        """gloo raises at once when a peer's connection closes (a rank that died)."""
+        if self.broken:
+            raise RankError(self.broken)
+        try:
+            op().wait()
+        except RuntimeError as e:
+            self.broken = f"a tensor-parallel rank stopped: {str(e).strip().splitlines()[0]}"
+            raise RankError(self.broken) from e
+
+
+
+class RowParallel(nn.Module):
+    """A linear layer on this rank's share of the input features; the ranks' partial outputs
+    added in rank order."""
+
+    def __init__(self, inner: nn.Module, group: Group):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.sum(self.inner(x))
+
+
+class VocabEmbedding(nn.Module):
+    """This rank's rows [lo, lo + n) of the embedding: its own tokens' rows, zeros for the
+    others', summed over the ranks."""
+
+    def __init__(self, weight: torch.Tensor, lo: int, group: Group):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.lo, self.group = lo, group
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.lo
+        mine = (local >= 0) & (local < self.weight.shape[0])
+        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        return self.group.sum(torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype)))
+
+
+class VocabHead(nn.Module):
+    """The output layer on this rank's run of the vocabulary; the ranks' logits side by side."""
+
+    def __init__(self, inner: nn.Module, group: Group):
+        super().__init__()
+        self.inner, self.group = inner, group
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.group.gather(self.inner(hidden)), dim=-1)
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.contiguous(), requires_grad=False)
+    return layer
+
+
+def check(model: DecoderLM, world: int) -> None:
+    """What tensor parallelism over `world` ranks needs of a model (UnsupportedModelError)."""
+    cfg = model.config
+    if world > cfg.num_kv_heads:
+        raise UnsupportedModelError(f"tensor parallelism over {world} ranks needs as many kv heads; "
+                                    f"the model has {cfg.num_kv_heads}")
+    if any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
+        raise UnsupportedModelError("tensor parallelism does not split mixtures of experts yet")
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if any(type(m) is not Linear or m.quantized for m in linears) or not isinstance(model.embed_tokens, nn.Embedding):
+        raise UnsupportedModelError("tensor parallelism needs unquantized weights (weights='dequantized')")
+
+
+@torch.no_grad()
+def shard(model: DecoderLM, group: Group) -> DecoderLM:
+    """Cut the model's weights to this rank's share, in place (module doc); returns it."""
+    check(model, group.world)
+    cfg, rank, world = model.config, group.rank, group.world
+    kv_lo, kv_hi = spans(cfg.num_kv_heads, world)[rank]
+    per_kv = cfg.num_heads // cfg.num_kv_heads
+    d = cfg.head_dim
+    for layer in model.layers:
+        a = layer.self_attn
+        q = torch.arange(kv_lo * per_kv * d, kv_hi * per_kv * d)
+        kv = torch.arange(kv_lo * d, kv_hi * d)
+        rows = torch.cat([q, a.q_size + kv, a.q_size + a.kv_size + kv])
+        bias = a.qkv_proj.bias
+        a.qkv_proj = _linear(a.qkv_proj.weight[rows], None if bias is None else bias[rows])
+        a.o_proj = RowParallel(_linear(a.o_proj.weight[:, q]), group)
+        a.num_heads, a.num_kv_heads = (kv_hi - kv_lo) * per_kv, kv_hi - kv_lo
+        a.q_size, a.kv_size = a.num_heads * d, a.num_kv_heads * d
+        m = layer.mlp
+        inter = m.down_proj.in_features
+        lo, hi = spans(inter, world)[rank]
+        gate_up = m.gate_up_proj.weight
+        m.gate_up_proj = _linear(torch.cat([gate_up[lo:hi], gate_up[inter + lo:inter + hi]]))
+        m.down_proj = RowParallel(_linear(m.down_proj.weight[:, lo:hi]), group)
+    lo, hi = spans(cfg.vocab_size, world)[rank]
+    head = model.lm_head.weight
+    model.embed_tokens = VocabEmbedding(model.embed_tokens.weight[lo:hi].contiguous(), lo, group)
+    model.lm_head = VocabHead(_linear(model.embed_tokens.weight if cfg.tie_word_embeddings else head[lo:hi]), group)
+    model.fused_layers = False  # the one-op CPU layers have no collectives in them
+    model.tp_group = group
+    return model
+
+
+def local_config(model: DecoderLM) -> ModelConfig:
+    """The model's config as this rank's KV cache sees it: its own kv heads."""
+    group = model.tp_group
+    if group is None:
+        return model.config
+    lo, hi = spans(model.config.num_kv_heads, group.world)[group.rank]
+    return replace(model.config, num_kv_heads=hi - lo)
+
+
+class Ranks:
+    """Rank 0's side: ranks 1..N-1 started on this machine for a model's folder, linked, and
+    ended by close()."""
+
+    def __init__(self, world: int, model: Path, dtype: torch.dtype, weights: str, kv_tokens: int, block_size: int,
+                 threads: int, startup_timeout: float = 600.0):
+        listener, secret = listen_socket("127.0.0.1"), new_secret()
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        self.procs = [subprocess.Popen(
+            [sys.executable, "-m", "ssd.engine.rank", "--connect", address, "--rank", str(r),
+             "--world", str(world), "--model", str(model), "--dtype", str(dtype).removeprefix("torch."),
+             "--weights", weights, "--kv-tokens", str(kv_tokens), "--block-size", str(block_size),
+             "--threads", str(threads), "--parent-pid", str(os.getpid())],
+            stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, SECRET_ENV: secret})
+            for r in range(1, world)]
+        weakref.finalize(self, _kill, self.procs)
+        self.watcher = Watcher(lambda: all(p.poll() is None for p in self.procs), startup_timeout,
+                               "a tensor-parallel rank")
+        try:
+            pg = self.watcher(lambda: connect("127.0.0.1", int(address.rsplit(":", 1)[1]), TARGET, startup_timeout,
+                                              secret, listener=listener, world=world, peers="a tensor-parallel rank"))
+        except LinkError as e:
+            self.close()
+            raise RankError(f"the tensor-parallel ranks did not start: {e}") from e
+        self.group = Group(pg, 0, world)
+
+    def close(self) -> None:
+        """Stop the ranks (they return from serve) and reap them; kill what does not end."""
+        group = getattr(self, "group", None)
+        if group is not None and group.broken is None:
+            try:
+                group.stop()
+            except RankError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.watcher.join(5)
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
+@torch.inference_mode()
+def serve(model: DecoderLM, kv: torch.Tensor, group: Group) -> None:
+    """A rank other than 0: run rank 0's passes on this rank's shards until it stops."""
+    while (args := group.recv_pass()) is not None:
+        ids, pos, batch, logits_index, head = args
+        dev = kv.device
+        batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
+        model(ids.to(dev), pos.to(dev), batch, kv, None if logits_index is None else logits_index.to(dev), head)
+

@@ -1,0 +1,164 @@
+"""Tensor parallelism over gloo (ssd/engine/tensor_parallel.py): random-weight models of real
+layer shapes split across two processes, rank 1 a subprocess serving rank 0's passes.
+
+At TP = 2 a token's logits keep their bits in a verify pass and in decode steps (what exact
+greedy SD needs); against TP = 1 they differ only by the order of additions of the split
+products (relative 1e-6), and greedy decoding gives the same tokens."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ssd.engine import tensor_parallel as tp
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.errors import UnsupportedModelError
+from ssd.models.config import ModelConfig
+from ssd.models.decoder import DecoderLM
+from ssd.speculative.protocol import TARGET, connect, listen_socket
+
+CPU = torch.device("cpu")
+# Layer shapes of SmolLM2-135M (9 query heads over 3 kv heads: 2 + 1 at TP = 2, tied head) and
+# Qwen2.5-0.5B (q/k/v bias, 14 over 2); two layers and a vocabulary of 4,096 keep them small.
+SHAPES = {
+    "smollm2": {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_attention_heads": 9,
+                "num_key_value_heads": 3, "tie_word_embeddings": True, "rms_norm_eps": 1e-5},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14,
+                     "num_key_value_heads": 2, "tie_word_embeddings": False, "rms_norm_eps": 1e-6},
+}
+SLOTS, BLOCK = 512, 16
+
+WORKER = """
+import os, sys, torch
+sys.path.insert(0, {tests!r})
+from test_tensor_parallel import build, SLOTS, BLOCK
+from ssd.engine import tensor_parallel as tp
+from ssd.engine.kv_cache import PagedKVCache
+from ssd.speculative.protocol import connect
+group = tp.Group(connect("127.0.0.1", int(sys.argv[1]), 1, 60, "s3cret", world=2), 1, 2)
+model = tp.shard(build(sys.argv[2]), group)
+tp.serve(model, PagedKVCache(tp.local_config(model), SLOTS, BLOCK, torch.device("cpu"), torch.float32).kv, group)
+os._exit(0)  # as ssd/engine/rank.py: no teardown of gloo's group at interpreter exit
+"""
+
+
+def build(shape: str) -> DecoderLM:
+    """The same random weights in every process (a seeded CPU initialisation)."""
+    cfg = ModelConfig.from_dict({**SHAPES[shape], "vocab_size": 4096, "num_hidden_layers": 2,
+                                 "max_position_embeddings": 1024, "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    model = DecoderLM(cfg).eval()
+    with torch.no_grad():
+        model.embed_tokens.weight.normal_(0, 1)  # logits with a spread: few near-ties on the greedy path
+    return model
+
+
+def test_spans_cut_evenly_in_rank_order():
+    assert tp.spans(3, 2) == [(0, 2), (2, 3)]
+    assert tp.spans(8, 3) == [(0, 3), (3, 6), (6, 8)]
+    assert tp.spans(4, 4) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+
+
+def test_a_model_that_cannot_be_split_is_refused():
+    with pytest.raises(UnsupportedModelError, match="needs as many kv heads"):
+        tp.check(build("qwen2.5-0.5b"), 3)  # 2 kv heads
+    model = build("smollm2")
+    model.layers[0].mlp.down_proj.quantize_int8()
+    with pytest.raises(UnsupportedModelError, match="unquantized weights"):
+        tp.check(model, 2)
+
+
+@pytest.fixture(params=sorted(SHAPES))
+def two_ranks(request):
+    """(TP = 2 rank 0's runner, TP = 1's runner over the same weights); rank 1 a subprocess."""
+    shape = request.param
+    listener = listen_socket("127.0.0.1")
+    port = listener.getsockname()[1]
+    worker = subprocess.Popen([sys.executable, "-c", WORKER.format(tests=str(Path(__file__).parent)), str(port), shape])
+    try:
+        group = tp.Group(connect("127.0.0.1", port, TARGET, 60, "s3cret", listener=listener, world=2), 0, 2)
+        model = tp.shard(build(shape), group)
+        runner = ModelRunner(model, PagedKVCache(tp.local_config(model), SLOTS, BLOCK, CPU, torch.float32), CPU)
+        ref = build(shape)
+        yield runner, ModelRunner(ref, PagedKVCache(ref.config, SLOTS, BLOCK, CPU, torch.float32), CPU)
+        group.stop()
+        assert worker.wait(timeout=60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+
+
+def passes(runner: ModelRunner, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A prompt chunk's logits; five tokens' logits verified in one pass and decoded one by one;
+    twelve greedy tokens."""
+    runner.cache.reserve(0, 64)
+    prompt = runner.forward([Chunk(0, ids[:10], 0, 10)])
+    verify = runner.forward([Chunk(0, ids[10:15], 10, 5)])
+    steps = torch.cat([runner.forward([Chunk(0, [t], 10 + i, 1)]) for i, t in enumerate(ids[10:15])])
+    assert torch.equal(verify, steps)  # batch-invariant: exact speculation at this TP
+    out, tok = [], ids[14]
+    for i in range(12):
+        tok = int(runner.forward([Chunk(0, [tok], 15 + i, 1)]).argmax())
+        out.append(tok)
+    runner.cache.release(0)
+    return prompt, verify, out
+
+
+def test_two_ranks_score_as_one(two_ranks):
+    runner, ref = two_ranks
+    ids = torch.randint(0, 4096, (15,), generator=torch.Generator().manual_seed(1)).tolist()
+    prompt, verify, greedy = passes(runner, ids)
+    prompt1, verify1, greedy1 = passes(ref, ids)
+    for a, b in ((prompt, prompt1), (verify, verify1)):
+        assert ((a.double() - b.double()).norm() / b.double().norm()).item() < 1e-5
+    assert greedy == greedy1
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+
+
+def test_the_engine_at_tp_2_decodes_as_at_tp_1_and_sd_equals_its_ar(smollm_dir):
+    """SmolLM2 (3 kv heads: 2 + 1) through LLM: greedy AR at TP = 2 gives TP = 1's tokens here,
+    and SD at TP = 2 (a draft in rank 0's process) and SSD (a draft worker beside the ranks)
+    give TP = 2 AR's, token for token."""
+    from ssd import LLM, SamplingParams
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(smollm_dir, weights="dequantized", threads=2) as llm:
+        one = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(smollm_dir, tensor_parallel_size=2, threads=2) as llm:
+        assert llm.config.weights == "dequantized" and llm.config.threads == 1
+        two = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(smollm_dir, draft=smollm_dir, mode="sd", speculate_k=4, tensor_parallel_size=2, threads=2) as llm:
+        sd = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    with LLM(smollm_dir, draft=smollm_dir, mode="ssd", speculate_k=2, tensor_parallel_size=2, threads=2) as llm:
+        ssd = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert two == one
+    assert sd == two and ssd == two
+
+
+def test_a_rank_that_dies_ends_the_request_with_a_clear_error(smollm_dir):
+    from ssd import LLM, SamplingParams
+    from ssd.errors import RankError
+    with LLM(smollm_dir, tensor_parallel_size=2, threads=2) as llm:
+        params = SamplingParams(temperature=0, max_tokens=4)
+        assert llm.generate(PROMPTS[0], params)[0].token_ids
+        proc = llm.engine.ranks.procs[0]
+        proc.kill()
+        proc.wait()
+        for _ in range(2):  # and every later request, at once
+            with pytest.raises(RankError, match="a tensor-parallel rank stopped"):
+                llm.generate(PROMPTS[0], params)
+
+
+@pytest.mark.parametrize("options,message", [
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+    ({"tensor_parallel_size": 4}, "needs as many kv heads"),
+    ({"tensor_parallel_size": 2, "weights": "gguf"}, "needs weights='dequantized'"),
+])
+def test_tensor_parallel_options_are_checked(smollm_dir, options, message):
+    from ssd import LLM
+    from ssd.errors import SSDError
+    with pytest.raises(SSDError, match=message):
+        LLM(smollm_dir, **options)

@@ -1,4 +1,4 @@
-"""The `ssd` command: generate, chat, serve, bench, check, pull, models, worker."""
+"""The `ssd` command: generate, chat, serve, bench, check, pull, models, worker, rank."""
 import argparse
 import json
 import sys
@@ -28,6 +28,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                    help="split the target's layers across N processes (CPU, gloo; weights become dequantized; "
                         "each process gets --threads / N threads) (default: 1)")
+    p.add_argument("--tensor-parallel-address", metavar="HOST:PORT",
+                   help="wait at HOST:PORT for ranks 1..N-1 started by hand (`ssd rank`, SSD_RANK_SECRET set to "
+                        "the same value everywhere) instead of starting them here")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (default: full blocks of prompts seen before, and of earlier "
                         "turns of a chat, are read from the KV cache)")
@@ -76,7 +79,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
 
     kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len,
               weights=args.weights, enable_prefix_caching=args.prefix_caching, cuda_graph_rows=args.cuda_graph_rows,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_address=args.tensor_parallel_address)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")
@@ -198,7 +201,7 @@ def cmd_check(args: argparse.Namespace) -> None:
     kw = llm_kwargs(args)
     draft, mode = kw.pop("draft"), kw.pop("mode")
     engine_keys = ("device", "dtype", "threads", "max_model_len", "weights", "enable_prefix_caching",
-                   "cuda_graph_rows", "tensor_parallel_size")
+                   "cuda_graph_rows", "tensor_parallel_size", "tensor_parallel_address")
     engine = {key: kw.pop(key) for key in engine_keys}
     report = check(args.model, draft, prompts, mode=mode, engine=engine, spec=kw, params=sampling_params(args),
                    greedy_tokens=args.max_tokens, samples=args.samples, sample_tokens=args.sample_tokens,
@@ -339,6 +342,15 @@ def build_parser() -> argparse.ArgumentParser:
                                    "`ssd generate --mode ssd --draft-address HOST:PORT`).")
     worker.add_arguments(w)
     w.set_defaults(func=lambda args: sys.exit(worker.run(args)))
+
+    from ssd.engine import rank
+    r = sub.add_parser("rank", help="run a tensor-parallel rank for an engine on another host",
+                       description="Run tensor-parallel rank R of N for an engine waiting at HOST:PORT "
+                                   "(LLM(..., tensor_parallel_size=N, tensor_parallel_address='HOST:PORT') or "
+                                   "`ssd generate --tensor-parallel-size N --tensor-parallel-address HOST:PORT`), "
+                                   "with the same secret in SSD_RANK_SECRET on every host.")
+    rank.add_arguments(r)
+    r.set_defaults(func=lambda args: rank.exit_now(rank.run(args)))
     return parser
 
 

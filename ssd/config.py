@@ -9,10 +9,12 @@ import torch
 
 from ssd.checks import check_int, is_int
 from ssd.engine.placement import engine_threads, parse_placement
+from ssd.engine.tensor_parallel import RANK_SECRET_ENV
 from ssd.errors import SSDError, UnsupportedModelError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
 from ssd.speculative.options import NGRAM, SpecOptions
+from ssd.speculative.protocol import parse_address
 from ssd.store import resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -67,6 +69,9 @@ class EngineConfig:
     # The target's layers split across this many processes (engine/tensor_parallel.py; CPU,
     # unquantized weights); `threads` is then each rank's share of the threads.
     tensor_parallel_size: int = 1
+    # HOST:PORT where rank 0 waits for ranks started by hand (`ssd rank`), with the secret of
+    # $SSD_RANK_SECRET; None starts them on this machine.
+    tensor_parallel_address: str | None = None
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -86,6 +91,8 @@ class EngineConfig:
             check_int(name, getattr(self, name), 1)
         check_int("cuda_graph_rows", self.cuda_graph_rows, 0, 1024)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        if self.tensor_parallel_address is not None and self.tensor_parallel_size == 1:
+            raise SSDError("tensor_parallel_address needs tensor_parallel_size > 1")
         if self.kv_cache_tokens is not None:
             check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         if self.seed is not None:
@@ -122,6 +129,11 @@ class EngineConfig:
                                         f"{self.model_config.num_kv_heads}")
         if self.model_config.num_experts:
             raise UnsupportedModelError("tensor parallelism does not split mixtures of experts yet")
+        if self.tensor_parallel_address is not None:
+            parse_address(self.tensor_parallel_address)
+            if not os.environ.get(RANK_SECRET_ENV):
+                raise SSDError(f"ranks started by hand need a shared secret: set {RANK_SECRET_ENV} to the same value "
+                               "on every host")
         self.threads = max(1, self.threads // n)
 
     @property

@@ -9,6 +9,7 @@ plain decoding steps (AR), and in SD and SSD one speculative round (ssd/speculat
 for the sequences that are decoding. It returns what each sequence got, finished sequences
 included; LLM turns that into outputs and streams.
 """
+import os
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -23,7 +24,7 @@ from ssd.engine.registry import Registry
 from ssd.engine.sampler import next_tokens, token_logprobs
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
-from ssd.engine.tensor_parallel import Ranks, local_config, shard
+from ssd.engine.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fingerprint, local_config, shard
 from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_model, load_tokenizer, shared_model
@@ -52,9 +53,12 @@ class LLMEngine:
         # The target loads while an SSD worker loads the draft (and tensor-parallel ranks their shares).
         self.ranks = None
         if config.tensor_parallel_size > 1:
-            self.ranks = Ranks(config.tensor_parallel_size, config.model, config.dtype, config.weights,
-                               config.kv_cache_tokens, config.block_size, config.threads)
+            settings = Settings(fingerprint(config.model), str(config.dtype).removeprefix("torch."), config.weights,
+                                config.kv_cache_tokens, config.block_size)
+            self.ranks = Ranks(config.tensor_parallel_size, config.model, settings, config.threads,
+                               config.tensor_parallel_address, os.environ.get(RANK_SECRET_ENV))
             model = shard(load_model(config.model, config.device, config.dtype, config.weights), self.ranks.group)
+            self.ranks.ready()
         else:
             model = shared_model(config.model, config.device, config.dtype, config.weights)
         if self.speculator:

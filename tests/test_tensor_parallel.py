@@ -4,6 +4,8 @@ layer shapes split across two processes, rank 1 a subprocess serving rank 0's pa
 At TP = 2 a token's logits keep their bits in a verify pass and in decode steps (what exact
 greedy SD needs); against TP = 1 they differ only by the order of additions of the split
 products (relative 1e-6), and greedy decoding gives the same tokens."""
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -162,3 +164,50 @@ def test_tensor_parallel_options_are_checked(smollm_dir, options, message):
     from ssd.errors import SSDError
     with pytest.raises(SSDError, match=message):
         LLM(smollm_dir, **options)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rank(port: int, model: Path, secret: str = "rank-secret") -> subprocess.Popen:
+    """`ssd rank`, as a user starts one on another host."""
+    cmd = [sys.executable, "-c", "import sys; from ssd.cli import main; sys.argv[0] = 'ssd'; sys.exit(main())",
+           "rank", "--connect", f"127.0.0.1:{port}", "--rank", "1", "--world", "2", "--model", str(model),
+           "--threads", "1"]
+    return subprocess.Popen(cmd, env={**os.environ, "SSD_RANK_SECRET": secret}, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_rank_started_by_hand_joins_at_the_engine_address(smollm_dir, monkeypatch):
+    from ssd import LLM, SamplingParams
+    monkeypatch.setenv("SSD_RANK_SECRET", "rank-secret")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with LLM(smollm_dir, weights="dequantized", threads=2) as llm:
+        one = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    port = free_port()
+    rank = start_rank(port, smollm_dir)
+    try:
+        with LLM(smollm_dir, tensor_parallel_size=2, tensor_parallel_address=f"127.0.0.1:{port}", threads=2) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, params)] == one
+        assert rank.wait(timeout=60) == 0  # rank 0's close stopped it
+    finally:
+        rank.kill()
+
+
+@pytest.mark.parametrize("case", ["another model", "another secret"])
+def test_a_rank_started_by_hand_must_match(smollm_dir, tiny_models, monkeypatch, case):
+    from ssd import LLM
+    from ssd.errors import RankError
+    monkeypatch.setenv("SSD_RANK_SECRET", "rank-secret")
+    port = free_port()
+    rank = start_rank(port, tiny_models["llama"] if case == "another model" else smollm_dir,
+                      secret="rank-secret" if case == "another model" else "wrong")
+    expected = "holds another model than rank 0's" if case == "another model" else "did not prove"
+    try:
+        with pytest.raises(RankError, match=expected):
+            LLM(smollm_dir, tensor_parallel_size=2, tensor_parallel_address=f"127.0.0.1:{port}", threads=2)
+        assert rank.wait(timeout=60) != 0
+    finally:
+        rank.kill()

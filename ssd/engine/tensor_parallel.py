@@ -16,11 +16,13 @@ single product, which adds in another order (an embedding row is the same: one r
 zeros). A pass starts on rank 0 (the engine's ModelRunner), which broadcasts its inputs
 (send_pass); the other ranks run the same pass on their shards (serve).
 
-Ranks 1..N-1 are processes of their own (`python -m ssd.engine.rank`), started by
-the engine (Ranks) on this machine, in sessions of their own, linked over the loopback with
-this run's secret (ssd/speculative/protocol.connect), and ended with it; each loads the model
-and keeps its share. A rank that dies or breaks the link ends the pass in flight with a
-RankError, and every later one: the model is gone with it.
+Ranks 1..N-1 are processes of their own (ssd/engine/rank.py), started by the engine (Ranks) on
+this machine, in sessions of their own, linked over the loopback with this run's secret
+(ssd/speculative/protocol.connect), and ended with it; or started by hand on other hosts
+(`ssd rank --connect HOST:PORT`, the engine's `tensor_parallel_address`). Rank 0 tells them
+how to hold the model (Settings); each loads it, checks it is rank 0's, and keeps its share. A
+rank that dies or breaks the link ends the pass in flight with a RankError, and every later
+one: the model is gone with it.
 """
 from __future__ import annotations
 
@@ -28,7 +30,9 @@ import os
 import subprocess
 import sys
 import weakref
-from dataclasses import dataclass, replace
+import hashlib
+import json
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -42,8 +46,10 @@ from ssd.layers.linear import Linear
 from ssd.layers.moe import SparseMoE
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
-from ssd.speculative.options import SECRET_ENV
-from ssd.speculative.protocol import TARGET, LinkError, Watcher, connect, listen_socket, new_secret
+from ssd.models.loader import weight_files
+from ssd.speculative.protocol import TARGET, LinkError, Watcher, connect, listen_socket, new_secret, parse_address
+
+RANK_SECRET_ENV = "SSD_RANK_SECRET"  # the secret of ranks started by hand (the same value on every host)
 
 
 def spans(n: int, world: int) -> list[tuple[int, int]]:
@@ -230,40 +236,90 @@ def local_config(model: DecoderLM) -> ModelConfig:
     return replace(model.config, num_kv_heads=hi - lo)
 
 
-class Ranks:
-    """Rank 0's side: ranks 1..N-1 started on this machine for a model's folder, linked, and
-    ended by close()."""
+def fingerprint(folder: Path) -> str:
+    """What makes two ranks' copies of a model the same: its config and its weight files' sizes."""
+    digest = hashlib.sha256((Path(folder) / "config.json").read_bytes())
+    for f in weight_files(folder):
+        digest.update(f"{f.name}:{f.stat().st_size};".encode())
+    return digest.hexdigest()
 
-    def __init__(self, world: int, model: Path, dtype: torch.dtype, weights: str, kv_tokens: int, block_size: int,
-                 threads: int, startup_timeout: float = 600.0):
-        listener, secret = listen_socket("127.0.0.1"), new_secret()
-        address = f"127.0.0.1:{listener.getsockname()[1]}"
-        self.procs = [subprocess.Popen(
-            [sys.executable, "-m", "ssd.engine.rank", "--connect", address, "--rank", str(r),
-             "--world", str(world), "--model", str(model), "--dtype", str(dtype).removeprefix("torch."),
-             "--weights", weights, "--kv-tokens", str(kv_tokens), "--block-size", str(block_size),
-             "--threads", str(threads), "--parent-pid", str(os.getpid())],
-            stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, SECRET_ENV: secret})
-            for r in range(1, world)]
-        weakref.finalize(self, _kill, self.procs)
+
+@dataclass
+class Settings:
+    """What rank 0 tells the other ranks once linked: the model they must hold, and how."""
+
+    fingerprint: str
+    dtype: str
+    weights: str
+    kv_tokens: int
+    block_size: int
+
+    def send(self, group: Group) -> None:
+        body = torch.frombuffer(bytearray(json.dumps(asdict(self)).encode()), dtype=torch.uint8)
+        group._broadcast(torch.tensor([body.numel()]))
+        group._broadcast(body)
+
+    @classmethod
+    def recv(cls, group: Group) -> "Settings":
+        size = int(group._broadcast(torch.empty(1, dtype=torch.long)))
+        return cls(**json.loads(bytes(group._broadcast(torch.empty(size, dtype=torch.uint8)).numpy())))
+
+
+def report(group: Group, problem: str) -> list[str]:
+    """Every rank's problem after loading ("" for none), by rank."""
+    mine = torch.frombuffer(bytearray(problem.encode() or b" "), dtype=torch.uint8)
+    return [bytes(p.numpy()).decode().strip() for p in group.gather(mine)]
+
+
+class Ranks:
+    """Rank 0's side of ranks 1..N-1: started on this machine, or started by hand (`ssd rank
+    --connect HOST:PORT`, on any host, with RANK_SECRET_ENV's secret) when `address` is given;
+    linked, told the run's Settings, checked (ready) and ended by close()."""
+
+    def __init__(self, world: int, model: Path, settings: Settings, threads: int, address: str | None = None,
+                 secret: str | None = None, startup_timeout: float = 600.0):
+        self.procs: list[subprocess.Popen] = []
+        if address is None:
+            listener, secret = listen_socket("127.0.0.1"), new_secret()
+            host, port = "127.0.0.1", listener.getsockname()[1]
+            self.procs = [subprocess.Popen(
+                [sys.executable, "-m", "ssd.cli", "rank", "--connect", f"{host}:{port}", "--rank", str(r),
+                 "--world", str(world), "--model", str(model), "--threads", str(threads),
+                 "--parent-pid", str(os.getpid())],
+                stdin=subprocess.DEVNULL, start_new_session=True, env={**os.environ, RANK_SECRET_ENV: secret})
+                for r in range(1, world)]
+            weakref.finalize(self, _kill, self.procs)
+        else:
+            host, port = parse_address(address)
+            listener = listen_socket(host, port)
         self.watcher = Watcher(lambda: all(p.poll() is None for p in self.procs), startup_timeout,
                                "a tensor-parallel rank")
         try:
-            pg = self.watcher(lambda: connect("127.0.0.1", int(address.rsplit(":", 1)[1]), TARGET, startup_timeout,
-                                              secret, listener=listener, world=world, peers="a tensor-parallel rank"))
+            pg = self.watcher(lambda: connect(host, port, TARGET, startup_timeout, secret, listener=listener,
+                                              world=world, peers="a tensor-parallel rank"))
         except LinkError as e:
             self.close()
             raise RankError(f"the tensor-parallel ranks did not start: {e}") from e
         self.group = Group(pg, 0, world)
+        settings.send(self.group)
+
+    def ready(self) -> None:
+        """After rank 0 loaded its share: every other rank loaded the same model, or RankError."""
+        problems = [p for p in report(self.group, "")[1:] if p]
+        if problems:
+            self.close()
+            raise RankError("; ".join(problems))
 
     def close(self) -> None:
-        """Stop the ranks (they return from serve) and reap them; kill what does not end."""
+        """Stop the ranks (they return from serve) and reap the ones started here; kill what does
+        not end."""
         group = getattr(self, "group", None)
         if group is not None and group.broken is None:
             try:
                 group.stop()
             except RankError:
                 pass
+            group.broken = "the tensor-parallel ranks were stopped"
         for p in self.procs:
             try:
                 p.wait(timeout=10)

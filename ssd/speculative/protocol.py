@@ -49,7 +49,8 @@ from ssd.sampling_params import SamplingParams
 from ssd.speculative.round import Proposal
 
 TARGET, WORKER = 0, 1
-NO_TIMEOUT = datetime.timedelta(days=1)  # liveness is watched by the target, not by gloo
+NO_TIMEOUT = datetime.timedelta(days=1)
+REFUSED = b"refused"  # rank 0's answer to a peer whose proof was wrong  # liveness is watched by the target, not by gloo
 T = TypeVar("T")
 
 
@@ -125,6 +126,7 @@ def connect(host: str, port: int, rank: int, timeout: float, secret: str, *, bac
         for r in range(1, world):
             theirs = store.get(f"ssd/nonce/{r}")
             if not hmac.compare_digest(store.get(f"ssd/proof/{r}"), _proof(secret, f"rank {r}", mine, theirs)):
+                store.set(f"ssd/proof/target/{r}", REFUSED)  # it fails now rather than at its timeout
                 raise LinkError(f"{peers} did not prove it knows this run's secret"
                                 + (f" (rank {r})" if world > 2 else ""))
             store.set(f"ssd/proof/target/{r}", _proof(secret, "target", theirs, mine))
@@ -132,7 +134,10 @@ def connect(host: str, port: int, rank: int, timeout: float, secret: str, *, bac
         theirs = store.get("ssd/nonce/target")
         store.set(f"ssd/nonce/{rank}", mine)
         store.set(f"ssd/proof/{rank}", _proof(secret, f"rank {rank}", theirs, mine))
-        if not hmac.compare_digest(store.get(f"ssd/proof/target/{rank}"), _proof(secret, "target", mine, theirs)):
+        proof = store.get(f"ssd/proof/target/{rank}")
+        if proof == REFUSED:
+            raise LinkError("rank 0 refused this process's secret")
+        if not hmac.compare_digest(proof, _proof(secret, "target", mine, theirs)):
             raise LinkError("the target did not prove it knows this run's secret")
         backend = store.get("ssd/backend").decode()
     if backend == "nccl":

@@ -71,19 +71,18 @@ class Group:
     broken: str | None = None  # why the group can no longer run a pass
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
-        """The ranks' x added in rank order, on every rank (not all_reduce, whose order of
-        additions follows the buffer's size and the rank)."""
-        parts = self.gather(x)
+        """The ranks' x (one shape) added in rank order, on every rank (not all_reduce, whose
+        order of additions follows the buffer's size and the rank)."""
+        parts = self._all_gather(x.contiguous())
         out = parts[0]
         for p in parts[1:]:
             out = out + p
         return out
 
-    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's x, by rank; their shapes may differ in the last dimension."""
-        widths = [int(w) for w in self._all_gather(torch.tensor([x.shape[-1]]))]
+    def concat(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
+        """The ranks' x side by side in the last dimension; rank r's is widths[r] wide."""
         parts = self._all_gather(F.pad(x, (0, max(widths) - x.shape[-1])).contiguous())
-        return [p[..., :w] for p, w in zip(parts, widths)]
+        return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
 
     def send_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                   logits_index: torch.Tensor | None, head: bool) -> None:
@@ -165,12 +164,13 @@ class VocabEmbedding(nn.Module):
 class VocabHead(nn.Module):
     """The output layer on this rank's run of the vocabulary; the ranks' logits side by side."""
 
-    def __init__(self, inner: nn.Module, group: Group):
+    def __init__(self, inner: nn.Module, group: Group, vocab: int):
         super().__init__()
         self.inner, self.group = inner, group
+        self.widths = [hi - lo for lo, hi in spans(vocab, group.world)]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat(self.group.gather(self.inner(hidden)), dim=-1)
+        return self.group.concat(self.inner(hidden), self.widths)
 
 
 def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
@@ -221,7 +221,8 @@ def shard(model: DecoderLM, group: Group) -> DecoderLM:
     lo, hi = spans(cfg.vocab_size, world)[rank]
     head = model.lm_head.weight
     model.embed_tokens = VocabEmbedding(model.embed_tokens.weight[lo:hi].contiguous(), lo, group)
-    model.lm_head = VocabHead(_linear(model.embed_tokens.weight if cfg.tie_word_embeddings else head[lo:hi]), group)
+    model.lm_head = VocabHead(_linear(model.embed_tokens.weight if cfg.tie_word_embeddings else head[lo:hi]), group,
+                              cfg.vocab_size)
     model.fused_layers = False  # the one-op CPU layers have no collectives in them
     model.tp_group = group
     return model
@@ -265,10 +266,12 @@ class Settings:
         return cls(**json.loads(bytes(group._broadcast(torch.empty(size, dtype=torch.uint8)).numpy())))
 
 
-def report(group: Group, problem: str) -> list[str]:
+def report(group: Group, problem: str, width: int = 1024) -> list[str]:
     """Every rank's problem after loading ("" for none), by rank."""
-    mine = torch.frombuffer(bytearray(problem.encode() or b" "), dtype=torch.uint8)
-    return [bytes(p.numpy()).decode().strip() for p in group.gather(mine)]
+    mine = torch.zeros(width, dtype=torch.uint8)
+    text = problem.encode()[:width]
+    mine[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else mine[:0]
+    return [bytes(p.numpy()).rstrip(b"\0").decode(errors="replace") for p in group._all_gather(mine)]
 
 
 class Ranks:

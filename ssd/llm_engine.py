@@ -229,7 +229,7 @@ def start_speculator(config: EngineConfig, tokenizer) -> Speculator:
     else:
         speculator = RemoteSpeculator(cfg, opts.target_placement(config.device), opts.draft_placement(config.device),
                                       address=opts.draft_address, secret=opts.secret(), timeout=opts.draft_timeout,
-                                      fallback=in_process)
+                                      fallback=in_process, in_thread=opts.worker_in_thread(config.device))
     speculator.draft_weights, speculator.context = cfg.weights, draft_model.max_position_embeddings
     return speculator
 

@@ -58,6 +58,39 @@ def test_ssd_greedy_equals_ar(smollm_dir, truncated_draft, ar_outputs, k, fan_ou
     assert not children_alive(llm), "closing the engine ends the worker"
 
 
+def test_a_worker_thread_gives_ar_outputs_and_ends_with_the_engine(smollm_dir, truncated_draft, ar_outputs):
+    """draft_thread: the worker as a thread of this process (one GPU's case, where it gets a
+    CUDA stream of its own), over queues instead of gloo: the same rounds, the same outputs."""
+    with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, fan_out=2, draft_thread=True) as llm:
+        spec = llm.engine.speculator
+        assert spec.proc is None and spec.thread.is_alive()
+        outs = llm.generate(PROMPTS[:2], GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
+        assert all(o.metrics.hits + o.metrics.misses >= o.metrics.rounds - 1 for o in outs)
+        assert any(o.metrics.hits for o in outs) and not any(o.metrics.draft_failures for o in outs)
+        thread = spec.thread
+    assert not thread.is_alive(), "closing the engine ends the worker's thread"
+
+
+def test_a_worker_thread_that_dies_fails_over_to_sd(smollm_dir, truncated_draft, ar_outputs, monkeypatch, caplog):
+    steps = []
+    real = SSDDraft.step
+
+    def breaks(self, requests):
+        steps.append(1)
+        if len(steps) == 4:
+            raise RuntimeError("out of memory (planted)")
+        return real(self, requests)
+    monkeypatch.setattr(SSDDraft, "step", breaks)
+    monkeypatch.setattr("threading.excepthook", lambda args: None)  # the thread's traceback, expected
+    with caplog.at_level(logging.WARNING, logger="ssd"), \
+            LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, draft_thread=True) as llm:
+        outs = llm.generate(PROMPTS[:1], GREEDY)
+        assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:1], GREEDY)
+        assert llm.draft_failures == 1
+    assert "draft worker died" in caplog.text
+
+
 def test_self_draft_hits_every_round_after_the_first(smollm_dir, ar_outputs):
     """Greedy, the model as its own draft: every draft token is accepted, the outcome is
     always (K, the bonus token), and the glue decode's top token at depth K is that bonus."""
@@ -310,6 +343,8 @@ def test_an_oversized_reply_fails_over_to_sd(smollm_dir, truncated_draft, ar_out
     (dict(draft_timeout=0), "draft_timeout"),
     (dict(fan_out="auto", fan_out_miss=2), "auto"),
     (dict(fit_tree="yes"), "fit_tree must be"),
+    (dict(draft_thread="yes"), "draft_thread must be"),
+    (dict(draft_thread=True, draft_address="127.0.0.1:5"), "draft_thread runs the worker in this process"),
 ])
 def test_bad_ssd_options(smollm_dir, kwargs, match):
     with pytest.raises(SSDError, match=match):

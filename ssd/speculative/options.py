@@ -166,6 +166,10 @@ class SpecOptions:
         None, "wait at HOST:PORT for a worker started by hand (`ssd worker --connect HOST:PORT`, with the same "
         f"{SECRET_ENV} in both environments) instead of starting one", flag="--draft-address", ssd_only=True,
         metavar="HOST:PORT")
+    draft_thread: bool | None = _option(
+        None, "run the draft worker as a thread of this process (on a CUDA stream of its own) instead of a process: "
+        "two processes on one GPU take turns, two streams of one process can overlap. Default: on where the target and "
+        "the draft share one CUDA device", flag="--draft-thread", ssd_only=True, parse=parse_on_off, metavar="on|off")
     draft_timeout: float = _option(60.0, "seconds without an answer before the draft worker counts as hung",
                                    flag="--draft-timeout", ssd_only=True, parse=float, metavar="S")
     # A remote worker's shared secret (default: $SSD_DRAFT_SECRET); never shown in a repr.
@@ -195,6 +199,10 @@ class SpecOptions:
             raise SSDError(f"{', '.join(changed)} only apply to mode 'ssd'")
         if self.draft_window is not None:
             check_int("draft_window", self.draft_window, 16)
+        if self.draft_thread not in (None, True, False):
+            raise SSDError(f"draft_thread must be True, False or None, got {self.draft_thread!r}")
+        if self.draft_thread and self.draft_address is not None:
+            raise SSDError("draft_thread runs the worker in this process; draft_address waits for one elsewhere")
         check_ngram_sizes(self.ngram_min, self.ngram_max)
         for name in ("prompt_lookup", "draft_siblings", "draft_stop", "draft_guesses"):  # on, off, or the mode's default
             if getattr(self, name) not in (None, True, False):
@@ -256,6 +264,13 @@ class SpecOptions:
 
     def draft_placement(self, device: torch.device) -> Placement:
         return parse_placement(self.draft_device) if self.draft_device else default_pair(device)[1]
+
+    def worker_in_thread(self, device: torch.device) -> bool:
+        """draft_thread resolved: by default a thread where target and draft share a CUDA device."""
+        if self.draft_thread is not None or self.draft_address is not None:
+            return bool(self.draft_thread)
+        target, draft = self.target_placement(device).device, self.draft_placement(device).device
+        return target.type == "cuda" and target == draft
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> "SpecOptions":

@@ -31,6 +31,7 @@ import hashlib
 import hmac
 import json
 import os
+import queue
 import secrets
 import signal
 import socket
@@ -187,6 +188,43 @@ class Channel:
         if t.numel():
             self.wait(self.pg.recv([t], self.peer, 0))
         return t
+
+
+class QueueChannel:
+    """Channel's interface over two queues: an SSD worker that is a thread of this process (one
+    GPU shared by target and draft, the draft on a CUDA stream of its own). Messages pass as
+    they would over the wire (JSON); the floats tensor stays on its device, its stream drained
+    before it is handed over."""
+
+    def __init__(self, inbox: "queue.Queue", outbox: "queue.Queue", watcher: "Watcher | None" = None):
+        """watcher: the peer's liveness and how long a recv may wait (its alive and timeout, read
+        at each recv); None waits for good (the worker's end: the target ends it with a close)."""
+        self.inbox, self.outbox, self.watcher = inbox, outbox, watcher
+        self.limits = Limits()
+
+    @classmethod
+    def pair(cls, watcher: "Watcher") -> tuple["QueueChannel", "QueueChannel"]:
+        """(the target's end, watched by `watcher`; the worker's end)."""
+        a, b = queue.Queue(), queue.Queue()
+        return cls(a, b, watcher), cls(b, a)
+
+    def send(self, msg: dict, floats: torch.Tensor | None = None) -> None:
+        if floats is not None and floats.is_cuda:
+            torch.cuda.current_stream(floats.device).synchronize()
+        self.outbox.put((json.dumps(msg), floats))
+
+    def recv(self) -> tuple[dict, torch.Tensor | None]:
+        w = self.watcher
+        deadline = time.monotonic() + (w.timeout if w is not None else float("inf"))
+        while True:
+            try:
+                body, floats = self.inbox.get(timeout=0.05)
+                return json.loads(body), floats
+            except queue.Empty:
+                if w is not None and not w.alive():
+                    raise LinkError(f"{w.peer} died") from None
+                if time.monotonic() > deadline:
+                    raise LinkError(f"{w.peer} did not answer within {w.timeout:.0f} s") from None
 
 
 class Watcher:

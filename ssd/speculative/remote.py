@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -29,10 +30,12 @@ from ssd.engine.placement import Placement, pinned
 from ssd.engine.sequence import Sequence
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.options import SECRET_ENV, DraftConfig
-from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, LinkError, SpecRequest, Watcher, connect,
-                                      decode_replies, encode_requests, listen_socket, new_secret, parse_address)
+from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, LinkError, QueueChannel, SpecRequest, Watcher,
+                                      connect, decode_replies, encode_requests, listen_socket, new_secret,
+                                      parse_address)
 from ssd.speculative.round import Proposal
 from ssd.speculative.speculator import Speculator, propose_locally
+from ssd.speculative.worker import serve_in_thread
 
 log = logging.getLogger("ssd")
 
@@ -40,15 +43,19 @@ log = logging.getLogger("ssd")
 class RemoteSpeculator(Speculator):
     def __init__(self, config: DraftConfig, target: Placement, draft: Placement, *,
                  fallback: Callable[[], DraftEngine], address: str | None = None, secret: str | None = None,
-                 timeout: float = 60.0, startup_timeout: float = 600.0):
+                 timeout: float = 60.0, startup_timeout: float = 600.0, in_thread: bool = False):
         """config: what the worker builds. address: HOST:PORT to wait at for a worker started
-        by hand (`ssd worker --connect HOST:PORT`, knowing `secret`); None starts one here."""
+        by hand (`ssd worker --connect HOST:PORT`, knowing `secret`); None starts one here: a
+        process, or with `in_thread` a thread of this one (worker.serve_in_thread: one GPU for
+        both, the draft on a CUDA stream of its own)."""
         super().__init__()
         self.config, self.target, self.draft = config, target, draft
         self.address, self.secret = address, secret
         self.make_fallback = fallback
         self.timeout, self.startup_timeout = timeout, startup_timeout
         self.proc: subprocess.Popen | None = None
+        self.in_thread = in_thread
+        self.thread: threading.Thread | None = None
         self.listener: socket.socket | None = None
         self.channel: Channel | None = None
         self.watcher = Watcher(self._alive, startup_timeout)  # every blocking call on the link
@@ -66,6 +73,14 @@ class RemoteSpeculator(Speculator):
             self._fail_over(e)
 
     def _start(self) -> None:
+        if self.in_thread:
+            self.watcher.timeout = self.startup_timeout
+            self.channel, theirs = QueueChannel.pair(self.watcher)
+            self.thread = threading.Thread(target=serve_in_thread, args=(theirs, self.draft.device), daemon=True,
+                                           name="ssd-draft-worker")
+            self.thread.start()
+            self.channel.send({"type": "hello", "config": self.config.as_dict()})
+            return
         nccl = self.target.device.type == self.draft.device.type == "cuda" and self.target.device != self.draft.device
         if self.address is None:
             host, secret = "127.0.0.1", new_secret()
@@ -109,7 +124,7 @@ class RemoteSpeculator(Speculator):
         step of prompts alone gives the worker nothing to do, so a worker this engine started
         on cores of this machine lends them to the target's prefill (on two cores this halves
         the time to the first token)."""
-        if self.channel is None:
+        if self.channel is None or self.thread is not None:  # a thread: no cores of its own
             return nullcontext()
         cores = self.target.cores
         if not drafting and cores and self.proc is not None and self.draft.cores:
@@ -200,6 +215,8 @@ class RemoteSpeculator(Speculator):
         self.known, self.released = {}, []  # the worker's state is gone with it
 
     def _alive(self) -> bool:
+        if self.thread is not None:
+            return self.thread.is_alive()
         return self.proc is None or self.proc.poll() is None
 
     def close(self) -> None:
@@ -216,6 +233,12 @@ class RemoteSpeculator(Speculator):
         """End the link in order (module doc): the worker (waited for `grace` seconds if it was
         told to close), the helper threads, the process group."""
         channel, self.channel = self.channel, None
+        if self.thread is not None:
+            if channel is not None and grace == 0.0:  # not told to close yet: it returns at this message
+                channel.send({"type": "close"})
+            self.thread.join(max(grace, 5.0))
+            self.thread = None
+            return
         if self.proc is not None:
             _kill(self.proc, grace)
         if self.listener is not None:

@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -21,11 +22,11 @@ from ssd.engine.placement import Placement, parse_placement, pin
 from ssd.errors import SSDError
 from ssd.speculative.options import SECRET_ENV, DraftConfig
 from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, connect, decode_release, decode_requests,
-                                      die_with_parent, encode_replies, parse_address)
+                                      LinkError, QueueChannel, die_with_parent, encode_replies, parse_address)
 from ssd.speculative.ssd_draft import SSDDraft
 
 
-def serve(channel: Channel, device: torch.device) -> None:
+def serve(channel: Channel | QueueChannel, device: torch.device) -> None:
     hello, _ = channel.recv()
     try:
         if hello["type"] != "hello":
@@ -66,6 +67,17 @@ def serve(channel: Channel, device: torch.device) -> None:
             channel.send(*encode_replies(replies))
             tree_shares = draft.build()  # overlaps the target's verification of `replies`
             idle_from = time.perf_counter()
+
+
+def serve_in_thread(channel: QueueChannel, device: torch.device) -> None:
+    """serve() as a thread of the target's process (SpecOptions.draft_thread): on a CUDA device,
+    on a stream of its own, so its kernels can run beside the target's."""
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        try:
+            serve(channel, device)
+        except LinkError:  # the target went away
+            pass
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -8,13 +8,13 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from ssd.checks import check_int, is_int
+from ssd.engine.link import parse_address
 from ssd.engine.placement import engine_threads, parse_placement
 from ssd.engine.tensor_parallel import RANK_SECRET_ENV
 from ssd.errors import SSDError, UnsupportedModelError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
 from ssd.speculative.options import NGRAM, SpecOptions
-from ssd.speculative.protocol import parse_address
 from ssd.store import resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,

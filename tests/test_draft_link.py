@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.speculative.protocol import TARGET, WORKER, Channel, LinkError, Watcher, connect, listen_socket
+from ssd.engine.link import TARGET, WORKER, LinkError, Watcher, connect, listen_socket
+from ssd.speculative.protocol import Channel
 
 # A worker side that sends one good message, then headers announcing ~1 TiB of JSON and
 # ~4 TiB of floats (neither body follows), and stays connected until its stdin closes.
 OVERSIZED = """
 import sys, torch
-from ssd.speculative.protocol import TARGET, WORKER, Channel, connect
+from ssd.engine.link import TARGET, WORKER, connect
+from ssd.speculative.protocol import Channel
 pg = connect("127.0.0.1", int(sys.argv[1]), WORKER, 30, sys.argv[2])
 Channel(pg, TARGET, torch.device("cpu")).send({"type": "ping"})
 for header in ([2**40, 0], [16, 2**40]):

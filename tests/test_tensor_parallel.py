@@ -19,7 +19,7 @@ from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.errors import UnsupportedModelError
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
-from ssd.speculative.protocol import TARGET, connect, listen_socket
+from ssd.engine.link import TARGET, connect, listen_socket
 
 CPU = torch.device("cpu")
 # Layer shapes of SmolLM2-135M (9 query heads over 3 kv heads: 2 + 1 at TP = 2, tied head) and
@@ -38,7 +38,7 @@ sys.path.insert(0, {tests!r})
 from test_tensor_parallel import build, SLOTS, BLOCK
 from ssd.engine import tensor_parallel as tp
 from ssd.engine.kv_cache import PagedKVCache
-from ssd.speculative.protocol import connect
+from ssd.engine.link import connect
 group = tp.Group(connect("127.0.0.1", int(sys.argv[1]), 1, 60, "s3cret", world=2), 1, 2)
 model = tp.shard(build(sys.argv[2]), group)
 tp.serve(model, PagedKVCache(tp.local_config(model), SLOTS, BLOCK, torch.device("cpu"), torch.float32).kv, group)

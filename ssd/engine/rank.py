@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 
 from ssd.engine.kv_cache import PagedKVCache
+from ssd.engine.link import connect, die_with_parent, parse_address
 from ssd.engine.tensor_parallel import (RANK_SECRET_ENV, Group, RankError, Settings, fingerprint, local_config,
                                         report, serve, shard)
 from ssd.errors import SSDError
 from ssd.models.loader import load_model
-from ssd.speculative.protocol import connect, die_with_parent, parse_address
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

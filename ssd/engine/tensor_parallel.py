@@ -18,7 +18,7 @@ zeros). A pass starts on rank 0 (the engine's ModelRunner), which broadcasts its
 
 Ranks 1..N-1 are processes of their own (ssd/engine/rank.py), started by the engine (Ranks) on
 this machine, in sessions of their own, linked over the loopback with this run's secret
-(ssd/speculative/protocol.connect), and ended with it; or started by hand on other hosts
+(ssd/engine/link.py), and ended with it; or started by hand on other hosts
 (`ssd rank --connect HOST:PORT`, the engine's `tensor_parallel_address`). Rank 0 tells them
 how to hold the model (Settings); each loads it, checks it is rank 0's, and keeps its share. A
 rank that dies or breaks the link ends the pass in flight with a RankError, and every later
@@ -26,12 +26,12 @@ one: the model is gone with it.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import sys
 import weakref
-import hashlib
-import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from ssd.engine.link import TARGET, LinkError, Watcher, connect, listen_socket, new_secret, parse_address
 from ssd.errors import RankError, UnsupportedModelError
 from ssd.layers.attention import AttentionBatch
 from ssd.layers.linear import Linear
@@ -47,7 +48,6 @@ from ssd.layers.moe import SparseMoE
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import weight_files
-from ssd.speculative.protocol import TARGET, LinkError, Watcher, connect, listen_socket, new_secret, parse_address
 
 RANK_SECRET_ENV = "SSD_RANK_SECRET"  # the secret of ranks started by hand (the same value on every host)
 
@@ -110,7 +110,7 @@ class Group:
         logits_index = self._broadcast(torch.empty(n, dtype=torch.long)) if n >= 0 else None
         return ids, pos, AttentionBatch(slots, rows, q_row, q_len), logits_index, bool(head)
 
-    # The group is made by ssd/speculative/protocol.connect, outside torch.distributed's
+    # The group is made by ssd/engine/link.connect, outside torch.distributed's
     # registry of groups: its own methods, not dist.broadcast(group=...).
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         self._wait(lambda: self.pg.broadcast(t, 0))

@@ -16,7 +16,7 @@ from ssd.engine.placement import Placement, default_pair, parse_placement
 from ssd.errors import SSDError
 from ssd.models.loader import QUANTIZATIONS, resolve_weights
 from ssd.speculative.fanout import check_fan_out
-from ssd.speculative.protocol import parse_address
+from ssd.engine.link import parse_address
 
 MODES = ("ar", "sd", "ssd")
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup, no draft model (ssd/speculative/ngram.py)

@@ -26,13 +26,13 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
+from ssd.engine.link import (TARGET, WORKER, LinkError, Watcher, connect, listen_socket, new_secret,
+                             parse_address)
 from ssd.engine.placement import Placement, pinned
 from ssd.engine.sequence import Sequence
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.options import SECRET_ENV, DraftConfig
-from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, LinkError, QueueChannel, SpecRequest, Watcher,
-                                      connect, decode_replies, encode_requests, listen_socket, new_secret,
-                                      parse_address)
+from ssd.speculative.protocol import Channel, Limits, QueueChannel, SpecRequest, decode_replies, encode_requests
 from ssd.speculative.round import Proposal
 from ssd.speculative.speculator import Speculator, propose_locally
 from ssd.speculative.worker import serve_in_thread

@@ -18,11 +18,12 @@ from contextlib import nullcontext
 
 import torch
 
+from ssd.engine.link import TARGET, WORKER, LinkError, connect, die_with_parent, parse_address
 from ssd.engine.placement import Placement, parse_placement, pin
 from ssd.errors import SSDError
 from ssd.speculative.options import SECRET_ENV, DraftConfig
-from ssd.speculative.protocol import (TARGET, WORKER, Channel, Limits, connect, decode_release, decode_requests,
-                                      LinkError, QueueChannel, die_with_parent, encode_replies, parse_address)
+from ssd.speculative.protocol import (Channel, Limits, QueueChannel, decode_release, decode_requests,
+                                      encode_replies)
 from ssd.speculative.ssd_draft import SSDDraft
 
 

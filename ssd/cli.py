@@ -31,6 +31,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-address", metavar="HOST:PORT",
                    help="wait at HOST:PORT for ranks 1..N-1 started by hand (`ssd rank`, SSD_RANK_SECRET set to "
                         "the same value everywhere) instead of starting them here")
+    p.add_argument("--tensor-parallel-timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a tensor-parallel rank may keep rank 0 waiting in a pass before it counts as hung "
+                        "(default: 60)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (default: full blocks of prompts seen before, and of earlier "
                         "turns of a chat, are read from the KV cache)")
@@ -79,7 +82,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
 
     kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len,
               weights=args.weights, enable_prefix_caching=args.prefix_caching, cuda_graph_rows=args.cuda_graph_rows,
-              tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_address=args.tensor_parallel_address)
+              tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_address=args.tensor_parallel_address,
+              tensor_parallel_timeout=args.tensor_parallel_timeout)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")
@@ -201,7 +205,7 @@ def cmd_check(args: argparse.Namespace) -> None:
     kw = llm_kwargs(args)
     draft, mode = kw.pop("draft"), kw.pop("mode")
     engine_keys = ("device", "dtype", "threads", "max_model_len", "weights", "enable_prefix_caching",
-                   "cuda_graph_rows", "tensor_parallel_size", "tensor_parallel_address")
+                   "cuda_graph_rows", "tensor_parallel_size", "tensor_parallel_address", "tensor_parallel_timeout")
     engine = {key: kw.pop(key) for key in engine_keys}
     report = check(args.model, draft, prompts, mode=mode, engine=engine, spec=kw, params=sampling_params(args),
                    greedy_tokens=args.max_tokens, samples=args.samples, sample_tokens=args.sample_tokens,

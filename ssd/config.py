@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ssd.checks import check_int, is_int
+from ssd.checks import check_int, is_int, is_number
 from ssd.engine.link import parse_address
 from ssd.engine.placement import engine_threads, parse_placement
 from ssd.engine.tensor_parallel import RANK_SECRET_ENV
@@ -72,6 +72,7 @@ class EngineConfig:
     # HOST:PORT where rank 0 waits for ranks started by hand (`ssd rank`), with the secret of
     # $SSD_RANK_SECRET; None starts them on this machine.
     tensor_parallel_address: str | None = None
+    tensor_parallel_timeout: float = 60.0  # seconds a rank may keep the others waiting before it counts as hung
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
 
@@ -91,6 +92,8 @@ class EngineConfig:
             check_int(name, getattr(self, name), 1)
         check_int("cuda_graph_rows", self.cuda_graph_rows, 0, 1024)
         check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        if not (is_number(self.tensor_parallel_timeout) and self.tensor_parallel_timeout > 0):
+            raise SSDError(f"tensor_parallel_timeout must be > 0 seconds, got {self.tensor_parallel_timeout!r}")
         if self.tensor_parallel_address is not None and self.tensor_parallel_size == 1:
             raise SSDError("tensor_parallel_address needs tensor_parallel_size > 1")
         if self.kv_cache_tokens is not None:

@@ -56,7 +56,8 @@ class LLMEngine:
             settings = Settings(fingerprint(config.model), str(config.dtype).removeprefix("torch."), config.weights,
                                 config.kv_cache_tokens, config.block_size)
             self.ranks = Ranks(config.tensor_parallel_size, config.model, settings, config.threads,
-                               config.tensor_parallel_address, os.environ.get(RANK_SECRET_ENV))
+                               config.tensor_parallel_address, os.environ.get(RANK_SECRET_ENV),
+                               config.tensor_parallel_timeout)
             model = shard(load_model(config.model, config.device, config.dtype, config.weights), self.ranks.group)
             self.ranks.ready()
         else:

@@ -154,10 +154,29 @@ def test_a_rank_that_dies_ends_the_request_with_a_clear_error(smollm_dir):
                 llm.generate(PROMPTS[0], params)
 
 
+def test_a_rank_that_hangs_times_out(smollm_dir):
+    """A stopped rank (SIGSTOP: alive, silent) fails the pass after tensor_parallel_timeout."""
+    import signal
+    import time
+    from ssd import LLM, SamplingParams
+    from ssd.errors import RankError
+    with LLM(smollm_dir, tensor_parallel_size=2, threads=2, tensor_parallel_timeout=2.0) as llm:
+        params = SamplingParams(temperature=0, max_tokens=4)
+        proc = llm.engine.ranks.procs[0]
+        os.kill(proc.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(RankError, match="a tensor-parallel rank stopped"):
+            llm.generate(PROMPTS[0], params)
+        assert time.monotonic() - t0 < 30
+    assert proc.poll() is not None, "closing the engine killed the stopped rank"
+
+
 @pytest.mark.parametrize("options,message", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"tensor_parallel_size": 4}, "needs as many kv heads"),
     ({"tensor_parallel_size": 2, "weights": "gguf"}, "needs weights='dequantized'"),
+    ({"tensor_parallel_size": 2, "tensor_parallel_timeout": 0}, "tensor_parallel_timeout must be > 0"),
+    ({"tensor_parallel_address": "127.0.0.1:5"}, "needs tensor_parallel_size > 1"),
 ])
 def test_tensor_parallel_options_are_checked(smollm_dir, options, message):
     from ssd import LLM

@@ -280,7 +280,10 @@ class Ranks:
     linked, told the run's Settings, checked (ready) and ended by close()."""
 
     def __init__(self, world: int, model: Path, settings: Settings, threads: int, address: str | None = None,
-                 secret: str | None = None, startup_timeout: float = 600.0):
+                 secret: str | None = None, timeout: float = 60.0, startup_timeout: float = 600.0):
+        """timeout: seconds another rank may keep rank 0 waiting in a pass before it counts as
+        hung (rank 0's gloo operations fail then; the other ranks wait for rank 0 for good, as
+        long as the engine is idle)."""
         self.procs: list[subprocess.Popen] = []
         if address is None:
             listener, secret = listen_socket("127.0.0.1"), new_secret()
@@ -299,7 +302,7 @@ class Ranks:
                                "a tensor-parallel rank")
         try:
             pg = self.watcher(lambda: connect(host, port, TARGET, startup_timeout, secret, listener=listener,
-                                              world=world, peers="a tensor-parallel rank"))
+                                              world=world, peers="a tensor-parallel rank", op_timeout=timeout))
         except LinkError as e:
             self.close()
             raise RankError(f"the tensor-parallel ranks did not start: {e}") from e

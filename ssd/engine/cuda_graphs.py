@@ -139,7 +139,9 @@ class CapturedSteps:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: an SSD worker thread (draft_thread) may run or capture its own passes
+            # meanwhile; "global" would fail its CUDA calls during this capture.
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self._forward(b, head)
         except RuntimeError as e:  # a host sync inside the model (e.g. a mixture's routing)
             self.failed = f"{type(e).__name__}: {e}".splitlines()[0]

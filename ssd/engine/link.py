@@ -58,14 +58,13 @@ def _proof(secret: str, role: str, *nonces: bytes) -> bytes:
 
 
 def connect(host: str, port: int, rank: int, timeout: float, secret: str, *, backend: str | None = None,
-            listener: socket.socket | None = None, world: int = 2, peers: str = "the draft worker",
-            op_timeout: float | None = None) -> dist.ProcessGroup:
+            listener: socket.socket | None = None, world: int = 2, peers: str = "the draft worker"
+            ) -> dist.ProcessGroup:
     """A group of `world` processes of its own (not the global default group, so several
     engines can live in one process): the target and a draft worker, or a tensor-parallel
     model's ranks. Rank 0 hosts the store on `listener` and chooses the backend; the others
     read it from there. Every rank authenticates with rank 0 before the group is made;
-    `peers` names the other ranks in rank 0's error. op_timeout: seconds a gloo operation waits
-    for the others before it fails (None: for good, the caller watches liveness itself)."""
+    `peers` names the other ranks in rank 0's error."""
     store = dist.TCPStore(host, port, world, rank == TARGET, timeout=datetime.timedelta(seconds=timeout),
                           wait_for_workers=False, master_listen_fd=None if listener is None else listener.fileno())
     if listener is not None:
@@ -98,7 +97,7 @@ def connect(host: str, port: int, rank: int, timeout: float, secret: str, *, bac
     # whatever address this machine's hostname resolves to.
     local = host in ("127.0.0.1", "::1", "localhost")
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host if rank == TARGET or local else "")]
-    options._timeout = NO_TIMEOUT if op_timeout is None else datetime.timedelta(seconds=op_timeout)
+    options._timeout = NO_TIMEOUT
     return dist.ProcessGroupGloo(store, rank, world, options)
 
 

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(engine_threads(args.threads))
     host, port = parse_address(args.connect)
     try:
-        # No timeout on this side: it waits for rank 0's next pass as long as the engine is idle.
+        # No timeout on this side: it waits for rank 0's next pass as long as the engine idles.
         group = Group(connect(host, port, args.rank, args.timeout, secret, world=args.world), args.rank, args.world)
         settings = Settings.recv(group)
         problem, model = "", None

@@ -1,5 +1,5 @@
 """Tensor parallelism: one model's layers split across N processes (ranks) over torch.distributed
-(gloo on CPU, NCCL on CUDA), cut as Megatron-LM cuts them:
+(gloo, on the CPU so far), cut as Megatron-LM cuts them:
 
 - attention: each rank holds whole kv heads (a contiguous run, as even as their count allows:
   SmolLM2's 3 at TP = 2 go 2 + 1) with the query heads of their groups: its share of qkv_proj's
@@ -26,6 +26,7 @@ one: the model is gone with it.
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
 
 from ssd.engine.link import TARGET, LinkError, Watcher, connect, listen_socket, new_secret, parse_address
 from ssd.errors import RankError, UnsupportedModelError
@@ -68,12 +70,13 @@ class Group:
     pg: dist.ProcessGroup
     rank: int
     world: int
+    timeout: float | None = None  # seconds an operation may wait for the other ranks; None: for good
     broken: str | None = None  # why the group can no longer run a pass
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' x (one shape) added in rank order, on every rank (not all_reduce, whose
         order of additions follows the buffer's size and the rank)."""
-        parts = self._all_gather(x.contiguous())
+        parts = self.all_gather(x.contiguous())
         out = parts[0]
         for p in parts[1:]:
             out = out + p
@@ -81,7 +84,7 @@ class Group:
 
     def concat(self, x: torch.Tensor, widths: list[int]) -> torch.Tensor:
         """The ranks' x side by side in the last dimension; rank r's is widths[r] wide."""
-        parts = self._all_gather(F.pad(x, (0, max(widths) - x.shape[-1])).contiguous())
+        parts = self.all_gather(F.pad(x, (0, max(widths) - x.shape[-1])).contiguous())
         return torch.cat([p[..., :w] for p, w in zip(parts, widths)], dim=-1)
 
     def send_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
@@ -89,40 +92,51 @@ class Group:
         """Rank 0: a pass's inputs to the other ranks (recv_pass)."""
         r, s = batch.rows.shape
         n = -1 if logits_index is None else len(logits_index)
-        self._broadcast(torch.tensor([len(input_ids), r, s, n, int(head)]))
+        self.broadcast(torch.tensor([len(input_ids), r, s, n, int(head)]))
         for t in (input_ids, positions, batch.slot_mapping, batch.rows, batch.q_row, batch.q_len, logits_index):
             if t is not None:
-                self._broadcast(t.long().contiguous())
+                self.broadcast(t.long().contiguous())
 
     def stop(self) -> None:
         """Rank 0: the other ranks' serve() returns."""
-        self._broadcast(torch.tensor([-1, 0, 0, 0, 0]))
+        self.broadcast(torch.tensor([-1, 0, 0, 0, 0]))
 
     def recv_pass(self) -> tuple | None:
         """The other ranks: the next pass's inputs, None when rank 0 stops."""
-        header = self._broadcast(torch.empty(5, dtype=torch.long)).tolist()
+        header = self.broadcast(torch.empty(5, dtype=torch.long)).tolist()
         t, r, s, n, head = header
         if t < 0:
             return None
-        ids, pos, slots = (self._broadcast(torch.empty(t, dtype=torch.long)) for _ in range(3))
-        rows = self._broadcast(torch.empty(r, s, dtype=torch.long))
-        q_row, q_len = (self._broadcast(torch.empty(t, dtype=torch.long)) for _ in range(2))
-        logits_index = self._broadcast(torch.empty(n, dtype=torch.long)) if n >= 0 else None
+        ids, pos, slots = (self.broadcast(torch.empty(t, dtype=torch.long)) for _ in range(3))
+        rows = self.broadcast(torch.empty(r, s, dtype=torch.long))
+        q_row, q_len = (self.broadcast(torch.empty(t, dtype=torch.long)) for _ in range(2))
+        logits_index = self.broadcast(torch.empty(n, dtype=torch.long)) if n >= 0 else None
         return ids, pos, AttentionBatch(slots, rows, q_row, q_len), logits_index, bool(head)
 
-    # The group is made by ssd/engine/link.connect, outside torch.distributed's
-    # registry of groups: its own methods, not dist.broadcast(group=...).
-    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        self._wait(lambda: self.pg.broadcast(t, 0))
+    # The group is made by ssd/engine/link.connect, outside torch.distributed's registry of
+    # groups: its own methods, not dist.broadcast(group=...); each operation with its timeout.
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's t, into t on every rank."""
+        opts = self._options(BroadcastOptions)
+        opts.rootRank = 0
+        self._wait(lambda: self.pg.broadcast([t], opts))
         return t
 
-    def _all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+    def all_gather(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's t (one shape), by rank."""
         parts = [torch.empty_like(t) for _ in range(self.world)]
-        self._wait(lambda: self.pg.allgather([parts], [t]))
+        self._wait(lambda: self.pg.allgather([parts], [t], self._options(AllgatherOptions)))
         return parts
 
+    def _options(self, kind):
+        opts = kind()
+        if self.timeout is not None:
+            opts.timeout = datetime.timedelta(seconds=self.timeout)
+        return opts
+
     def _wait(self, op) -> None:
-        """gloo raises at once when a peer's connection closes (a rank that died)."""
+        """gloo raises at once when a peer's connection closes (a rank that died), and when a
+        peer keeps this rank waiting past `timeout` (a rank that hangs)."""
         if self.broken:
             raise RankError(self.broken)
         try:
@@ -130,7 +144,6 @@ class Group:
         except RuntimeError as e:
             self.broken = f"a tensor-parallel rank stopped: {str(e).strip().splitlines()[0]}"
             raise RankError(self.broken) from e
-
 
 
 class RowParallel(nn.Module):
@@ -257,13 +270,13 @@ class Settings:
 
     def send(self, group: Group) -> None:
         body = torch.frombuffer(bytearray(json.dumps(asdict(self)).encode()), dtype=torch.uint8)
-        group._broadcast(torch.tensor([body.numel()]))
-        group._broadcast(body)
+        group.broadcast(torch.tensor([body.numel()]))
+        group.broadcast(body)
 
     @classmethod
     def recv(cls, group: Group) -> "Settings":
-        size = int(group._broadcast(torch.empty(1, dtype=torch.long)))
-        return cls(**json.loads(bytes(group._broadcast(torch.empty(size, dtype=torch.uint8)).numpy())))
+        size = int(group.broadcast(torch.empty(1, dtype=torch.long)))
+        return cls(**json.loads(bytes(group.broadcast(torch.empty(size, dtype=torch.uint8)).numpy())))
 
 
 def report(group: Group, problem: str, width: int = 1024) -> list[str]:
@@ -271,7 +284,7 @@ def report(group: Group, problem: str, width: int = 1024) -> list[str]:
     mine = torch.zeros(width, dtype=torch.uint8)
     text = problem.encode()[:width]
     mine[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8) if text else mine[:0]
-    return [bytes(p.numpy()).rstrip(b"\0").decode(errors="replace") for p in group._all_gather(mine)]
+    return [bytes(p.numpy()).rstrip(b"\0").decode(errors="replace") for p in group.all_gather(mine)]
 
 
 class Ranks:
@@ -282,8 +295,8 @@ class Ranks:
     def __init__(self, world: int, model: Path, settings: Settings, threads: int, address: str | None = None,
                  secret: str | None = None, timeout: float = 60.0, startup_timeout: float = 600.0):
         """timeout: seconds another rank may keep rank 0 waiting in a pass before it counts as
-        hung (rank 0's gloo operations fail then; the other ranks wait for rank 0 for good, as
-        long as the engine is idle)."""
+        hung (the other ranks wait for rank 0 for good, as long as the engine idles); until
+        ready(), while the ranks load, startup_timeout."""
         self.procs: list[subprocess.Popen] = []
         if address is None:
             listener, secret = listen_socket("127.0.0.1"), new_secret()
@@ -302,11 +315,12 @@ class Ranks:
                                "a tensor-parallel rank")
         try:
             pg = self.watcher(lambda: connect(host, port, TARGET, startup_timeout, secret, listener=listener,
-                                              world=world, peers="a tensor-parallel rank", op_timeout=timeout))
+                                              world=world, peers="a tensor-parallel rank"))
         except LinkError as e:
             self.close()
             raise RankError(f"the tensor-parallel ranks did not start: {e}") from e
-        self.group = Group(pg, 0, world)
+        self.group = Group(pg, 0, world, startup_timeout)  # the ranks load their models meanwhile
+        self.pass_timeout = timeout
         settings.send(self.group)
 
     def ready(self) -> None:
@@ -315,6 +329,7 @@ class Ranks:
         if problems:
             self.close()
             raise RankError("; ".join(problems))
+        self.group.timeout = self.pass_timeout
 
     def close(self) -> None:
         """Stop the ranks (they return from serve) and reap the ones started here; kill what does

@@ -123,10 +123,8 @@ class EngineConfig:
         n = self.tensor_parallel_size
         if self.device.type != "cpu":
             raise SSDError(f"tensor_parallel_size={n} runs on the CPU (gloo) so far, not on {self.device.type}")
-        if self.weights == "auto":
-            self.weights = "dequantized"  # the split layers are plain matrices (GGUF blocks are not cut)
-        elif self.weights != "dequantized":
-            raise SSDError(f"tensor_parallel_size={n} needs weights='dequantized', not {self.weights!r}")
+        if self.weights not in ("auto", "gguf", "dequantized"):
+            raise SSDError(f"tensor_parallel_size={n} cuts weights='gguf' or 'dequantized', not {self.weights!r}")
         if n > self.model_config.num_kv_heads:
             raise UnsupportedModelError(f"tensor_parallel_size={n} needs as many kv heads; the model has "
                                         f"{self.model_config.num_kv_heads}")

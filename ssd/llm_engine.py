@@ -24,10 +24,11 @@ from ssd.engine.registry import Registry
 from ssd.engine.sampler import next_tokens, token_logprobs
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.engine.sequence import Sequence
-from ssd.engine.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fingerprint, local_config, shard
+from ssd.engine.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fingerprint, local_config
+from ssd.engine.tensor_parallel import load as load_shard
 from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
-from ssd.models.loader import load_model, load_tokenizer, shared_model
+from ssd.models.loader import load_tokenizer, shared_model
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
 from ssd.speculative.draft_engine import DraftEngine
@@ -58,7 +59,7 @@ class LLMEngine:
             self.ranks = Ranks(config.tensor_parallel_size, config.model, settings, config.threads,
                                config.tensor_parallel_address, os.environ.get(RANK_SECRET_ENV),
                                config.tensor_parallel_timeout)
-            model = shard(load_model(config.model, config.device, config.dtype, config.weights), self.ranks.group)
+            model = load_shard(config.model, config.device, config.dtype, config.weights, self.ranks.group)
             self.ranks.ready()
         else:
             model = shared_model(config.model, config.device, config.dtype, config.weights)

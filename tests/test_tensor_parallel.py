@@ -19,6 +19,7 @@ from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.errors import UnsupportedModelError
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
+from ssd.models.shard import plan
 from ssd.engine.link import TARGET, connect, listen_socket
 
 CPU = torch.device("cpu")
@@ -65,11 +66,17 @@ def test_spans_cut_evenly_in_rank_order():
 
 def test_a_model_that_cannot_be_split_is_refused():
     with pytest.raises(UnsupportedModelError, match="needs as many kv heads"):
-        tp.check(build("qwen2.5-0.5b"), 3)  # 2 kv heads
+        plan(build("qwen2.5-0.5b").config, 0, 3)  # 2 kv heads
+    cfg = build("smollm2").config
+    with pytest.raises(UnsupportedModelError, match="cut o_proj inside a block"):
+        plan(cfg, 1, 2, q_align=256)  # rank 1's query features start at 2 kv heads x 3 x 64 = 384
+    with pytest.raises(UnsupportedModelError, match="no whole number of"):
+        plan(cfg, 0, 2, inter_align=1000)
+    assert plan(cfg, 1, 2, q_align=128, inter_align=256).inter_lo == 768  # 6 blocks of 256: 3 + 3
     model = build("smollm2")
     model.layers[0].mlp.down_proj.quantize_int8()
-    with pytest.raises(UnsupportedModelError, match="unquantized weights"):
-        tp.check(model, 2)
+    with pytest.raises(UnsupportedModelError, match="cuts unquantized weights"):
+        tp.shard(model, tp.Group(None, 0, 2))
 
 
 @pytest.fixture(params=sorted(SHAPES))
@@ -122,22 +129,30 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 
 
 def test_the_engine_at_tp_2_decodes_as_at_tp_1_and_sd_equals_its_ar(smollm_dir):
-    """SmolLM2 (3 kv heads: 2 + 1) through LLM: greedy AR at TP = 2 gives TP = 1's tokens here,
-    and SD at TP = 2 (a draft in rank 0's process) and SSD (a draft worker beside the ranks)
-    give TP = 2 AR's, token for token."""
+    """SmolLM2 (3 kv heads: 2 + 1) through LLM. Dequantized, greedy AR at TP = 2 gives TP = 1's
+    tokens here. On its GGUF blocks (each rank reads only its cut) TP = 2 is its own reference:
+    the 8-bit quantisation of activations turns the split sums' 1e-7 differences into steps (a
+    few per cent of the logits after 30 layers), so its tokens part from TP = 1's at the first
+    near-tie; SD at TP = 2 (a draft in rank 0's process) and SSD (a draft worker beside the
+    ranks) give TP = 2 AR's, token for token."""
     from ssd import LLM, SamplingParams
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(smollm_dir, weights="dequantized", threads=2) as llm:
-        one = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    with LLM(smollm_dir, tensor_parallel_size=2, threads=2) as llm:
-        assert llm.config.weights == "dequantized" and llm.config.threads == 1
-        two = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    first = SamplingParams(temperature=0, max_tokens=2, logprobs=1)
+    out = {}
+    for weights in ("dequantized", "gguf"):
+        for n in (1, 2):
+            with LLM(smollm_dir, weights=weights, tensor_parallel_size=n, threads=2) as llm:
+                assert llm.config.threads == 2 // n
+                out[weights, n] = [o.token_ids for o in llm.generate(PROMPTS, params)]
+                out[weights, n, "first"] = [o.logprobs[0].logprob for o in llm.generate(PROMPTS, first)]
+    assert out["dequantized", 2] == out["dequantized", 1]
+    assert [t[:2] for t in out["gguf", 2]] == [t[:2] for t in out["gguf", 1]]
+    assert max(abs(a - b) for a, b in zip(out["gguf", 2, "first"], out["gguf", 1, "first"])) < 0.1
     with LLM(smollm_dir, draft=smollm_dir, mode="sd", speculate_k=4, tensor_parallel_size=2, threads=2) as llm:
         sd = [o.token_ids for o in llm.generate(PROMPTS, params)]
     with LLM(smollm_dir, draft=smollm_dir, mode="ssd", speculate_k=2, tensor_parallel_size=2, threads=2) as llm:
         ssd = [o.token_ids for o in llm.generate(PROMPTS, params)]
-    assert two == one
-    assert sd == two and ssd == two
+    assert sd == out["gguf", 2] and ssd == out["gguf", 2]
 
 
 def test_a_rank_that_dies_ends_the_request_with_a_clear_error(smollm_dir):
@@ -174,7 +189,7 @@ def test_a_rank_that_hangs_times_out(smollm_dir):
 @pytest.mark.parametrize("options,message", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
     ({"tensor_parallel_size": 4}, "needs as many kv heads"),
-    ({"tensor_parallel_size": 2, "weights": "gguf"}, "needs weights='dequantized'"),
+    ({"tensor_parallel_size": 2, "weights": "int8"}, "cuts weights='gguf' or 'dequantized'"),
     ({"tensor_parallel_size": 2, "tensor_parallel_timeout": 0}, "tensor_parallel_timeout must be > 0"),
     ({"tensor_parallel_address": "127.0.0.1:5"}, "needs tensor_parallel_size > 1"),
 ])
@@ -208,7 +223,8 @@ def test_a_rank_started_by_hand_joins_at_the_engine_address(smollm_dir, monkeypa
     port = free_port()
     rank = start_rank(port, smollm_dir)
     try:
-        with LLM(smollm_dir, tensor_parallel_size=2, tensor_parallel_address=f"127.0.0.1:{port}", threads=2) as llm:
+        with LLM(smollm_dir, weights="dequantized", tensor_parallel_size=2, tensor_parallel_address=f"127.0.0.1:{port}",
+                 threads=2) as llm:
             assert [o.token_ids for o in llm.generate(PROMPTS, params)] == one
         assert rank.wait(timeout=60) == 0  # rank 0's close stopped it
     finally:

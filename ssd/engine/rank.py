@@ -12,10 +12,9 @@ import torch
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.link import connect, die_with_parent, parse_address
-from ssd.engine.tensor_parallel import (RANK_SECRET_ENV, Group, RankError, Settings, fingerprint, local_config,
-                                        report, serve, shard)
+from ssd.engine.tensor_parallel import (RANK_SECRET_ENV, Group, RankError, Settings, fingerprint, load,
+                                        local_config, report, serve)
 from ssd.errors import SSDError
-from ssd.models.loader import load_model
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -52,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
                 problem = f"rank {args.rank} holds another model than rank 0's ({folder})"
             else:
                 dtype, cpu = getattr(torch, settings.dtype), torch.device("cpu")
-                model = shard(load_model(Path(folder), cpu, dtype, settings.weights), group)
+                model = load(Path(folder), cpu, dtype, settings.weights, group)
                 kv = PagedKVCache(local_config(model), settings.kv_tokens, settings.block_size, cpu, dtype).kv
         except (SSDError, OSError) as e:
             problem = f"rank {args.rank}: {e}"

@@ -46,21 +46,12 @@ from ssd.engine.link import TARGET, LinkError, Watcher, connect, listen_socket, 
 from ssd.errors import RankError, UnsupportedModelError
 from ssd.layers.attention import AttentionBatch
 from ssd.layers.linear import Linear
-from ssd.layers.moe import SparseMoE
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
-from ssd.models.loader import weight_files
+from ssd.models.loader import load_gguf_shard, load_model, weight_files
+from ssd.models.shard import Cut, plan, spans
 
 RANK_SECRET_ENV = "SSD_RANK_SECRET"  # the secret of ranks started by hand (the same value on every host)
-
-
-def spans(n: int, world: int) -> list[tuple[int, int]]:
-    """n items cut into `world` contiguous runs, the first n % world of them one longer."""
-    size, extra = divmod(n, world)
-    bounds = [0]
-    for r in range(world):
-        bounds.append(bounds[-1] + size + (r < extra))
-    return list(zip(bounds, bounds[1:]))
 
 
 @dataclass
@@ -159,18 +150,17 @@ class RowParallel(nn.Module):
 
 
 class VocabEmbedding(nn.Module):
-    """This rank's rows [lo, lo + n) of the embedding: its own tokens' rows, zeros for the
-    others', summed over the ranks."""
+    """This rank's rows [lo, lo + n) of the embedding (`inner`, an embedding of n rows): its own
+    tokens' rows, zeros for the others', summed over the ranks."""
 
-    def __init__(self, weight: torch.Tensor, lo: int, group: Group):
+    def __init__(self, inner: nn.Module, lo: int, n: int, group: Group):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.lo, self.group = lo, group
+        self.inner, self.lo, self.n, self.group = inner, lo, n, group
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local = ids - self.lo
-        mine = (local >= 0) & (local < self.weight.shape[0])
-        rows = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight)
+        mine = (local >= 0) & (local < self.n)
+        rows = self.inner(local.clamp(0, self.n - 1))
         return self.group.sum(torch.where(mine[..., None], rows, torch.zeros((), dtype=rows.dtype)))
 
 
@@ -194,51 +184,55 @@ def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     return layer
 
 
-def check(model: DecoderLM, world: int) -> None:
-    """What tensor parallelism over `world` ranks needs of a model (UnsupportedModelError)."""
-    cfg = model.config
-    if world > cfg.num_kv_heads:
-        raise UnsupportedModelError(f"tensor parallelism over {world} ranks needs as many kv heads; "
-                                    f"the model has {cfg.num_kv_heads}")
-    if any(isinstance(layer.mlp, SparseMoE) for layer in model.layers):
-        raise UnsupportedModelError("tensor parallelism does not split mixtures of experts yet")
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if any(type(m) is not Linear or m.quantized for m in linears) or not isinstance(model.embed_tokens, nn.Embedding):
-        raise UnsupportedModelError("tensor parallelism needs unquantized weights (weights='dequantized')")
-
-
 @torch.no_grad()
 def shard(model: DecoderLM, group: Group) -> DecoderLM:
-    """Cut the model's weights to this rank's share, in place (module doc); returns it."""
-    check(model, group.world)
-    cfg, rank, world = model.config, group.rank, group.world
-    kv_lo, kv_hi = spans(cfg.num_kv_heads, world)[rank]
-    per_kv = cfg.num_heads // cfg.num_kv_heads
-    d = cfg.head_dim
+    """Cut a whole model in memory (unquantized weights) to this rank's share, in place, and
+    link it (wrap); returns it."""
+    cut = plan(model.config, group.rank, group.world)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    if any(type(m) is not Linear or m.quantized for m in linears) or not isinstance(model.embed_tokens, nn.Embedding):
+        raise UnsupportedModelError("tensor parallelism cuts unquantized weights in memory, or a GGUF file's "
+                                    "blocks as it reads them (weights='dequantized' or 'gguf')")
+    rows = cut.stacked_qkv_rows()
+    q_lo, q_hi = cut.q
     for layer in model.layers:
-        a = layer.self_attn
-        q = torch.arange(kv_lo * per_kv * d, kv_hi * per_kv * d)
-        kv = torch.arange(kv_lo * d, kv_hi * d)
-        rows = torch.cat([q, a.q_size + kv, a.q_size + a.kv_size + kv])
+        a, m = layer.self_attn, layer.mlp
         bias = a.qkv_proj.bias
         a.qkv_proj = _linear(a.qkv_proj.weight[rows], None if bias is None else bias[rows])
-        a.o_proj = RowParallel(_linear(a.o_proj.weight[:, q]), group)
-        a.num_heads, a.num_kv_heads = (kv_hi - kv_lo) * per_kv, kv_hi - kv_lo
-        a.q_size, a.kv_size = a.num_heads * d, a.num_kv_heads * d
-        m = layer.mlp
-        inter = m.down_proj.in_features
-        lo, hi = spans(inter, world)[rank]
-        gate_up = m.gate_up_proj.weight
-        m.gate_up_proj = _linear(torch.cat([gate_up[lo:hi], gate_up[inter + lo:inter + hi]]))
-        m.down_proj = RowParallel(_linear(m.down_proj.weight[:, lo:hi]), group)
-    lo, hi = spans(cfg.vocab_size, world)[rank]
+        a.o_proj = _linear(a.o_proj.weight[:, q_lo:q_hi])
+        m.gate_up_proj = _linear(m.gate_up_proj.weight[cut.gate_up_rows()])
+        m.down_proj = _linear(m.down_proj.weight[:, cut.inter_lo:cut.inter_hi])
     head = model.lm_head.weight
-    model.embed_tokens = VocabEmbedding(model.embed_tokens.weight[lo:hi].contiguous(), lo, group)
-    model.lm_head = VocabHead(_linear(model.embed_tokens.weight if cfg.tie_word_embeddings else head[lo:hi]), group,
-                              cfg.vocab_size)
+    embed = model.embed_tokens.weight[cut.vocab_lo:cut.vocab_hi].contiguous()
+    model.embed_tokens = nn.Embedding.from_pretrained(embed)
+    model.lm_head = _linear(embed if model.config.tie_word_embeddings else head[cut.vocab_lo:cut.vocab_hi])
+    return wrap(model, group, cut)
+
+
+def wrap(model: DecoderLM, group: Group, cut: Cut) -> DecoderLM:
+    """Link a model whose matrices hold this rank's cut (shard(), or loaded so from a GGUF
+    file): its heads counted as this rank's, its partial sums and the vocabulary's runs met
+    across the ranks."""
+    for layer in model.layers:
+        a = layer.self_attn
+        a.num_heads, a.num_kv_heads = (cut.kv_hi - cut.kv_lo) * cut.per_kv, cut.kv_hi - cut.kv_lo
+        a.q_size, a.kv_size = a.num_heads * cut.head_dim, a.num_kv_heads * cut.head_dim
+        a.o_proj = RowParallel(a.o_proj, group)
+        layer.mlp.down_proj = RowParallel(layer.mlp.down_proj, group)
+    model.embed_tokens = VocabEmbedding(model.embed_tokens, cut.vocab_lo, cut.vocab_hi - cut.vocab_lo, group)
+    model.lm_head = VocabHead(model.lm_head, group, model.config.vocab_size)
     model.fused_layers = False  # the one-op CPU layers have no collectives in them
     model.tp_group = group
     return model
+
+
+def load(folder: Path, device: torch.device, dtype: torch.dtype, weights: str, group: Group) -> DecoderLM:
+    """This rank's share of a model folder's weights, linked: a GGUF file's blocks read for
+    this rank's cut alone (weights='gguf'), or the whole model loaded and cut (else)."""
+    if weights == "gguf":
+        model, cut = load_gguf_shard(folder, group.rank, group.world)
+        return wrap(model, group, cut)
+    return shard(load_model(folder, device, dtype, weights), group)
 
 
 def local_config(model: DecoderLM) -> ModelConfig:

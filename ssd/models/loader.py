@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as GGML
 from safetensors import safe_open
 from torch import nn
@@ -24,6 +25,7 @@ from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, tensors
 from ssd.models.pack_cache import PackCache
+from ssd.models.shard import Cut, plan
 
 # How a model's weights are held:
 #   "gguf": its GGUF file's own blocks (CPU; ssd/kernels/quant_cpu.py), the default for a GGUF on a CPU;
@@ -230,18 +232,36 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     return model.to(device).eval()
 
 
+def load_gguf_shard(folder: Path, rank: int, world: int) -> tuple[DecoderLM, Cut]:
+    """A tensor-parallel rank's share of a GGUF model's blocks (engine/tensor_parallel.py): only
+    its cut of each matrix is read and repacked. o_proj's and down_proj's columns are cut at
+    their types' blocks."""
+    path = weight_files(folder)[0]
+    if path.name != GGUF_LINK:
+        raise SSDError(f"weights='gguf' needs a GGUF model; {folder} holds safetensors")
+    cfg = ModelConfig.from_folder(folder)
+    found = {t.name: t for t in tensors(open_gguf(path), path)}
+
+    def block(kind: str) -> int:  # the largest block of a kind of matrix along its columns
+        return max(GGML_QUANT_SIZES[t.qtype][0] for n, t in found.items() if n.endswith(f"{kind}.weight"))
+    cut = plan(cfg, rank, world, q_align=block("o_proj"), inter_align=block("down_proj"))
+    return load_gguf_blocks(path, cfg, cut=cut), cut
+
+
 def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | None = None,
-                     requantize: bool = False) -> DecoderLM:
+                     requantize: bool = False, cut: Cut | None = None) -> DecoderLM:
     """The model on its GGUF file's own blocks (CPU), read in one pass: each matrix is
     repacked for the kernel from the file's pages (no fp32 copy is ever made), the embedding
     keeps its blocks, norms and biases are fp32. A matrix stored as F32 stays a plain fp32
     Linear, one stored as F16 / BF16 a Linear holding that dtype (read as its fp32 values).
     requantize: each matrix of more than 5 bits a weight (Q4_0_SOURCES) is requantised to
-    Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept)."""
+    Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept). cut: a
+    tensor-parallel rank's part of each matrix only (load_gguf_shard)."""
     index = open_gguf(path)
     found = {t.name: t for t in tensors(index, path)}
     rows_key = "" if head_rows is None else hashlib.blake2b(head_rows.numpy().tobytes(), digest_size=8).hexdigest()
-    cache = PackCache(path, f"requantize={requantize} head={rows_key}")
+    cut_key = "" if cut is None else f" rank={cut.rank}/{cut.world}"
+    cache = PackCache(path, f"requantize={requantize} head={rows_key}{cut_key}")
 
     def get(name: str) -> GGUFTensor:
         if name not in found:
@@ -258,22 +278,39 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         return t.qtype in quant_cpu.SUPPORTED or (
             requantize and t.qtype in Q4_0_SOURCES and t.shape[-1] % 32 == 0)
 
-    def packed(name: str, t: GGUFTensor, rows: torch.Tensor | None = None) -> quant_cpu.QuantMatrix:
+    def part(t: GGUFTensor, rows: torch.Tensor | None, cols: tuple[int, int] | None) -> GGUFTensor:
+        """Whole quantised rows of t (their blocks are exact), and of those the blocks of columns
+        [lo, hi) (a cut at a block's edge)."""
+        raw, shape = t.raw, t.shape
+        if rows is not None:
+            raw, shape = raw[rows.numpy()], (len(rows), *shape[1:])
+        if cols is not None:
+            size, nbytes = GGML_QUANT_SIZES[t.qtype]
+            lo, hi = cols
+            raw = raw.reshape(shape[0], -1)[:, lo // size * nbytes:-(-hi // size) * nbytes]
+            shape = (shape[0], hi - lo)
+        return t if raw is t.raw else replace(t, raw=np.ascontiguousarray(raw), shape=shape)
+
+    def packed(name: str, t: GGUFTensor, rows: torch.Tensor | None = None,
+               cols: tuple[int, int] | None = None) -> quant_cpu.QuantMatrix:
         """A matrix in the kernel's layout: from the pack cache, else repacked from the file's
-        pages (whole quantised rows of it where `rows` is given: their blocks are exact)."""
+        pages (only `rows` and `cols` of it where given)."""
         def make() -> quant_cpu.QuantMatrix:
-            src = t if rows is None else replace(t, raw=np.ascontiguousarray(t.raw[rows.numpy()]),
-                                                 shape=(len(rows), *t.shape[1:]))
+            src = part(t, rows, cols)
             k = to_q4_0(src, index) if requantize else src
             m = quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(k.raw).reshape(-1)), k.qtype, *k.shape)
             index.unmap(t.raw)  # read once: its pages need not stay in this process
             return m
         return cache.matrix(name, make)
 
-    def linear(names: list[str], bias: torch.Tensor | None = None, rows: torch.Tensor | None = None) -> nn.Module:
+    def linear(names: list[str], bias: torch.Tensor | None = None, rows=None,
+               cols: tuple[int, int] | None = None) -> nn.Module:
+        """The parts `names` stacked; rows: one index tensor for every part, or a list of one per
+        part; cols: a run of the columns."""
         parts = [get(n) for n in names]
+        per_part = rows if isinstance(rows, list) else [rows] * len(parts)
         if all(kernel_holds(t) for t in parts):
-            return QuantLinear([packed(n, t, rows) for n, t in zip(names, parts)], bias)
+            return QuantLinear([packed(n, t, r, cols) for n, t, r in zip(names, parts, per_part)], bias)
         plain = [t for t in parts if t.qtype.name not in ("F32", "F16", "BF16")]
         if plain:
             bad = sorted({t.qtype.name for t in plain})
@@ -281,8 +318,7 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                 f"{path}: GGUF type {', '.join(bad)} (in {plain[0].name}) has no CPU kernel here; the kernels cover "
                 f"{', '.join(sorted(q.name for q in quant_cpu.SUPPORTED))}, F32, F16 and BF16. "
                 f"Load it with weights='dequantized'")
-        if rows is not None:
-            parts = [replace(t, raw=t.raw[rows.numpy()], shape=(len(rows), *t.shape[1:])) for t in parts]
+        parts = [part(t, r, cols) for t, r in zip(parts, per_part)]
         kinds = {t.qtype.name for t in parts}
         w = torch.cat([as_stored(t) if kinds in ({"F16"}, {"BF16"}) else dequantize(t) for t in parts])
         layer = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
@@ -298,11 +334,12 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         index.unmap(t.raw)
         return w if t.qtype.name == "F16" else w.view(torch.bfloat16)
 
-    def gated_mlp(mlp: nn.Module, pre: str) -> None:
-        gate_up = [f"{pre}gate_up_proj.weight"] if f"{pre}gate_up_proj.weight" in found else \
-            [f"{pre}gate_proj.weight", f"{pre}up_proj.weight"]  # Phi-3 stacks them in the file
-        mlp.gate_up_proj = linear(gate_up)
-        mlp.down_proj = linear([f"{pre}down_proj.weight"])
+    def gated_mlp(mlp: nn.Module, pre: str, cut: Cut | None = None) -> None:
+        stacked = f"{pre}gate_up_proj.weight" in found  # Phi-3 stacks them in the file
+        gate_up = [f"{pre}gate_up_proj.weight"] if stacked else [f"{pre}gate_proj.weight", f"{pre}up_proj.weight"]
+        rows = None if cut is None else cut.gate_up_rows() if stacked else torch.arange(cut.inter_lo, cut.inter_hi)
+        mlp.gate_up_proj = linear(gate_up, rows=rows)
+        mlp.down_proj = linear([f"{pre}down_proj.weight"], cols=None if cut is None else (cut.inter_lo, cut.inter_hi))
 
     def experts(pre: str) -> nn.Module:
         """A mixture's experts: each one's slice of the file's stacked tensors, repacked alone
@@ -330,11 +367,15 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         pre = f"model.layers.{i}."
         attn = layer.self_attn
         qkv = [f"{pre}self_attn.{p}_proj" for p in "qkv"]
+        rows = None if cut is None else list(cut.qkv_rows())
         if f"{pre}self_attn.qkv_proj.weight" in found:  # Phi-3: stacked in the file
             qkv = [f"{pre}self_attn.qkv_proj"]
+            rows = None if cut is None else [cut.stacked_qkv_rows()]
         bias = torch.cat([dequantize(get(f"{n}.bias")) for n in qkv]) if cfg.qkv_bias else None
-        attn.qkv_proj = linear([f"{n}.weight" for n in qkv], bias)
-        attn.o_proj = linear([f"{pre}self_attn.o_proj.weight"])
+        if bias is not None and cut is not None:
+            bias = bias[cut.stacked_qkv_rows()]
+        attn.qkv_proj = linear([f"{n}.weight" for n in qkv], bias, rows=rows)
+        attn.o_proj = linear([f"{pre}self_attn.o_proj.weight"], cols=None if cut is None else cut.q)
         if isinstance(layer.mlp, SparseMoE):
             moe = layer.mlp
             moe.gate = linear([f"{pre}mlp.gate.weight"])
@@ -343,22 +384,26 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
                 moe.shared_expert_gate = linear([f"{pre}mlp.shared_expert_gate.weight"])
                 gated_mlp(moe.shared_expert, f"{pre}mlp.shared_expert.")
         else:
-            gated_mlp(layer.mlp, f"{pre}mlp.")
+            gated_mlp(layer.mlp, f"{pre}mlp.", cut)
     for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
         if isinstance(module, RMSNorm):
             module.weight = vector(f"model.{name}.weight")
-    embed = get("model.embed_tokens.weight")
+    vocab_rows = None if cut is None else torch.arange(cut.vocab_lo, cut.vocab_hi)
+    whole = get("model.embed_tokens.weight")
+    embed = part(whole, vocab_rows, None)
     if embed.qtype in quant_cpu.SUPPORTED:
         def blocks() -> quant_cpu.QuantMatrix:  # a copy: the file's pages are unmapped once loading is done
             m = quant_cpu.QuantMatrix(embed.qtype, *embed.shape, torch.from_numpy(embed.raw.reshape(-1).copy()))
-            index.unmap(embed.raw)
+            index.unmap(whole.raw)
             return m
         m = cache.matrix("model.embed_tokens.weight (blocks)", blocks)
         model.embed_tokens = QuantEmbedding(m.packed, m.qtype, m.rows, m.cols)
     else:
         model.embed_tokens = nn.Embedding.from_pretrained(dequantize(embed))
     head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    model.lm_head = linear([head], rows=head_rows)
+    if cut is not None and head_rows is not None:
+        raise SSDError("a reduced output layer (head_rows) is for a draft, not a tensor-parallel rank")
+    model.lm_head = linear([head], rows=vocab_rows if cut is not None else head_rows)
     if head_rows is not None:
         model.full_head = model.embed_tokens if cfg.tie_word_embeddings else full_rows(get(head), index)
     leftover = [n for n, p in model.named_parameters() if p.is_meta]

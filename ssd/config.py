@@ -11,9 +11,10 @@ from ssd.checks import check_int, is_int, is_number
 from ssd.engine.link import parse_address
 from ssd.engine.placement import engine_threads, parse_placement
 from ssd.engine.tensor_parallel import RANK_SECRET_ENV
-from ssd.errors import SSDError, UnsupportedModelError
+from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
+from ssd.models.shard import plan
 from ssd.speculative.options import NGRAM, SpecOptions
 from ssd.store import resolve_model
 
@@ -125,11 +126,7 @@ class EngineConfig:
             raise SSDError(f"tensor_parallel_size={n} runs on the CPU (gloo) so far, not on {self.device.type}")
         if self.weights not in ("auto", "gguf", "dequantized"):
             raise SSDError(f"tensor_parallel_size={n} cuts weights='gguf' or 'dequantized', not {self.weights!r}")
-        if n > self.model_config.num_kv_heads:
-            raise UnsupportedModelError(f"tensor_parallel_size={n} needs as many kv heads; the model has "
-                                        f"{self.model_config.num_kv_heads}")
-        if self.model_config.num_experts:
-            raise UnsupportedModelError("tensor parallelism does not split mixtures of experts yet")
+        plan(self.model_config, 0, n)  # a model it cannot cut fails here, before any rank starts
         if self.tensor_parallel_address is not None:
             parse_address(self.tensor_parallel_address)
             if not os.environ.get(RANK_SECRET_ENV):

@@ -12,9 +12,11 @@ import torch
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.link import connect, die_with_parent, parse_address
+from ssd.engine.placement import engine_threads
 from ssd.engine.tensor_parallel import (RANK_SECRET_ENV, Group, RankError, Settings, fingerprint, load,
                                         local_config, report, serve)
 from ssd.errors import SSDError
+from ssd.store import resolve_model
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -28,8 +30,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ssd.engine.placement import engine_threads
-    from ssd.store import resolve_model
     signal.signal(signal.SIGINT, signal.SIG_IGN if args.parent_pid is not None else signal.SIG_DFL)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     die_with_parent(args.parent_pid)

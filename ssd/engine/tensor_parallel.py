@@ -80,13 +80,14 @@ class Group:
 
     def send_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                   logits_index: torch.Tensor | None, head: bool) -> None:
-        """Rank 0: a pass's inputs to the other ranks (recv_pass)."""
+        """Rank 0: a pass's inputs to the other ranks (recv_pass), in two broadcasts: a header
+        of sizes, then every input in one tensor."""
         r, s = batch.rows.shape
         n = -1 if logits_index is None else len(logits_index)
         self.broadcast(torch.tensor([len(input_ids), r, s, n, int(head)]))
-        for t in (input_ids, positions, batch.slot_mapping, batch.rows, batch.q_row, batch.q_len, logits_index):
-            if t is not None:
-                self.broadcast(t.long().contiguous())
+        parts = (input_ids, positions, batch.slot_mapping, batch.rows.reshape(-1), batch.q_row, batch.q_len,
+                 logits_index)
+        self.broadcast(torch.cat([t.long() for t in parts if t is not None]))
 
     def stop(self) -> None:
         """Rank 0: the other ranks' serve() returns."""
@@ -94,15 +95,13 @@ class Group:
 
     def recv_pass(self) -> tuple | None:
         """The other ranks: the next pass's inputs, None when rank 0 stops."""
-        header = self.broadcast(torch.empty(5, dtype=torch.long)).tolist()
-        t, r, s, n, head = header
+        t, r, s, n, head = self.broadcast(torch.empty(5, dtype=torch.long)).tolist()
         if t < 0:
             return None
-        ids, pos, slots = (self.broadcast(torch.empty(t, dtype=torch.long)) for _ in range(3))
-        rows = self.broadcast(torch.empty(r, s, dtype=torch.long))
-        q_row, q_len = (self.broadcast(torch.empty(t, dtype=torch.long)) for _ in range(2))
-        logits_index = self.broadcast(torch.empty(n, dtype=torch.long)) if n >= 0 else None
-        return ids, pos, AttentionBatch(slots, rows, q_row, q_len), logits_index, bool(head)
+        body = self.broadcast(torch.empty(5 * t + r * s + max(n, 0), dtype=torch.long))
+        ids, pos, slots, rows, q_row, q_len, index = body.split([t, t, t, r * s, t, t, max(n, 0)])
+        batch = AttentionBatch(slots, rows.view(r, s), q_row, q_len)
+        return ids, pos, batch, index if n >= 0 else None, bool(head)
 
     # The group is made by ssd/engine/link.connect, outside torch.distributed's registry of
     # groups: its own methods, not dist.broadcast(group=...); each operation with its timeout.
@@ -240,8 +239,8 @@ def local_config(model: DecoderLM) -> ModelConfig:
     group = model.tp_group
     if group is None:
         return model.config
-    lo, hi = spans(model.config.num_kv_heads, group.world)[group.rank]
-    return replace(model.config, num_kv_heads=hi - lo)
+    cut = plan(model.config, group.rank, group.world)
+    return replace(model.config, num_kv_heads=cut.kv_hi - cut.kv_lo)
 
 
 def fingerprint(folder: Path) -> str:

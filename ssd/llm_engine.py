@@ -30,14 +30,15 @@ from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, shared_model
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.adaptive_k import AutoK, FixedK, round_k
+from ssd.speculative.adaptive_k import AutoK, FixedK
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.draft_stop import DraftStop
 from ssd.speculative.fanout import FanOut
 from ssd.speculative.ngram import NgramSpeculator
 from ssd.speculative.options import AUTO_K, NGRAM, DraftConfig
 from ssd.speculative.remote import RemoteSpeculator
-from ssd.speculative.round import Proposal, Round, speculative_round
+from ssd.speculative.records import Proposal, Round, round_k
+from ssd.speculative.round import speculative_round
 from ssd.speculative.speculator import LocalSpeculator, Speculator
 from ssd.speculative.vocab import check_same_vocabulary, head_tokens
 from ssd.store import resolve_model

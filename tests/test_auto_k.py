@@ -12,7 +12,7 @@ from ssd.errors import SSDError
 from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, CatchupCost, Timings, expected_tokens
 from ssd.speculative.ngram import NgramSpeculator
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
-from ssd.speculative.round import Proposal, Round
+from ssd.speculative.records import Proposal, Round
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, V, exact_joint
 

@@ -44,3 +44,41 @@ def test_shared_modules_import_nothing_of_the_engine():
         tree = ast.parse((root / f"{name}.py").read_text())
         imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert {m for m in imported if m.startswith("ssd.")} <= {f"ssd.{s}" for s in SHARED}, name
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The ssd modules a file imports anywhere in it (inside functions and TYPE_CHECKING too):
+    `from ssd.a import b` names the module ssd.a.b where that is a module, else ssd.a."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module.startswith("ssd"):
+            out |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                    for a in node.names}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name.startswith("ssd.")}
+    return out & modules
+
+
+def test_no_import_circle():
+    """No module reaches itself through imports, however they are guarded (a circle held
+    apart by TYPE_CHECKING or a function-level import is still one)."""
+    root = Path(ssd.__file__).parent
+    paths = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__"): p
+             for p in root.rglob("*.py")}
+    graph = {m: _imports(p, set(paths)) - {m} for m, p in paths.items()}
+    circles, done = [], set()
+    for start in sorted(graph):  # depth-first from each module; a path back to one on it is a circle
+        stack, on_path = [(start, iter(sorted(graph[start])))], [start]
+        while stack:
+            node, deps = stack[-1]
+            nxt = next(deps, None)
+            if nxt is None:
+                stack.pop()
+                on_path.pop()
+                done.add(node)
+            elif nxt in on_path:
+                circles.append(on_path[on_path.index(nxt):] + [nxt])
+            elif nxt not in done:
+                stack.append((nxt, iter(sorted(graph[nxt]))))
+                on_path.append(nxt)
+    assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)

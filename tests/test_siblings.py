@@ -14,7 +14,8 @@ from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
 from ssd.models.loader import load_model
 from ssd.speculative.adaptive_k import AutoK
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, Alternative, Sibling, SiblingPolicy
+from ssd.speculative.records import Alternative, Sibling
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy
 from ssd.speculative.verifier import rescue
 from tiny_pair import NEW, PROMPT, V, exact_joint
 

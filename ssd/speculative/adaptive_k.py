@@ -58,15 +58,12 @@ and lookup rounds carry the speed-up; on code, lookup takes the rounds that copy
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ssd.engine.sequence import Sequence
 from ssd.speculative.draft_stop import DraftStop, applies
-from ssd.speculative.round import Proposal, Round
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, Sibling, SiblingPolicy, eligible
-
-if TYPE_CHECKING:  # ngram.py -> speculator.py -> draft_engine.py import round_k from here
-    from ssd.speculative.ngram import NgramSpeculator
+from ssd.speculative.ngram import NgramSpeculator
+from ssd.speculative.records import Proposal, Round, Sibling
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy, eligible
 
 PRIOR_RATE = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0  # ... worth this many rounds
@@ -210,15 +207,6 @@ class Timings:
         return max(0.0, v_lo + (v_hi - v_lo) * (size - lo) / (hi - lo))
 
 
-def round_k(k: int, num_tokens: int, context: int, left: int | None = None) -> int:
-    """The K of a round, the one rule on both sides: k draft tokens (a policy's choice, or the
-    deepest a tree goes), as many as fit before position `context` of a sequence of num_tokens
-    tokens, and, for a request with `left` tokens to go, no more than it can use beside the
-    target's own token."""
-    k = min(k, context - num_tokens)
-    return max(0, k if left is None else min(k, left - 1))
-
-
 class FixedK:
     """Every sequence drafts K tokens every round."""
 
@@ -236,7 +224,7 @@ class FixedK:
 
     # The round's sibling leaves (siblings.py) for speculative_round, or None: they need
     # auto-K's measured costs.
-    siblings: "Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None" = None
+    siblings: Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None = None
 
     def release(self, seq_id: int) -> None:
         pass
@@ -249,7 +237,7 @@ class AutoK(FixedK):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
     def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
-                 steps_measured: bool = False, lookup: "NgramSpeculator | None" = None, window: int | None = None,
+                 steps_measured: bool = False, lookup: NgramSpeculator | None = None, window: int | None = None,
                  siblings: bool = False, stop: DraftStop | None = None):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);

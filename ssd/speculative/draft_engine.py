@@ -19,11 +19,10 @@ from ssd.errors import SSDError
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.adaptive_k import round_k
 from ssd.speculative.draft_stop import DraftStop, applies
 from ssd.speculative.ngram_index import NgramIndex
 from ssd.speculative.options import DraftConfig
-from ssd.speculative.siblings import Alternative
+from ssd.speculative.records import Alternative, round_k
 from ssd.speculative.spec_cache import SpeculationCache
 from ssd.speculative.vocab import DraftHead, ExtraTokens
 

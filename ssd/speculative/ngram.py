@@ -8,7 +8,7 @@ The proposals are not drawn from any distribution, so they are verified as one-h
 """
 from ssd.engine.sequence import Sequence
 from ssd.speculative.ngram_index import NgramIndex
-from ssd.speculative.round import Proposal
+from ssd.speculative.records import Proposal
 from ssd.speculative.speculator import Speculator
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from ssd.engine.link import LinkError, Watcher
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.round import Proposal
+from ssd.speculative.records import Proposal
 
 # ---- messages ---------------------------------------------------------------------------------
 @dataclass

@@ -33,7 +33,7 @@ from ssd.engine.sequence import Sequence
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.options import SECRET_ENV, DraftConfig
 from ssd.speculative.protocol import Channel, Limits, QueueChannel, SpecRequest, decode_replies, encode_requests
-from ssd.speculative.round import Proposal
+from ssd.speculative.records import Proposal
 from ssd.speculative.speculator import Speculator, propose_locally
 from ssd.speculative.worker import serve_in_thread
 

@@ -19,8 +19,7 @@ and what the round cost. The request's metrics (RequestMetrics.record) and the K
 speculation cache and the fan-out read it (ssd_draft.py).
 """
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,70 +28,15 @@ from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits, sample, token_logprobs
 from ssd.engine.sequence import Sequence
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, Alternative, Sibling, keep_sibling
+from ssd.speculative.records import Proposal, Round, Sibling
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, keep_sibling
+from ssd.speculative.speculator import Speculator
 from ssd.speculative.verifier import rescue, verify, verify_greedy, verify_with_siblings
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
 
-    from ssd.speculative.speculator import Speculator
-
-
-@dataclass
-class Proposal:
-    """The draft side's answer for one sequence in a round, in SD as in SSD (protocol.py
-    carries it over the worker link)."""
-
-    tokens: list[int]
-    q: torch.Tensor | None = None  # [len(tokens), V] distributions they were drawn from; None: verify one-hot
-    hit: bool | None = None  # SSD: from the speculation cache (None: no tokens asked for, or not SSD)
-    # SSD: the draft worker's time spent on this sequence (its share of batched work).
-    tree_s: float = 0.0  # building the cache that this round's speculation came from
-    backup_s: float = 0.0  # drafting it on the spot after a miss
-    idle_s: float = 0.0  # waiting for this request
-    failed_over: bool = False  # SSD: the worker failed during this round and SD took over
-    lookup: bool = False  # prompt lookup's tokens, chosen by the K policy instead of the draft's
-    # SD: each drafted token's runner-up, where sibling leaves were asked for (siblings.py).
-    alternatives: list[Alternative] = field(default_factory=list)
-    # SD with draft_stop: each drafted token's top-1 probability, the draft's stopping rule's
-    # input (draft_stop.py); None where the rule did not apply.
-    confidences: list[float] | None = None
-
-
-@dataclass
-class Round:
-    """One sequence's round, from the K asked for to the tokens kept (k = 0: a plain
-    decoding step). The times are the whole batch's."""
-
-    seq: Sequence
-    k: int  # draft tokens asked for
-    proposal: Proposal
-    accepted: int = 0  # draft tokens the target accepted
-    tokens: list[int] = field(default_factory=list)  # those tokens, then the target's own
-    draft_s: float = 0.0  # the target's wait for the proposals
-    verify_s: float = 0.0  # the target's pass (the verify pass, or the plain step)
-    # Where the draft times its own steps (SD): seconds per draft token, catch-up left out
-    # (None: no such step), and its catch-up (seconds, tokens it read that it had not seen, and
-    # the keys their attention read: each token's position + 1, summed).
-    step_s: float | None = None
-    catchup: tuple[float, int, float] | None = None
-    logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
-    siblings: int = 0  # sibling leaves verified beside the drafts (siblings.py)
-    rescued: bool = False  # one was taken: `tokens` are the accepted drafts, it, the target's own
-
-    @property
-    def drafted(self) -> int:
-        return len(self.proposal.tokens)
-
-    @property
-    def from_draft(self) -> list[bool]:
-        """Per token of `tokens`: proposed by the draft side?"""
-        return [True] * (self.accepted + self.rescued) + [False]
-
-
-def speculative_round(speculator: "Speculator", target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
+def speculative_round(speculator: Speculator, target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
                       ks: list[int], lookups: dict[int, list[int]] | None = None,
-                      siblings: "Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None" = None
+                      siblings: Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None = None
                       ) -> list[Round]:
     """One round for the decoding sequences, ks[i] draft tokens asked for seqs[i]; `cache` is
     the target's KV cache, which `target` writes. lookups: prompt lookup's tokens by seq_id,

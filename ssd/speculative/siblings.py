@@ -28,29 +28,14 @@ token, drawn from p there. Requests whose logits something changes (penalties, a
 constraint) or that ask for logprobs keep the chain.
 """
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.sequence import Sequence
+from ssd.speculative.records import Alternative, Sibling
 
 MAX_PER_SEQUENCE = 4  # sibling rows a sequence's round may add
 DECAY = 0.98  # per round with siblings: the calibration follows the recent text
 PRIOR_WEIGHT = 2.0  # expected rescues' worth of the prior factor 1
-
-
-@dataclass
-class Alternative:
-    """What the draft's step had besides the token it drafted."""
-
-    token: int  # its runner-up
-    p1: float  # its probability of the drafted token
-    p2: float  # ... of the runner-up
-
-
-@dataclass
-class Sibling:
-    depth: int  # the chain's draft token it stands beside (0-based)
-    token: int
 
 
 def eligible(seq: Sequence) -> bool:

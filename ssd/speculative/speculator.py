@@ -12,7 +12,7 @@ from ssd.engine.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.draft_stop import DraftStop
-from ssd.speculative.round import Proposal
+from ssd.speculative.records import Proposal
 
 
 class Speculator:

@@ -16,12 +16,11 @@ from collections import Counter
 import torch
 
 from ssd.engine.sampler import probs_from_logits
-from ssd.speculative.adaptive_k import round_k
 from ssd.speculative.draft_engine import DraftEngine, DraftSeq
 from ssd.speculative.fanout import MAX_RANK, FanOut
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.protocol import SpecRequest
-from ssd.speculative.round import Proposal
+from ssd.speculative.records import Proposal, round_k
 from ssd.speculative.spec_cache import Branch, Lookup
 from ssd.speculative.tree import DraftTree, Fork
 

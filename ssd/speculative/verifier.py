@@ -12,15 +12,12 @@ the same formula accepts exactly the prefix where d_i == argmax p_i and gives t 
 whether q is one-hot, soft, or None.
 """
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from ssd.engine.sampler import sample
-
-if TYPE_CHECKING:
-    from ssd.speculative.siblings import Sibling
+from ssd.speculative.records import Sibling
 
 
 @dataclass
@@ -52,7 +49,7 @@ def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
     return Verdict(accepted=k, token=best[k])
 
 
-def rescue(logits: torch.Tensor, drafts: list[int], siblings: list["Sibling"], accepted: int, token: int
+def rescue(logits: torch.Tensor, drafts: list[int], siblings: list[Sibling], accepted: int, token: int
            ) -> tuple[int, int] | None:
     """Greedy verification's step into a sibling: logits [K + 1 + S, V] (the chain's rows, then
     one per sibling), the chain's verdict (`accepted` drafts, then the target's `token`). Where

@@ -1,0 +1,90 @@
+"""What a speculative round is made of, as plain data shared by the target's side, the draft
+sources and the policies (docs/algorithm.md, "A speculative round"): the rule for a round's
+K, a draft source's `Proposal` for one sequence, and the round's record, `Round`.
+
+Nothing here imports another module of ssd/speculative/, so that every side can import it.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.engine.sequence import Sequence
+
+
+def round_k(k: int, num_tokens: int, context: int, left: int | None = None) -> int:
+    """The K of a round, the one rule on both sides: k draft tokens (a policy's choice, or the
+    deepest a tree goes), as many as fit before position `context` of a sequence of num_tokens
+    tokens, and, for a request with `left` tokens to go, no more than it can use beside the
+    target's own token."""
+    k = min(k, context - num_tokens)
+    return max(0, k if left is None else min(k, left - 1))
+
+
+@dataclass
+class Alternative:
+    """What the draft's step had besides the token it drafted (sibling leaves, siblings.py)."""
+
+    token: int  # its runner-up
+    p1: float  # its probability of the drafted token
+    p2: float  # ... of the runner-up
+
+
+@dataclass
+class Sibling:
+    """A sibling leaf chosen for a round: a one-token alternative beside the chain's token at
+    `depth` (0-based), verified in the same pass."""
+
+    depth: int
+    token: int
+
+
+@dataclass
+class Proposal:
+    """A draft source's answer for one sequence in a round, in SD as in SSD (protocol.py
+    carries it over the worker link)."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None  # [len(tokens), V] distributions they were drawn from; None: verify one-hot
+    hit: bool | None = None  # SSD: from the speculation cache (None: no tokens asked for, or not SSD)
+    # SSD: the draft worker's time spent on this sequence (its share of batched work).
+    tree_s: float = 0.0  # building the cache that this round's speculation came from
+    backup_s: float = 0.0  # drafting it on the spot after a miss
+    idle_s: float = 0.0  # waiting for this request
+    failed_over: bool = False  # SSD: the worker failed during this round and SD took over
+    lookup: bool = False  # prompt lookup's tokens, chosen by the K policy instead of the draft's
+    # SD: each drafted token's runner-up, where sibling leaves were asked for (siblings.py).
+    alternatives: list[Alternative] = field(default_factory=list)
+    # SD with draft_stop: each drafted token's top-1 probability, the draft's stopping rule's
+    # input (draft_stop.py); None where the rule did not apply.
+    confidences: list[float] | None = None
+
+
+@dataclass
+class Round:
+    """One sequence's round, from the K asked for to the tokens kept (k = 0: a plain
+    decoding step). The times are the whole batch's."""
+
+    seq: Sequence
+    k: int  # draft tokens asked for
+    proposal: Proposal
+    accepted: int = 0  # draft tokens the target accepted
+    tokens: list[int] = field(default_factory=list)  # those tokens, then the target's own
+    draft_s: float = 0.0  # the target's wait for the proposals
+    verify_s: float = 0.0  # the target's pass (the verify pass, or the plain step)
+    # Where the draft times its own steps (SD): seconds per draft token, catch-up left out
+    # (None: no such step), and its catch-up (seconds, tokens it read that it had not seen, and
+    # the keys their attention read: each token's position + 1, summed).
+    step_s: float | None = None
+    catchup: tuple[float, int, float] | None = None
+    logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
+    siblings: int = 0  # sibling leaves verified beside the drafts (siblings.py)
+    rescued: bool = False  # one was taken: `tokens` are the accepted drafts, it, the target's own
+
+    @property
+    def drafted(self) -> int:
+        return len(self.proposal.tokens)
+
+    @property
+    def from_draft(self) -> list[bool]:
+        """Per token of `tokens`: proposed by the draft side?"""
+        return [True] * (self.accepted + self.rescued) + [False]

@@ -30,16 +30,16 @@ from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, shared_model
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.adaptive_k import AutoK, FixedK
+from ssd.speculative.adaptive_k import AutoK, FixedK, KPolicy
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.draft_stop import DraftStop
 from ssd.speculative.fanout import FanOut
-from ssd.speculative.ngram import NgramSpeculator
+from ssd.speculative.ngram import PromptLookup
 from ssd.speculative.options import AUTO_K, NGRAM, DraftConfig
-from ssd.speculative.remote import RemoteSpeculator
-from ssd.speculative.records import Proposal, Round, round_k
+from ssd.speculative.records import Proposal, Round
+from ssd.speculative.remote import SSDWorker
 from ssd.speculative.round import speculative_round
-from ssd.speculative.speculator import LocalSpeculator, Speculator
+from ssd.speculative.speculator import DraftModel, DraftSource
 from ssd.speculative.vocab import check_same_vocabulary, head_tokens
 from ssd.store import resolve_model
 
@@ -51,7 +51,7 @@ class LLMEngine:
         self.config = config
         self.eos_ids = config.model_config.end_ids(tokenizer)
         self.grammars = Grammars(tokenizer, config.model_config.vocab_size, self.eos_ids)
-        self.speculator: Speculator | None = None if config.draft is None else start_speculator(config, tokenizer)
+        self.speculator: DraftSource | None = None if config.draft is None else start_speculator(config, tokenizer)
         # The target loads while an SSD worker loads the draft (and tensor-parallel ranks their shares).
         self.ranks = None
         if config.tensor_parallel_size > 1:
@@ -77,7 +77,7 @@ class LLMEngine:
                                   max_keys=config.max_model_len + self.k_max + 1)
         self.runner.warm_up()
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
-        self.k_policy: FixedK | AutoK | None = None
+        self.k_policy: KPolicy | None = None
         if self.speculator:
             self.set_speculate_k(config.speculation.speculate_k)
         # Drafts sit before the target's own token, and inside the draft model's context.
@@ -111,15 +111,13 @@ class LLMEngine:
             self.k_policy = FixedK(k)
         else:
             opts = self.config.speculation
-            local = isinstance(self.speculator, LocalSpeculator)  # a draft model in this process (SD)
+            local = isinstance(self.speculator, DraftModel)  # a draft model in this process (SD)
             # Prompt lookup beside it (module doc of adaptive_k.py), and sibling leaves (siblings.py).
-            lookup = NgramSpeculator(opts.ngram_min, opts.ngram_max) if opts.prompt_lookup is not False and local \
+            lookup = PromptLookup(opts.ngram_min, opts.ngram_max) if opts.prompt_lookup is not False and local \
                 else None
             siblings = bool(opts.draft_siblings) and local
             # The draft's stopping rule (draft_stop.py), where the draft is a model in this process.
             stop = DraftStop() if opts.draft_stop is not False and local else None
-            if local:
-                self.speculator.alternatives, self.speculator.stop = siblings, stop
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
                                   self.speculator.step_cost(), self.speculator.measures_steps, lookup,
                                   opts.draft_window, siblings, stop)
@@ -166,22 +164,20 @@ class LLMEngine:
         return out
 
     def _speculate(self, seqs: list[Sequence]) -> list[Event]:
-        """One speculative round (ssd/speculative/round.py) for the sequences that are decoding;
-        its records go to the K policy and to each request's metrics."""
-        ks = [round_k(k, s.num_tokens, self.draft_context, s.params.max_tokens - len(s.output_ids))
-              for s, k in zip(seqs, self.k_policy.choose(seqs))]
-        lookups = {s.seq_id: self.k_policy.lookups[s.seq_id][:k] for s, k in zip(seqs, ks)
-                   if k and s.seq_id in self.k_policy.lookups}
-        if any(ks):
-            rounds = speculative_round(self.speculator, self.runner, self.cache, seqs, ks, lookups,
-                                       self.k_policy.siblings)
+        """One speculative round (ssd/speculative/round.py) for the sequences that are decoding,
+        by the K policy's plan; its records go to whoever learns from them: the K policy, the
+        draft source and each request's metrics."""
+        plan = self.k_policy.plan(seqs).within(seqs, self.draft_context)
+        if any(plan.ks):
+            rounds = speculative_round(plan, self.speculator, self.runner, self.cache, seqs)
         else:  # plain decoding this round: no draft pass; the draft catches up when next asked
             start = time.perf_counter()
             drawn = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
             verify_s = time.perf_counter() - start
             rounds = [Round(seq, 0, Proposal([]), tokens=[token], verify_s=verify_s, logprobs=lps)
                       for seq, token, lps in drawn]
-        self.k_policy.observe(rounds)
+        self.k_policy.learn(rounds)
+        self.speculator.learn(rounds)
         now = time.perf_counter()
         events = []
         for r in rounds:
@@ -214,27 +210,25 @@ class LLMEngine:
         return seq, tokens, from_draft
 
 
-def start_speculator(config: EngineConfig, tokenizer) -> Speculator:
-    """The speculator for the target of `config` (whose tokenizer is given). An SSD worker is
-    only started here; RemoteSpeculator.wait_ready() waits for its draft to load, so the
-    caller can load the target meanwhile."""
+def start_speculator(config: EngineConfig, tokenizer) -> DraftSource:
+    """The draft source for the target of `config` (whose tokenizer is given). An SSD worker is
+    only started here; SSDWorker.wait_ready() waits for its draft to load, so the caller can
+    load the target meanwhile."""
     opts = config.speculation
     if config.draft == NGRAM:
-        return NgramSpeculator(opts.ngram_min, opts.ngram_max)
+        return PromptLookup(opts.ngram_min, opts.ngram_max)
     folder = resolve_model(config.draft)
     draft_model = ModelConfig.from_folder(folder)
     check_same_vocabulary(tokenizer, load_tokenizer(folder), config.model_config, draft_model)
     cfg = draft_config(config, folder, draft_model, config.model_config.end_ids(tokenizer))
     # SD, and SSD's fallback should its worker fail: the draft in this process.
     in_process = lambda: DraftEngine.from_config(cfg, config.device)  # noqa: E731
+    context = draft_model.max_position_embeddings
     if config.mode == "sd":
-        speculator: Speculator = LocalSpeculator(in_process())
-    else:
-        speculator = RemoteSpeculator(cfg, opts.target_placement(config.device), opts.draft_placement(config.device),
-                                      address=opts.draft_address, secret=opts.secret(), timeout=opts.draft_timeout,
-                                      fallback=in_process, in_thread=opts.worker_in_thread(config.device))
-    speculator.draft_weights, speculator.context = cfg.weights, draft_model.max_position_embeddings
-    return speculator
+        return DraftModel(in_process(), context, cfg.weights)
+    return SSDWorker(cfg, opts.target_placement(config.device), opts.draft_placement(config.device), context,
+                     address=opts.draft_address, secret=opts.secret(), timeout=opts.draft_timeout,
+                     fallback=in_process, in_thread=opts.worker_in_thread(config.device))
 
 
 def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, eos_ids: set[int]) -> DraftConfig:

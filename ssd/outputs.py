@@ -105,7 +105,7 @@ class RequestMetrics:
         self.backup_s += p.backup_s
         self.draft_idle_s += p.idle_s
         self.draft_failures += p.failed_over
-        self.sibling_rows += r.siblings
+        self.sibling_rows += len(r.siblings)
         self.rescues += r.rescued
         if p.lookup:
             self.lookup_rounds += 1

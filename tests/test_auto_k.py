@@ -9,9 +9,11 @@ import transformers
 from ssd import LLM, SamplingParams
 from ssd.exactness import pooled_p_value
 from ssd.errors import SSDError
-from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK, CatchupCost, Timings, expected_tokens
-from ssd.speculative.ngram import NgramSpeculator
+from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK
+from ssd.speculative.costs import CatchupCost, Timings, expected_tokens
+from ssd.speculative.ngram import PromptLookup
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
+from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.records import Proposal, Round
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, V, exact_joint
@@ -28,7 +30,7 @@ class _Seq:
 
 def _observe(policy, seqs, drafted, accepted, draft_s, verify_s, step_s=None, catchup=None):
     """One round of the batch `seqs`, as the engine records it (ssd/speculative/round.py)."""
-    policy.observe([Round(s, d, Proposal([0] * d), a, draft_s=draft_s, verify_s=verify_s, step_s=step_s,
+    policy.learn([Round(s, d, Proposal([0] * d), a, draft_s=draft_s, verify_s=verify_s, step_s=step_s,
                           catchup=catchup) for s, d, a in zip(seqs, drafted, accepted)])
 
 
@@ -39,9 +41,9 @@ def _policy(k_max=8, draft_step=0.01):
 
 def _rounds(policy, seqs, accept, n):
     for _ in range(n):
-        ks = policy.choose(seqs)
+        ks = policy.plan(seqs).ks
         _observe(policy, seqs, ks, [accept(k) for k in ks], 0.01 * max(ks), 0.05 + 0.004 * sum(ks))
-    return policy.choose(seqs)
+    return policy.plan(seqs).ks
 
 
 def test_expected_tokens_and_timings():
@@ -68,18 +70,18 @@ def test_a_useless_draft_is_turned_off_despite_a_spiked_start_up_timing():
     policy = AutoK(8, lambda rows: 0.5 if rows == 1 else 0.05 + 0.004 * (rows - 1), 0.05)
     seqs = [_Seq(0)]
     for _ in range(30):
-        ks = policy.choose(seqs)
+        ks = policy.plan(seqs).ks
         _observe(policy, seqs, ks, [0] * len(ks), 0.05 * max(ks), 0.05 + 0.004 * sum(ks))
-    assert policy.choose(seqs) == [0]
+    assert policy.plan(seqs).ks == [0]
 
 
 def test_a_draft_that_is_never_accepted_turns_speculation_off_then_probes():
     policy, seq = _policy(), _Seq(0)
-    assert policy.choose([seq])[0] > 0  # optimistic before any data
+    assert policy.plan([seq]).ks[0] > 0  # optimistic before any data
     _rounds(policy, [seq], lambda k: 0, 20)
     chosen = []
     for _ in range(3000):  # rounds at K = 0 teach nothing: a probe now and then
-        (k,) = policy.choose([seq])
+        (k,) = policy.plan([seq]).ks
         chosen.append(k)
         _observe(policy, [seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
         seq.num_tokens += 1
@@ -97,9 +99,9 @@ def test_a_long_prompt_with_a_short_answer_is_not_prefilled_for_the_draft():
     _rounds(policy, [_Seq(0)], lambda k: k, 30)  # a draft that is always right
     _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000, 500_500))  # a step + 1 ms per token
     short_prompt, long_prompt = _Seq(1, num_tokens=300, max_tokens=64), _Seq(2, num_tokens=3000, max_tokens=64)
-    assert policy.choose([short_prompt])[0] > 0  # 0.3 s of catch-up, ~2 s saved
-    assert policy.choose([long_prompt]) == [0]  # 3 s of catch-up
-    assert policy.choose([_Seq(3, num_tokens=3000, max_tokens=1000)])[0] > 0  # a long answer pays for it
+    assert policy.plan([short_prompt]).ks[0] > 0  # 0.3 s of catch-up, ~2 s saved
+    assert policy.plan([long_prompt]).ks == [0]  # 3 s of catch-up
+    assert policy.plan([_Seq(3, num_tokens=3000, max_tokens=1000)]).ks[0] > 0  # a long answer pays for it
 
 
 def test_before_evidence_the_prior_decides_a_catch_up():
@@ -107,10 +109,10 @@ def test_before_evidence_the_prior_decides_a_catch_up():
     if the prior's rates could repay its catch-up over the tokens left; a warm-up's one
     rejected round does not stop a short prompt from drafting."""
     policy = _policy()
-    assert policy.choose([_Seq(0, num_tokens=3000, max_tokens=64)]) == [0]  # 1.5 s of catch-up, 0.5 s saved at best
-    assert policy.choose([_Seq(1, num_tokens=3000, max_tokens=1000)])[0] > 0  # a long answer would repay it
+    assert policy.plan([_Seq(0, num_tokens=3000, max_tokens=64)]).ks == [0]  # 1.5 s of catch-up, 0.5 s saved at best
+    assert policy.plan([_Seq(1, num_tokens=3000, max_tokens=1000)]).ks[0] > 0  # a long answer would repay it
     _observe(policy, [_Seq(2)], [1], [0], 0.01, 0.054, 0.01)  # a warm-up's one round, rejected
-    assert policy.choose([_Seq(3, num_tokens=300, max_tokens=128)])[0] > 0
+    assert policy.plan([_Seq(3, num_tokens=300, max_tokens=128)]).ks[0] > 0
 
 
 def test_a_fresh_engine_does_not_prefill_a_long_prompt_for_a_short_answer(smollm_dir, truncated_draft):
@@ -139,14 +141,14 @@ def test_stale_engine_wide_rates_do_not_lock_drafting_out():
     for seq_id in range(1, 13):
         seq, n = _Seq(seq_id, num_tokens=300, max_tokens=128), 0
         while len(seq.output_ids) < 128:
-            (k,) = policy.choose([seq])
+            (k,) = policy.plan([seq]).ks
             _observe(policy, [seq], [k], [k], 0.01 * k, 0.05 + 0.004 * k, 0.01 if k else None)
             seq.num_tokens += k + 1
             seq.output_ids += [0] * (k + 1)
             n += 1
         policy.release(seq.seq_id)
         rounds.append(n)
-    assert rounds[-1] < 40 and policy.choose([_Seq(99)])[0] > 0, rounds
+    assert rounds[-1] < 40 and policy.plan([_Seq(99)]).ks[0] > 0, rounds
 
 
 def test_a_sequence_climbs_past_stale_engine_wide_rates_at_deeper_positions():
@@ -157,10 +159,10 @@ def test_a_sequence_climbs_past_stale_engine_wide_rates_at_deeper_positions():
     _rounds(policy, [_Seq(0)], lambda k: min(k, 1), 100)
     policy.release(0)
     seq = _Seq(1)
-    assert policy.choose([seq]) == [1]
+    assert policy.plan([seq]).ks == [1]
     ks = []
     for _ in range(60):
-        ks += policy.choose([seq])
+        ks += policy.plan([seq]).ks
         _observe(policy, [seq], ks[-1:], ks[-1:], 0.01 * ks[-1], 0.05 + 0.004 * ks[-1])
     assert min(ks[-10:]) >= 4, ks
 
@@ -174,7 +176,7 @@ def test_probes_on_the_engine_budget_cost_little_with_a_useless_draft():
     for seq_id in range(1, 201):
         seq = _Seq(seq_id, num_tokens=300, max_tokens=64)
         for _ in range(64):
-            (k,) = policy.choose([seq])
+            (k,) = policy.plan([seq]).ks
             _observe(policy, [seq], [k], [0], 0.01 * k, 0.05 + 0.004 * k)
             seq.num_tokens += 1
             seq.output_ids.append(0)
@@ -194,9 +196,9 @@ def test_a_draft_that_is_always_accepted_drafts_deep():
 def test_each_sequence_gets_its_own_k():
     policy, good, bad = _policy(), _Seq(0), _Seq(1)
     for _ in range(30):
-        ks = policy.choose([good, bad])
+        ks = policy.plan([good, bad]).ks
         _observe(policy, [good, bad], ks, [ks[0], 0], 0.01 * max(ks), 0.05 + 0.004 * (sum(ks) + 1))
-    k_good, k_bad = policy.choose([good, bad])
+    k_good, k_bad = policy.plan([good, bad]).ks
     assert k_good >= 4 and k_bad == 0
 
 
@@ -204,9 +206,9 @@ def test_expensive_draft_is_not_worth_it():
     # A draft step as costly as the target's pass never pays, even if always accepted.
     policy, seqs = _policy(draft_step=0.06), [_Seq(0)]
     for _ in range(10):
-        ks = policy.choose(seqs)
+        ks = policy.plan(seqs).ks
         _observe(policy, seqs, ks, ks, 0.06 * max(ks), 0.05 + 0.004 * sum(ks))
-    assert policy.choose(seqs) == [0]
+    assert policy.plan(seqs).ks == [0]
 
 
 @pytest.fixture(scope="module")
@@ -261,9 +263,9 @@ class _FixedCosts(AutoK):
     def __init__(self, k_max=4):
         super().__init__(k_max, lambda rows: 1.0 + (rows - 1) / 3000, 0.0)
 
-    def observe(self, rounds):
+    def learn(self, rounds):
         rows = sum(r.drafted + 1 for r in rounds)
-        super().observe([dataclasses.replace(r, draft_s=0.0, verify_s=1.0 + (rows - 1) / 3000, step_s=None,
+        super().learn([dataclasses.replace(r, draft_s=0.0, verify_s=1.0 + (rows - 1) / 3000, step_s=None,
                                              catchup=None) for r in rounds])
 
 
@@ -318,13 +320,13 @@ class _Text(_Seq):
 def _lookup_round(policy, seq, draft_accepts, kept=None):
     """One round as the engine runs it: the policy's choice, then the kept tokens are the text's
     continuation (kept: other tokens, where the text stops repeating)."""
-    (k,) = policy.choose([seq])
-    lookup = seq.seq_id in policy.lookups
+    plan = policy.plan([seq])
+    (k,), lookup = plan.ks, plan.seqs[0].lookup is not None
     truth = kept if kept is not None else seq.continuation(k + 1)
-    proposal = Proposal(policy.lookups[seq.seq_id], lookup=True) if lookup else Proposal([0] * k)
+    proposal = Proposal(plan.seqs[0].lookup, lookup=True) if lookup else Proposal([0] * k)
     accepted = next((i for i in range(k) if proposal.tokens[i] != truth[i]), k) if lookup else min(k, draft_accepts)
     tokens = truth[:accepted + 1]
-    policy.observe([Round(seq, k, proposal, accepted, tokens, draft_s=0.0 if lookup else 0.01 * k,
+    policy.learn([Round(seq, k, proposal, accepted, tokens, draft_s=0.0 if lookup else 0.01 * k,
                           verify_s=0.05 + 0.004 * k, step_s=0.01 if k and not lookup else None)])
     seq.token_ids += tokens
     seq.output_ids += tokens
@@ -333,7 +335,7 @@ def _lookup_round(policy, seq, draft_accepts, kept=None):
 
 def _lookup_policy(k_max=8):
     return AutoK(k_max, lambda rows: 0.05 + 0.004 * (rows - 1), 0.01, steps_measured=True,
-                 lookup=NgramSpeculator(1, 4))
+                 lookup=PromptLookup(1, 4))
 
 
 def test_lookup_is_learnt_from_rounds_that_did_not_propose_it():
@@ -342,18 +344,19 @@ def test_lookup_is_learnt_from_rounds_that_did_not_propose_it():
     on, 8 at a time (no draft step), without a round spent trying them."""
     policy, seq = _lookup_policy(), _Text(0)
     for _ in range(10):
-        policy.lookup_engine[3].observe(8, 0)
+        policy.lookup_overall[3].observe(8, 0)
     assert _lookup_round(policy, seq, draft_accepts=2)[1] is False
     rounds = [_lookup_round(policy, seq, draft_accepts=2) for _ in range(10)]
     assert set(rounds) == {(8, True)}, rounds
-    assert policy.engine.reached[0] == 1, policy.engine.reached  # lookup rounds do not count as the draft's
+    assert policy.overall.reached[0] == 1, policy.overall.reached  # lookup rounds do not count as the draft's
 
 
 def test_a_lookup_that_is_never_right_is_not_proposed():
     policy, seq = _lookup_policy(), _Text(0)
     for _ in range(20):  # the text stops repeating: the lookup's proposals never match
         k, lookup = _lookup_round(policy, seq, draft_accepts=8, kept=[7] * 9)
-    assert policy.choose([seq])[0] == 8 and 0 not in policy.lookups
+    plan = policy.plan([seq])
+    assert plan.ks == [8] and plan.seqs[0].lookup is None
 
 
 def test_a_long_prompt_with_a_short_answer_takes_lookup_rounds_not_the_draft():
@@ -363,12 +366,13 @@ def test_a_long_prompt_with_a_short_answer_takes_lookup_rounds_not_the_draft():
     _rounds(policy, [_Seq(1)], lambda k: k, 30)  # the draft is always right ...
     _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000, 500_500))  # ... and reads 1 ms a token
     for i in range(8):
-        policy.lookup_engine[3].observe(8, 8)  # long matches were right before
+        policy.lookup_overall[3].observe(8, 8)  # long matches were right before
     seq = _Text(2, length=3000, period=500, max_tokens=64)
-    (k,) = policy.choose([seq])
-    assert k == 8 and policy.lookups[2] == seq.continuation(8)
+    plan = policy.plan([seq])
+    assert plan.ks == [8] and plan.seqs[0].lookup == seq.continuation(8)
     fresh = _Text(3, prompt=list(range(1000, 4000)), max_tokens=64)  # no repeat: no lookup, no draft
-    assert policy.choose([fresh]) == [0] and 3 not in policy.lookups
+    plan = policy.plan([fresh])
+    assert plan.ks == [0] and plan.seqs[0].lookup is None
 
 
 def test_the_drafts_catch_up_must_pay_against_the_lookup_not_plain_decoding():
@@ -380,15 +384,16 @@ def test_the_drafts_catch_up_must_pay_against_the_lookup_not_plain_decoding():
     _rounds(policy, [_Seq(1)], lambda k: k, 30)  # the draft is always right ...
     _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(1.01, 1000, 500_500))  # ... and reads 1 ms a token
     for i in range(8):
-        policy.lookup_engine[3].observe(8, 8)
+        policy.lookup_overall[3].observe(8, 8)
     seq = _Text(2, length=600, period=300, max_tokens=128)
     for _ in range(3):
-        (k,) = policy.choose([seq])
-        assert k == 8 and 2 in policy.lookups
+        plan = policy.plan([seq])
+        assert plan.ks == [8] and plan.seqs[0].lookup is not None
     seq.token_ids += [5000, 5001, 5002, 5003]  # text never seen: no lookup this round
-    assert policy.choose([seq]) == [0] and 2 not in policy.lookups
+    plan = policy.plan([seq])
+    assert plan.ks == [0] and plan.seqs[0].lookup is None
     plain = _Text(3, prompt=list(range(1000, 1600)), max_tokens=128)  # never a lookup: the draft pays
-    assert policy.choose([plain])[0] > 0
+    assert policy.plan([plain]).ks[0] > 0
 
 
 def test_prompt_lookup_beside_the_draft_is_exact_and_used(smollm_dir, truncated_draft, ar_outputs):
@@ -409,18 +414,17 @@ class _EveryOtherLookup(_FixedCosts):
 
     def __init__(self, k_max=4):
         super().__init__(k_max)
-        self.lookup, self.turn = NgramSpeculator(1, 4), 0
+        self.lookup, self.turn = PromptLookup(1, 4), 0
 
-    def choose(self, seqs):
-        ks = super().choose(seqs)
+    def plan(self, seqs):
+        plan = super().plan(seqs)
         self.turn += 1
-        self.lookups = {}
-        for b, s in enumerate(seqs):
+        mixed = []
+        for b, (s, p) in enumerate(zip(seqs, plan.seqs)):
             tokens = self.found.get(s.seq_id, ([], 0))[0]
-            if tokens and (self.turn + b) % 2:
-                self.lookups[s.seq_id] = tokens
-                ks[b] = len(tokens)
-        return ks
+            lookup = tokens if tokens and (self.turn + b) % 2 else None
+            mixed.append(SeqPlan(len(tokens) if lookup else p.k, lookup))
+        return Plan(mixed)
 
 
 def test_prompt_lookup_beside_the_draft_sampling_follows_the_target(tiny_pair):

@@ -1,5 +1,5 @@
 """draft_guesses: prompt lookup guesses the draft's own next tokens, fed in the same draft pass
-(issue 33, lever 3). Every row's logits are what one pass at a time would give (batch-invariant
+Every row's logits are what one pass at a time would give (batch-invariant
 kernels), so the draft's tokens are the same in fewer passes, and SD's output stays AR's.
 Greedy requests only: sampled ones take none."""
 import pytest
@@ -14,14 +14,19 @@ from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT
 
 
-def _rounds(engine: DraftEngine, prompt: list[int], rounds: int, k: int) -> list[list[int]]:
+def _rounds(engine: DraftEngine, prompt: list[int], rounds: int, k: int, steps: list | None = None
+            ) -> list[list[int]]:
     """Draft `rounds` rounds of k tokens; the target keeps half of each round's tokens and adds
-    a token of the prompt (a rejection that rolls the draft's cache back)."""
+    a token of the prompt (a rejection that rolls the draft's cache back). steps: gets each
+    round's step_s."""
     params = SamplingParams.greedy(max_tokens=256)
     s = engine.sync(0, 0, prompt, params, k)
     drafted = []
     for r in range(rounds):
-        tokens = engine.draft([s], [k])[0][0]
+        (proposal,) = engine.draft([s], [k])
+        tokens = proposal.tokens
+        if steps is not None:
+            steps.append(proposal.step_s)
         drafted.append(tokens)
         keep = s.confirmed + len(tokens) // 2
         s = engine.sync(0, keep, [prompt[r % len(prompt)]], None, k)
@@ -40,9 +45,10 @@ def test_guesses_give_the_draft_its_own_tokens_in_fewer_passes(smollm_model, smo
     for guesses in (False, True):
         engine = DraftEngine(smollm_model, torch.device("cpu"), k_max=8, cache_tokens=512, guesses=guesses)
         sizes = fed(engine)
-        drafted[guesses] = _rounds(engine, prompt, 8, 8)
+        steps = []
+        drafted[guesses] = _rounds(engine, prompt, 8, 8, steps)
         passes[guesses] = len(sizes)
-        assert engine.step_s is not None and engine.step_s > 0
+        assert steps[-1] is not None and steps[-1] > 0
     assert drafted[True] == drafted[False]
     assert passes[True] < passes[False], passes
 

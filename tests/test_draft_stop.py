@@ -9,7 +9,7 @@ from ssd.errors import SSDError
 from ssd.models.loader import load_model
 from ssd.speculative.adaptive_k import AutoK
 from ssd.speculative.draft_engine import DraftEngine
-from ssd.speculative.draft_stop import BINS, PRIOR_WEIGHT, DraftStop
+from ssd.speculative.draft_stop import BINS, PRIOR_WEIGHT, DraftStop, StopRule
 from ssd.speculative.options import SpecOptions
 from test_ngram import REPEATING
 
@@ -37,43 +37,41 @@ def test_calibration_starts_at_the_confidence_and_learns_from_reached_tokens():
 def test_floors_weigh_a_token_against_its_cost_at_the_rounds_rate():
     stop = DraftStop()
     verify = lambda rows: 0.02 + 0.001 * rows  # noqa: E731
-    stop.plan(4, 0.005, verify, fallback_rate=50.0)
+    rule = stop.rule(4, 0.005, verify, fallback_rate=50.0)
     mean = sum(stop.accepted) / sum(stop.reached)
-    assert stop.floors == pytest.approx([50.0 * 0.006 / mean] * 3)
-    assert stop.keep_going(1.0, 1) and not stop.keep_going(0.5, 1)
-    assert not stop.keep_going(1.0, 4)  # k_max drafted: no floor past it
+    assert rule.floors == pytest.approx([50.0 * 0.006 / mean] * 3)
+    assert rule.keep_going(1.0, 1) and not rule.keep_going(0.5, 1)
+    assert not rule.keep_going(1.0, 4)  # k_max drafted: no floor past it
+    assert rule.chance(0.95) == stop.chance(0.95)
     stop.observe_rate(10, 0.5)  # a measured rate replaces the fallback
-    stop.plan(4, 0.005, verify, fallback_rate=50.0)
-    assert stop.floors[0] == pytest.approx(20.0 * 0.006 / mean)
+    assert stop.rule(4, 0.005, verify, fallback_rate=50.0).floors[0] == pytest.approx(20.0 * 0.006 / mean)
     stop.observe_rate(2, 0.5)  # moving averages of tokens and seconds: (10 - 1.6) / 0.5
-    stop.plan(4, 0.005, verify, fallback_rate=50.0)
-    assert stop.floors[0] == pytest.approx(16.8 * 0.006 / mean)
+    assert stop.rule(4, 0.005, verify, fallback_rate=50.0).floors[0] == pytest.approx(16.8 * 0.006 / mean)
 
 
 def _draft(model, floors: list[float], params: list[SamplingParams], k: int = 6):
     engine = DraftEngine(model, torch.device("cpu"), k_max=k, cache_tokens=1024)
-    stop = DraftStop()
-    stop.floors, stop.active = floors, True
+    rule = StopRule(tuple(DraftStop().chance((b + 0.5) / BINS) for b in range(BINS)), tuple(floors))
     prompt = list(range(400, 440))
     seqs = [engine.sync(i, 0, prompt, p, k) for i, p in enumerate(params)]
-    return engine.draft(seqs, [k] * len(seqs), stop=stop)
+    return engine.draft(seqs, [k] * len(seqs), stops=[rule] * len(seqs))
 
 
 def test_the_draft_stops_where_the_rule_says(smollm_model):
     greedy = SamplingParams.greedy(max_tokens=64)
     (always,) = _draft(smollm_model, [0.0] * 5, [greedy])
     (never,) = _draft(smollm_model, [2.0] * 5, [greedy])
-    assert len(always[0]) == 6 and len(never[0]) == 1
-    assert never[0] == always[0][:1]
-    assert len(always[3]) == 6 and all(0.0 < c <= 1.0 for c in always[3])
-    assert never[3] == always[3][:1]
+    assert len(always.tokens) == 6 and len(never.tokens) == 1
+    assert never.tokens == always.tokens[:1]
+    assert len(always.confidences) == 6 and all(0.0 < c <= 1.0 for c in always.confidences)
+    assert never.confidences == always.confidences[:1]
 
 
 def test_sampled_requests_draft_the_k_they_are_given(smollm_model):
     sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=64)
     drawn, greedy = _draft(smollm_model, [2.0] * 5, [sampled, SamplingParams.greedy(max_tokens=64)])
-    assert len(drawn[0]) == 6 and drawn[1] is not None and drawn[3] is None
-    assert len(greedy[0]) == 1 and greedy[3] is not None
+    assert len(drawn.tokens) == 6 and drawn.q is not None and drawn.confidences is None
+    assert len(greedy.tokens) == 1 and greedy.confidences is not None
 
 
 class _Seq:
@@ -88,12 +86,13 @@ def test_the_rule_takes_a_round_where_one_greedy_sequence_drafts_alone():
     draft would hold up the others' passes: 0.84-0.88x measured at batch 4) and for a
     sampled request, auto-K's K stands and the rule is off for the round."""
     policy = AutoK(8, lambda rows: 0.05 + 0.002 * rows, 0.01, stop=DraftStop())
-    assert policy.choose([_Seq(0)]) == [8] and policy.stop.active
-    assert len(policy.stop.floors) == 7 and all(f > 0 for f in policy.stop.floors)
-    ks = policy.choose([_Seq(1), _Seq(2)])
-    assert not policy.stop.active and 0 < max(ks) < 8
-    policy.choose([_Seq(3, greedy=False)])
-    assert not policy.stop.active
+    plan = policy.plan([_Seq(0)])
+    (rule,) = [p.stop for p in plan.seqs]
+    assert plan.ks == [8] and rule is not None
+    assert len(rule.floors) == 7 and all(f > 0 for f in rule.floors)
+    plan = policy.plan([_Seq(1), _Seq(2)])
+    assert all(p.stop is None for p in plan.seqs) and 0 < max(plan.ks) < 8
+    assert policy.plan([_Seq(3, greedy=False)]).seqs[0].stop is None
 
 
 def test_sd_with_the_stop_is_exact_and_drafts_rounds_of_many_lengths(smollm_dir, truncated_draft, ar_outputs):
@@ -101,7 +100,7 @@ def test_sd_with_the_stop_is_exact_and_drafts_rounds_of_many_lengths(smollm_dir,
     prompts = [REPEATING, "List three prime numbers and say why they are prime."]
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_stop=True) as llm:
         stop = llm.engine.k_policy.stop
-        assert stop is not None and llm.engine.speculator.stop is stop
+        assert stop is not None
         outs = [llm.generate(p, params)[0] for p in prompts]  # one at a time: the rule's rounds
     assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
     lengths = [k for o in outs for k, n in enumerate(o.metrics.k_hist) if n and k]
@@ -111,7 +110,7 @@ def test_sd_with_the_stop_is_exact_and_drafts_rounds_of_many_lengths(smollm_dir,
 
 def test_sd_without_the_stop_has_none(smollm_dir):
     with LLM(smollm_dir, draft=smollm_dir, mode="sd", draft_stop=False) as llm:
-        assert llm.engine.k_policy.stop is None and llm.engine.speculator.stop is None
+        assert llm.engine.k_policy.stop is None
 
 
 @pytest.mark.parametrize("mode, k", [("sd", 4), ("ssd", 4)])

@@ -3,7 +3,7 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.exactness import pooled_p_value
-from ssd.speculative.ngram import NgramSpeculator
+from ssd.speculative.ngram import PromptLookup
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
 REPEATING = "def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n    return a + b + c\n\n\ndef add"
@@ -15,15 +15,15 @@ class _Seq:
 
 
 def test_lookup_proposes_what_followed_the_latest_match():
-    spec = NgramSpeculator(ngram_min=1, ngram_max=3)
+    spec = PromptLookup(ngram_min=1, ngram_max=3)
     s = _Seq(0, [1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 1, 2, 3])
-    assert spec.lookup(s, 2) == [5, 6]  # "1 2 3" last seen before 5 6, not before 4
+    assert spec.match(s, 2)[0] == [5, 6]  # "1 2 3" last seen before 5 6, not before 4
     s.token_ids += [5, 6]
-    assert spec.lookup(s, 3) == [1, 2, 3]  # "3 5 6" was followed by 1 2 3 (the index grows with the text)
+    assert spec.match(s, 3)[0] == [1, 2, 3]  # "3 5 6" was followed by 1 2 3 (the index grows with the text)
     s.token_ids += [7]
-    assert spec.lookup(s, 3) == []  # "7" never appeared before: no proposal
-    assert spec.lookup(_Seq(1, [8, 8, 8]), 4) == [8]  # "8 8" ends at index 2 -> continuation [8]
-    assert spec.lookup(_Seq(2, [4, 5]), 2) == []
+    assert spec.match(s, 3)[0] == []  # "7" never appeared before: no proposal
+    assert spec.match(_Seq(1, [8, 8, 8]), 4)[0] == [8]  # "8 8" ends at index 2 -> continuation [8]
+    assert spec.match(_Seq(2, [4, 5]), 2)[0] == []
 
 
 def test_ngram_greedy_equals_ar_and_accepts_repeats(smollm_dir, ar_outputs):

@@ -14,8 +14,8 @@ from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
 from ssd.models.loader import load_model
 from ssd.speculative.adaptive_k import AutoK
-from ssd.speculative.records import Alternative, Sibling
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy
+from ssd.speculative.records import Alternative, Proposal, Round, Sibling
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy, choose
 from ssd.speculative.verifier import rescue
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
@@ -91,21 +91,21 @@ def test_the_policy_takes_likely_siblings_while_a_row_is_worth_it_and_learns_the
     policy = SiblingPolicy()
     alts = [Alternative(10 + j, p1, p2) for j, (p1, p2) in enumerate([(0.9, 0.05), (0.5, 0.4), (0.6, 0.3),
                                                                      (0.95, 0.01), (0.4, 0.35), (0.5, 0.3)])]
-    flat = policy.choose([alts, []], rate=20.0, verify=Flat(), rows=8, seq_ids=[0, 1])
+    flat = choose([alts, []], rate=20.0, verify=Flat(), rows=8, calibration=policy.calibration)
     # Every sibling with a promise is free on a flat pass: the likeliest MAX_PER_SEQUENCE.
     promise = [0.05, 0.9 * 0.4, 0.45 * 0.3, 0.27 * 0.01, 0.2565 * 0.35, 0.1026 * 0.3]
     best = sorted(range(6), key=lambda j: -promise[j])[:MAX_PER_SEQUENCE]
     assert [s.depth for s in flat[0]] == best and flat[1] == []
     assert [s.token for s in flat[0]] == [10 + j for j in best]
     # A row that costs 10 ms at 20 tokens/s is worth 0.2 tokens: only the 0.36 promise pays.
-    steep = SiblingPolicy().choose([alts], rate=20.0, verify=lambda r: 0.05 + 0.01 * r, rows=8, seq_ids=[0])
+    steep = choose([alts], rate=20.0, verify=lambda r: 0.05 + 0.01 * r, rows=8, calibration=1.0)
     assert [s.depth for s in steep[0]] == [1]
-    assert SiblingPolicy().choose([alts], rate=20.0, verify=lambda r: 0.05 + 0.1 * r, rows=8, seq_ids=[0]) == [[]]
+    assert choose([alts], rate=20.0, verify=lambda r: 0.05 + 0.1 * r, rows=8, calibration=1.0) == [[]]
     # Rescues seen below the promise lower the calibration (and so the next choice's reach).
     before = policy.calibration
-    policy.observe(0, False)
-    assert policy.calibration < before and 0 not in policy.pending
-    policy.observe(1, True)  # nothing promised for it: nothing learnt
+    policy.learn([Round(None, 6, Proposal([0] * 6), siblings=flat[0], rescued=False)])
+    assert policy.calibration < before and policy.expected == pytest.approx(sum(promise[j] for j in best))
+    policy.learn([Round(None, 6, Proposal([0] * 6), rescued=True)])  # nothing promised for it: nothing learnt
     assert policy.rescued == 0
 
 
@@ -152,9 +152,9 @@ class _FlatSiblings(AutoK):
         super().__init__(4, lambda rows: 1.0, 0.0, siblings=True)
         self.verify = Flat()
 
-    def observe(self, rounds):
-        super().observe([dataclasses.replace(r, draft_s=0.0, verify_s=1.0, step_s=None, catchup=None)
-                         for r in rounds])
+    def learn(self, rounds):
+        super().learn([dataclasses.replace(r, draft_s=0.0, verify_s=1.0, step_s=None, catchup=None)
+                       for r in rounds])
 
 
 def _sampled_with_siblings(tiny_pair, n: int) -> tuple[torch.Tensor, list, list[int]]:

@@ -60,60 +60,28 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ssd.engine.sequence import Sequence
-from ssd.speculative.draft_stop import DraftStop, applies
-from ssd.speculative.ngram import NgramSpeculator
-from ssd.speculative.records import Proposal, Round, Sibling
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy, eligible
+from ssd.speculative.costs import TIME_EMA, Acceptance, CatchupCost, Timings, expected_tokens
+from ssd.speculative.draft_stop import DraftStop, StopRule, applies
+from ssd.speculative.ngram import PromptLookup
+from ssd.speculative.plan import Plan, SeqPlan
+from ssd.speculative.records import Round
+from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy
 
 PRIOR_RATE = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0  # ... worth this many rounds
 SEQ_WEIGHT = 4.0  # a sequence's own rates are shrunk towards the engine-wide ones by this many rounds
 SEQ_DECAY = 0.9  # per round: a sequence's recent text counts most (copying spans come and go)
 ENGINE_DECAY = 0.995
-TIME_EMA = 0.2
 PROBE_K = 2
 PROBE_BUDGET = 0.05  # share of plain decoding time a sequence spends on probes, at most
 ENGINE_EVIDENCE = 8  # decayed rounds at the first position
 PROBE_BACKOFF = 16  # a probe that gains nothing doubles the wait before the next, up to this factor
 CATCHUP_GUESS = 0.05  # a catch-up token's cost in draft steps, until one is measured
-CATCHUP_DECAY = 0.9  # per catch-up measured (CatchupCost)
-CATCHUP_RIDGE = 0.01  # ... and its diagonal's relative ridge
 EXPLORE_GAP = 4  # a drafting sequence tries one token deeper than chosen every this many rounds ...
 EXPLORE_EVIDENCE = 1.0  # ... while its own (decayed) rounds that reached that position are fewer
 # Prompt lookup's acceptance assumed before any is measured, by match length 1, 2, 3, 4+
 # (replayed on the bench sets, bench/lookup_headroom.py: a 1-token match is rarely a copy).
 LOOKUP_PRIOR = (0.2, 0.4, 0.6, 0.75)
-
-
-@dataclass
-class Acceptance:
-    """Decayed counts, per draft position, of rounds that reached it and accepted it."""
-
-    decay: float
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        n = len(self.reached)
-        if drafted > n:
-            self.reached += [0.0] * (drafted - n)
-            self.accepted += [0.0] * (drafted - n)
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
-        for i in range(min(accepted + 1, drafted)):  # positions 0..accepted were tried
-            self.reached[i] += 1
-            self.accepted[i] += i < accepted
-
-    def rates(self, k: int, prior: list[float], weight: float) -> list[float]:
-        """a_1..a_k: the observed counts with `weight` rounds of a prior added. The prior at a
-        position is `prior` there, scaled by how this one's rate compared with `prior` at the
-        position before: positions not reached yet follow the ones that were."""
-        out = []
-        for i in range(k):
-            r, a = (self.reached[i], self.accepted[i]) if i < len(self.reached) else (0.0, 0.0)
-            p = prior[i] if i == 0 else min(1.0, prior[i] * out[-1] / max(prior[i - 1], 1e-6))
-            out.append((a + weight * p) / (r + weight))
-        return out
 
 
 @dataclass
@@ -129,102 +97,15 @@ class SeqState:
     without: float | None = None  # seconds a token without the draft (plain, or its lookup), moving average
 
 
-def expected_tokens(rates: list[float]) -> list[float]:
-    """E(K) for K = 0..len(rates)."""
-    out, run = [1.0], 1.0
-    for a in rates:
-        run *= a
-        out.append(out[-1] + run)
-    return out
+class KPolicy:
+    """What every K policy does: plan each round (plan.py), learn from its records, and forget
+    a sequence (registered with the engine's registry)."""
 
+    def plan(self, seqs: list[Sequence]) -> Plan:
+        raise NotImplementedError
 
-class CatchupCost:
-    """The draft's catch-up beyond a step, fitted as a x tokens + b x keys (the keys their
-    attention reads, each token's position + 1 summed) by decayed least squares over the
-    catch-ups measured: a long prompt costs more a token than a short one, by attention's
-    share, which grows with the context (on the Zen 5 host 0.75 ms a token over a 148-token
-    prompt, 1.26 ms over a 960-token one). Tokens count in thousands and keys in millions, so
-    the two columns are of a size."""
-
-    def __init__(self) -> None:
-        self.sums: list[float] | None = None  # decayed sums of n n, n k, k k, n y, k y
-
-    def observe(self, seconds: float, tokens: int, keys: float) -> None:
-        n, k = tokens / 1e3, keys / 1e6
-        new = [n * n, n * k, k * k, n * seconds, k * seconds]
-        self.sums = new if self.sums is None else [CATCHUP_DECAY * a + b for a, b in zip(self.sums, new)]
-
-    def __call__(self, tokens: int, keys: float) -> float | None:
-        """Seconds for a catch-up of this size; None before any was measured."""
-        if self.sums is None:
-            return None
-        nn, nk, kk, ny, ky = self.sums
-        nn, kk = nn * (1 + CATCHUP_RIDGE), kk * (1 + CATCHUP_RIDGE)  # alike sizes alone: a stable fit
-        det = nn * kk - nk * nk
-        a, b = ((ny * kk - ky * nk) / det, (ky * nn - ny * nk) / det) if det > 0 else (-1.0, -1.0)
-        if b < 0 or a < 0:  # noise, or one size alone: the better of the one-column fits
-            a, b = (ny / nn, 0.0) if kk == 0 or ny * ny / nn >= ky * ky / kk else (0.0, ky / kk)
-        return a * tokens / 1e3 + b * keys / 1e6
-
-
-class Timings:
-    """Moving averages of the target's pass by rows, read with interpolation. The start-up
-    timings are replaced by the first round measured at each size (a real round also pays for
-    sampling and verification). A pass over more rows costs at least what one over fewer
-    does, so a reading is capped by every larger size's: a start-up timing caught in a spike
-    of the host's load would otherwise stand until that size ran again, and a plain decoding
-    step that looks dearer than a verify pass makes drafting look free (then K = 0, the size
-    that would correct it, never runs)."""
-
-    def __init__(self, initial: dict[int, float]):
-        self.values = dict(initial)
-        self.measured: set[int] = set()
-
-    def observe(self, size: int, seconds: float) -> None:
-        old = self.values.get(size)
-        self.values[size] = old + TIME_EMA * (seconds - old) if size in self.measured else seconds
-        self.measured.add(size)
-
-    def __call__(self, size: int) -> float:
-        return min([self._read(size)] + [v for s, v in self.values.items() if s > size])
-
-    def _read(self, size: int) -> float:
-        if size in self.values:
-            return self.values[size]
-        known = sorted(self.values)
-        below = [s for s in known if s < size]
-        above = [s for s in known if s > size]
-        if below and above:
-            lo, hi = below[-1], above[0]
-        elif len(below) >= 2:
-            lo, hi = below[-2], below[-1]
-        elif len(above) >= 2:
-            lo, hi = above[0], above[1]
-        else:  # one point: proportional to size
-            s = known[0]
-            return self.values[s] * size / s
-        v_lo, v_hi = self.values[lo], self.values[hi]
-        return max(0.0, v_lo + (v_hi - v_lo) * (size - lo) / (hi - lo))
-
-
-class FixedK:
-    """Every sequence drafts K tokens every round."""
-
-    def __init__(self, k: int):
-        self.k_max = k
-        # The last choose()'s prompt-lookup proposals by seq_id (their K is the count chosen);
-        # every other sequence drafts. Only AutoK with prompt lookup fills it.
-        self.lookups: dict[int, list[int]] = {}
-
-    def choose(self, seqs: list[Sequence]) -> list[int]:
-        return [self.k_max] * len(seqs)
-
-    def observe(self, rounds: list[Round]) -> None:
+    def learn(self, rounds: list[Round]) -> None:
         pass
-
-    # The round's sibling leaves (siblings.py) for speculative_round, or None: they need
-    # auto-K's measured costs.
-    siblings: Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None = None
 
     def release(self, seq_id: int) -> None:
         pass
@@ -233,40 +114,50 @@ class FixedK:
         return {}
 
 
-class AutoK(FixedK):
+class FixedK(KPolicy):
+    """Every sequence drafts K tokens every round."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def plan(self, seqs: list[Sequence]) -> Plan:
+        return Plan([SeqPlan(self.k)] * len(seqs))
+
+
+class AutoK(KPolicy):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
     def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
-                 steps_measured: bool = False, lookup: NgramSpeculator | None = None, window: int | None = None,
+                 steps_measured: bool = False, lookup: PromptLookup | None = None, window: int | None = None,
                  siblings: bool = False, stop: DraftStop | None = None):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
-        steps_measured: the draft times its steps itself (observe's step_s; SD), else a round's
+        steps_measured: the draft times its steps itself (the rounds' step_s; SD), else a round's
         wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
         beside the draft (module doc); window: the most tokens a catch-up reads (draft_window);
-        siblings: choose sibling leaves for the draft's proposals (siblings.py); stop: the draft's
+        siblings: offer sibling leaves beside the draft's proposals (siblings.py); stop: the draft's
         stopping rule (draft_stop.py), which drafting sequences it applies to get K = k_max for."""
-        super().__init__(k_max)
+        self.k_max = k_max
         self.stop = stop
         self.lookup, self.window = lookup, window
         self.sibling_policy = SiblingPolicy() if siblings else None
-        self.siblings = self._siblings if siblings else None
-        self.lookup_engine = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
+        self.lookup_overall = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
         self.found: dict[int, tuple[list[int], int]] = {}  # seq_id -> this round's lookup and its match class
         self.steps_measured = steps_measured
         self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2 + (MAX_PER_SEQUENCE if siblings else 0))})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
         self.catchup = CatchupCost()  # the draft's cost of reading tokens it has not seen
-        self.engine = Acceptance(ENGINE_DECAY)
+        self.overall = Acceptance(ENGINE_DECAY)  # engine-wide, over every sequence's rounds
         self.seqs: dict[int, SeqState] = {}
         self.probing: set[int] = set()  # the sequences probing on their own budget this round
         self.engine_idle_s = 0.0  # seconds since any sequence drafted
         self.engine_backoff = 1  # the engine's probes double their wait as the sequences' do
         self.engine_probe: int | None = None  # the sequence probing on the engine's budget this round
 
-    def choose(self, seqs: list[Sequence]) -> list[int]:
-        prior = self.engine.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
-        gains = [expected_tokens(self._state(s).acceptance.rates(self.k_max, prior, SEQ_WEIGHT)) for s in seqs]
+    def plan(self, seqs: list[Sequence]) -> Plan:
+        prior = self.overall.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
+        rates = [self._state(s).acceptance.rates(self.k_max, prior, SEQ_WEIGHT) for s in seqs]
+        gains = [expected_tokens(r) for r in rates]
         # Each sequence's options: draft K = 0..k_max tokens (K = 0: plain decoding), then its
         # lookup's first 1..n tokens; as (tokens expected, rows, draft steps).
         self.found = {}
@@ -275,7 +166,8 @@ class AutoK(FixedK):
                    for g, (_, lg) in zip(gains, found)]
         picks = self._best(options)
         ks = [min(p, self.k_max) for p in picks]
-        self.lookups, self.probing, self.engine_probe = {}, set(), None
+        lookups: dict[int, list[int]] = {}  # seq_id -> prompt lookup's tokens proposed instead of the draft's
+        self.probing, self.engine_probe = set(), None
         learning = not self.engine_knows()  # too little measured to refuse a catch-up
         # Once learning is over, a probe is worth its catch-up only if drafting, were it to work
         # as the prior assumes, would save more than that over the tokens left (no probe near a
@@ -304,7 +196,7 @@ class AutoK(FixedK):
                 ks[b], picks[b] = 0, self.k_max + k if k else 0
             if picks[b] > self.k_max:  # a lookup round
                 ks[b] = picks[b] - self.k_max
-                self.lookups[s.seq_id] = found[b][0][:ks[b]]
+                lookups[s.seq_id] = found[b][0][:ks[b]]
                 continue
             if ks[b] == 0 and catchup <= best_case:
                 k = min(PROBE_K, self.k_max)
@@ -326,41 +218,30 @@ class AutoK(FixedK):
             # A position beyond the chosen K is never reached, so its rate (the engine-wide one)
             # would never be corrected by this sequence: now and then it drafts one token deeper.
             k, state = ks[b], self.seqs[s.seq_id]
-            if 0 < k < self.k_max and s.seq_id not in self.probing and s.seq_id not in self.lookups \
+            if 0 < k < self.k_max and s.seq_id not in self.probing and s.seq_id not in lookups \
                     and state.explore_wait >= EXPLORE_GAP and self._evidence(s, k) < EXPLORE_EVIDENCE:
                 ks[b] = k + 1
                 state.explore_wait = 0
-        if self.stop is not None:
-            self._let_stop(seqs, ks, gains)
-        return ks
+        rule = self._stop_rule(seqs, ks, gains, lookups) if self.stop is not None else None
+        alternatives = self.sibling_policy is not None
+        offer = self.sibling_policy.offer(seqs, rates, self.draft_step, self.verify) if alternatives else None
+        return Plan([SeqPlan(k, lookups.get(s.seq_id), alternatives, rule if rule is not None and applies(s) else None)
+                     for s, k in zip(seqs, ks)], offer)
 
-    def _let_stop(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]]) -> None:
+    def _stop_rule(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]],
+                   lookups: dict[int, list[int]]) -> StopRule | None:
         """The draft's stopping rule (draft_stop.py) takes over the length of a drafting round
         where one sequence drafts alone (not a probe, not a lookup round): its K becomes k_max,
         a cap. The rule's rate before any round was measured: the one expected of the K chosen
-        here."""
-        drafting = [b for b, k in enumerate(ks) if k and seqs[b].seq_id not in self.lookups]
+        here. None: the rule does not apply this round."""
+        drafting = [b for b, k in enumerate(ks) if k and seqs[b].seq_id not in lookups]
         s = seqs[drafting[0]] if len(drafting) == 1 else None
-        self.stop.active = s is not None and s.seq_id not in self.probing and s.seq_id != self.engine_probe \
-            and applies(s)
-        if not self.stop.active:
-            return
+        if s is None or s.seq_id in self.probing or s.seq_id == self.engine_probe or not applies(s):
+            return None
         k = ks[drafting[0]]
-        self.stop.plan(self.k_max, self.draft_step, self.verify,
-                       gains[drafting[0]][k] / (k * self.draft_step + self.verify(k + 1)))
         ks[drafting[0]] = self.k_max
-
-    def _siblings(self, seqs: list[Sequence], proposals: list[Proposal]) -> list[list[Sibling]]:
-        """This round's sibling leaves (siblings.py), at the rate its chains make: their expected
-        tokens over the round's draft steps and verify pass."""
-        prior = self.engine.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
-        gain = sum(expected_tokens(self._state(s).acceptance.rates(len(p.tokens), prior, SEQ_WEIGHT))[-1]
-                   for s, p in zip(seqs, proposals))
-        rows = sum(len(p.tokens) + 1 for p in proposals)
-        deepest = max((len(p.tokens) for p in proposals if not p.lookup), default=0)
-        rate = gain / max(deepest * self.draft_step + self.verify(rows), 1e-9)
-        wanted = [p.alternatives if eligible(s) and not p.lookup else [] for s, p in zip(seqs, proposals)]
-        return self.sibling_policy.choose(wanted, rate, self.verify, rows, [s.seq_id for s in seqs])
+        return self.stop.rule(self.k_max, self.draft_step, self.verify,
+                              gains[drafting[0]][k] / (k * self.draft_step + self.verify(k + 1)))
 
     def _evidence(self, seq: Sequence, position: int) -> float:
         """The sequence's own decayed rounds that reached draft position `position` (0-based)."""
@@ -369,7 +250,7 @@ class AutoK(FixedK):
 
     def engine_knows(self) -> bool:
         """Enough recent rounds engine-wide that a sequence may be refused drafting by them."""
-        return bool(self.engine.reached) and self.engine.reached[0] >= ENGINE_EVIDENCE
+        return bool(self.overall.reached) and self.overall.reached[0] >= ENGINE_EVIDENCE
 
     def _round_s(self, k: int) -> float:
         """D(k) + V(k + 1): one sequence's round drafting k tokens."""
@@ -402,7 +283,7 @@ class AutoK(FixedK):
             return [], []
         c = min(n, len(LOOKUP_PRIOR)) - 1
         self.found[seq.seq_id] = tokens, c
-        prior = self.lookup_engine[c].rates(len(tokens), [LOOKUP_PRIOR[c]] * len(tokens), PRIOR_WEIGHT)
+        prior = self.lookup_overall[c].rates(len(tokens), [LOOKUP_PRIOR[c]] * len(tokens), PRIOR_WEIGHT)
         return tokens, expected_tokens(self._state(seq).lookup[c].rates(len(tokens), prior, SEQ_WEIGHT))
 
     def _best(self, options: list[list[tuple[float, int, int]]]) -> list[int]:
@@ -430,7 +311,7 @@ class AutoK(FixedK):
                 picks[b] = best
         return picks
 
-    def observe(self, rounds: list[Round]) -> None:
+    def learn(self, rounds: list[Round]) -> None:
         """One round of the batch (round.py): tokens each sequence drafted and had accepted, the
         round's wait for proposals and its pass, and where the draft measured them, its time
         per draft token without catch-up (a prompt's prefill, tokens missed at K = 0: counting
@@ -444,7 +325,7 @@ class AutoK(FixedK):
                 known = min(len(tokens), len(r.tokens))
                 agree = next((i for i in range(known) if tokens[i] != r.tokens[i]), known)
                 state.lookup[c].observe(min(agree + 1, known), agree)
-                self.lookup_engine[c].observe(min(agree + 1, known), agree)
+                self.lookup_overall[c].observe(min(agree + 1, known), agree)
             if r.proposal.lookup:  # the draft neither ran nor read these: it stays idle
                 state.idle_s += draft_s + verify_s
             elif d:
@@ -456,7 +337,7 @@ class AutoK(FixedK):
                 state.idle_s = 0.0
                 state.explore_wait += 1
                 state.acceptance.observe(d, a)
-                self.engine.observe(d, a)
+                self.overall.observe(d, a)
             else:
                 state.idle_s += draft_s + verify_s
         self.engine_idle_s = 0.0 if any(drafted) else self.engine_idle_s + draft_s + verify_s
@@ -467,15 +348,14 @@ class AutoK(FixedK):
             self.draft_measured = True
         if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
             self.catchup.observe(max(0.0, catchup[0] - self.draft_step), catchup[1], catchup[2])
-        self.verify.observe(sum(r.drafted + r.siblings for r in rounds) + len(rounds), verify_s)
+        self.verify.observe(sum(r.drafted + len(r.siblings) for r in rounds) + len(rounds), verify_s)
         if self.sibling_policy is not None:
-            for r in rounds:
-                self.sibling_policy.observe(r.seq.seq_id, r.rescued)
+            self.sibling_policy.learn(rounds)
         if self.stop is not None and any(drafted):
-            for r in rounds:
-                if r.proposal.confidences is not None:
-                    self.stop.observe(r.proposal.confidences, r.accepted)
-            if catchup is None and self.stop.active:  # (a catch-up's pass is no draft step)
+            stopped = [r for r in rounds if r.proposal.confidences is not None]  # the rule's, where it applied
+            for r in stopped:
+                self.stop.observe(r.proposal.confidences, r.accepted)
+            if catchup is None and stopped:  # (a catch-up's pass is no draft step)
                 self.stop.observe_rate(sum(len(r.tokens) for r in rounds), draft_s + verify_s)
 
     def _state(self, seq: Sequence) -> SeqState:
@@ -484,8 +364,6 @@ class AutoK(FixedK):
     def release(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.found.pop(seq_id, None)
-        if self.sibling_policy is not None:
-            self.sibling_policy.release(seq_id)
         if self.lookup is not None:
             self.lookup.release(seq_id)
         self.probing.discard(seq_id)

@@ -19,10 +19,10 @@ from ssd.errors import SSDError
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.draft_stop import DraftStop, applies
+from ssd.speculative.draft_stop import StopRule, applies
 from ssd.speculative.ngram_index import NgramIndex
 from ssd.speculative.options import DraftConfig
-from ssd.speculative.records import Alternative, round_k
+from ssd.speculative.records import Alternative, Proposal, round_k
 from ssd.speculative.spec_cache import SpeculationCache
 from ssd.speculative.vocab import DraftHead, ExtraTokens
 
@@ -111,9 +111,6 @@ class DraftEngine:
         self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=min(self.max_len, cache_tokens) + k_max + 1)
         self.runner.warm_up(head=False)  # the draft's passes stop at hidden states (DraftHead)
         self.seqs: dict[int, DraftSeq] = {}
-        self.step_s: float | None = None  # the last draft() call's mean step, catch-up steps left out
-        # The last draft() call's catch-up: (seconds, tokens read, the keys their attention read).
-        self.catchup: tuple[float, int, float] | None = None
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
             self._seeds.seed()
@@ -189,21 +186,22 @@ class DraftEngine:
 
     # ---- drafting -------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(self, seqs: list[DraftSeq], ks: list[int], alternatives: bool = False, stop: DraftStop | None = None
-              ) -> list[tuple[list[int], torch.Tensor | None, list[Alternative], list[float] | None]]:
+    def draft(self, seqs: list[DraftSeq], ks: list[int], alternatives: bool = False,
+              stops: list[StopRule | None] | None = None) -> list[Proposal]:
         """ks[b] tokens for each sequence, appended to its speculation, one batched forward pass
         per token (fewer where the draft's guesses are right, _guess); the first pass feeds
-        whatever the draft has not seen (a prompt, the target's token). With an active `stop`,
+        whatever the draft has not seen (a prompt, the target's token). With a rule in stops[b],
         a greedy request whose logits nothing changes drafts up to ks[b] tokens, as long as the
-        rule of draft_stop.py says one more is worth it. Returns (tokens, q [k, V] they were drawn from,
-        or None for greedy requests, with `alternatives` each drafted token's runner-up (requests
-        whose logits nothing changes, ssd/speculative/siblings.py; else empty), and where `stop`
-        applied, each token's top-1 probability (else None))."""
+        rule (draft_stop.py) says one more is worth it. Each proposal has the q [k, V] its
+        tokens were drawn from (None for greedy requests), with `alternatives` each drafted
+        token's runner-up (requests whose logits nothing changes, ssd/speculative/siblings.py),
+        where a rule applied each token's top-1 probability, and the call's timings (step_s,
+        catchup: Proposal)."""
         ks = list(ks)
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]
-        stops = [stop is not None and stop.active and applies(s) for s in seqs]
+        rules = [rule if rule is not None and applies(s) else None for s, rule in zip(seqs, stops or [None] * len(seqs))]
         confs: list[list[float]] = [[] for _ in seqs]
         survival = [1.0] * len(seqs)
         step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence
@@ -224,7 +222,7 @@ class DraftEngine:
                 chunks.append(Chunk(s.seq_id, s.tokens[s.cached:] + guess, s.cached, 1 + len(guess)))
                 guesses.append(guess)
             picked, q, runner_up, conf = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
-                                                   [1 + len(g) for g in guesses], alternatives, any(stops))
+                                                   [1 + len(g) for g in guesses], alternatives, any(rules))
             row, advanced = 0, []
             for i, b in enumerate(live):
                 s, guess = seqs[b], guesses[i]
@@ -240,11 +238,11 @@ class DraftEngine:
                     if alt is not None and len(alts[b]) == len(tokens[b]):  # none after a forced token
                         alts[b].append(alt)
                     tokens[b].append(token)
-                if stops[b]:  # the tokens of one pass come together: the rule reads the last
+                if rules[b] is not None:  # the tokens of one pass come together: the rule reads the last
                     for c in conf[row:row + len(new)]:
                         confs[b].append(c)
-                        survival[b] *= stop.chance(c)
-                    if not stop.keep_going(survival[b], len(tokens[b])):
+                        survival[b] *= rules[b].chance(c)
+                    if not rules[b].keep_going(survival[b], len(tokens[b])):
                         ks[b] = len(tokens[b])
                 advanced.append(len(new))
                 row += len(guess) + 1
@@ -259,10 +257,10 @@ class DraftEngine:
                     n = len(c.tokens) - len(g)
                     catchup_tokens += n
                     catchup_keys += n * (c.start + (n + 1) / 2)  # each token attends to those before it and itself
-        self.step_s = step_s / step_tokens if step_tokens else None
-        self.catchup = (catchup_s, catchup_tokens, catchup_keys) if catchup_tokens else None
-        return [(t, torch.stack(q) if q else None, a, c if stopped else None)
-                for t, q, a, c, stopped in zip(tokens, qs, alts, confs, stops)]
+        step = step_s / step_tokens if step_tokens else None
+        catchup = (catchup_s, catchup_tokens, catchup_keys) if catchup_tokens else None
+        return [Proposal(t, torch.stack(q) if q else None, alternatives=a, confidences=c if rule is not None else None,
+                         step_s=step, catchup=catchup) for t, q, a, c, rule in zip(tokens, qs, alts, confs, rules)]
 
     def _guess(self, s: DraftSeq, most: int) -> list[int]:
         """Prompt lookup's guess of the draft's next `most` tokens, this pass's pick the first

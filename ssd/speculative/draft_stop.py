@@ -25,6 +25,7 @@ batch's costs, stands there. Replayed on the bench sets' greedy outputs
 (bench/draft_stop_headroom.py), the rule gained 4-9 % over the best fixed K.
 """
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from ssd.sampling_params import SamplingParams
@@ -50,9 +51,25 @@ def _bin(confidence: float) -> int:
     return min(BINS - 1, max(0, int(confidence * BINS)))
 
 
+@dataclass(frozen=True)
+class StopRule:
+    """One round's rule, as the policy planned it: the draft's calibration f by bin and the
+    floors, fixed for the round (the counts change only once it is over)."""
+
+    chances: tuple[float, ...]  # f(c) by bin
+    floors: tuple[float, ...]  # floors[j - 1]: the least S_j at which token j + 1 is drafted
+
+    def chance(self, confidence: float) -> float:
+        return self.chances[_bin(confidence)]
+
+    def keep_going(self, survival: float, depth: int) -> bool:
+        """Draft token depth + 1, the chain so far taken whole with probability `survival`?"""
+        return depth <= len(self.floors) and survival >= self.floors[depth - 1]
+
+
 class DraftStop:
-    """The draft's calibration and the stopping rule (module doc); auto-K owns one, SD's
-    draft reads it as it drafts."""
+    """The draft's calibration and the rate of the rule's rounds, learnt from the rounds;
+    auto-K owns one and plans each round's StopRule from it."""
 
     def __init__(self) -> None:
         self.reached = [PRIOR_WEIGHT] * BINS
@@ -61,24 +78,20 @@ class DraftStop:
         # the rate (steadier than averaging the rounds' own rates, which go from 1 token to k_max + 1).
         self.tokens: float | None = None
         self.seconds = 0.0
-        self.floors: list[float] = []  # floors[j - 1]: the least S_j at which token j + 1 is drafted
-        self.active = False  # this round: auto-K applies the rule where one sequence drafts alone
 
     def chance(self, confidence: float) -> float:
         """f(c): how often the target took a drafted token of this top-1 probability."""
         b = _bin(confidence)
         return self.accepted[b] / self.reached[b]
 
-    def keep_going(self, survival: float, depth: int) -> bool:
-        """Draft token depth + 1, the chain so far taken whole with probability `survival`?"""
-        return depth <= len(self.floors) and survival >= self.floors[depth - 1]
-
-    def plan(self, k_max: int, step_s: float, verify: Callable[[int], float], fallback_rate: float) -> None:
-        """This round's floors, from the draft step's and the verify pass's costs; the rate is
+    def rule(self, k_max: int, step_s: float, verify: Callable[[int], float], fallback_rate: float) -> StopRule:
+        """This round's rule, from the draft step's and the verify pass's costs; the rate is
         the rounds' measured one, or `fallback_rate` before any round was measured."""
         rate = self.tokens / self.seconds if self.tokens is not None else fallback_rate
         mean = sum(self.accepted) / sum(self.reached)
-        self.floors = [rate * (step_s + verify(j + 2) - verify(j + 1)) / max(mean, 1e-6) for j in range(1, k_max)]
+        return StopRule(tuple(a / r for a, r in zip(self.accepted, self.reached)),
+                        tuple(rate * (step_s + verify(j + 2) - verify(j + 1)) / max(mean, 1e-6)
+                              for j in range(1, k_max)))
 
     def observe(self, confidences: list[float], accepted: int) -> None:
         """A round's drafted tokens' top-1 probabilities and how many the target took: each

@@ -8,28 +8,26 @@ The proposals are not drawn from any distribution, so they are verified as one-h
 """
 from ssd.engine.sequence import Sequence
 from ssd.speculative.ngram_index import NgramIndex
+from ssd.speculative.plan import SeqPlan
 from ssd.speculative.records import Proposal
-from ssd.speculative.speculator import Speculator
+from ssd.speculative.speculator import DraftSource
 
 
-class NgramSpeculator(Speculator):
+class PromptLookup(DraftSource):
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
         """ngram_min, ngram_max: as checked by the speculation options (check_ngram_sizes)."""
         super().__init__()
         self.ngram_min, self.ngram_max = ngram_min, ngram_max
         self.indexes: dict[int, NgramIndex] = {}
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        return [Proposal(self.lookup(seq, k)) for seq, k in zip(seqs, ks)]
+    def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
+        return [Proposal(self.match(seq, p.k)[0]) for seq, p in zip(seqs, plans)]
 
     def release(self, seq_id: int) -> None:
         self.indexes.pop(seq_id, None)
 
     def held(self) -> dict[str, int]:
         return {"n-gram indexes": len(self.indexes)}
-
-    def lookup(self, seq: Sequence, k: int) -> list[int]:
-        return self.match(seq, k)[0]
 
     def match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """Up to k tokens that followed the latest earlier occurrence of the sequence's newest

@@ -36,6 +36,7 @@ class Sibling:
 
     depth: int
     token: int
+    promise: float = 0.0  # the draft's probability that it rescues the round (siblings.choose)
 
 
 @dataclass
@@ -57,6 +58,11 @@ class Proposal:
     # SD with draft_stop: each drafted token's top-1 probability, the draft's stopping rule's
     # input (draft_stop.py); None where the rule did not apply.
     confidences: list[float] | None = None
+    # Where the draft times its own steps (SD), the batch's: seconds per draft token, catch-up
+    # left out (None: no such step), and its catch-up (seconds, tokens it read that it had not
+    # seen, and the keys their attention read: each token's position + 1, summed).
+    step_s: float | None = None
+    catchup: tuple[float, int, float] | None = None
 
 
 @dataclass
@@ -71,14 +77,15 @@ class Round:
     tokens: list[int] = field(default_factory=list)  # those tokens, then the target's own
     draft_s: float = 0.0  # the target's wait for the proposals
     verify_s: float = 0.0  # the target's pass (the verify pass, or the plain step)
-    # Where the draft times its own steps (SD): seconds per draft token, catch-up left out
-    # (None: no such step), and its catch-up (seconds, tokens it read that it had not seen, and
-    # the keys their attention read: each token's position + 1, summed).
+    # The draft source's timings of the round (Proposal.step_s, .catchup).
     step_s: float | None = None
     catchup: tuple[float, int, float] | None = None
     logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
-    siblings: int = 0  # sibling leaves verified beside the drafts (siblings.py)
+    siblings: list[Sibling] = field(default_factory=list)  # verified beside the drafts (siblings.py)
     rescued: bool = False  # one was taken: `tokens` are the accepted drafts, it, the target's own
+    # The tokens before the round and the accepted drafts: what the draft source holds of the
+    # sequence that is right (None: the source was not asked this round).
+    kept: int | None = None
 
     @property
     def drafted(self) -> int:

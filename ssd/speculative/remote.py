@@ -32,23 +32,25 @@ from ssd.engine.placement import Placement, pinned
 from ssd.engine.sequence import Sequence
 from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.options import SECRET_ENV, DraftConfig
+from ssd.speculative.plan import SeqPlan
 from ssd.speculative.protocol import Channel, Limits, QueueChannel, SpecRequest, decode_replies, encode_requests
 from ssd.speculative.records import Proposal
-from ssd.speculative.speculator import Speculator, propose_locally
+from ssd.speculative.speculator import DraftSource, propose_locally
 from ssd.speculative.worker import serve_in_thread
 
 log = logging.getLogger("ssd")
 
 
-class RemoteSpeculator(Speculator):
-    def __init__(self, config: DraftConfig, target: Placement, draft: Placement, *,
+class SSDWorker(DraftSource):
+    def __init__(self, config: DraftConfig, target: Placement, draft: Placement, context: int, *,
                  fallback: Callable[[], DraftEngine], address: str | None = None, secret: str | None = None,
                  timeout: float = 60.0, startup_timeout: float = 600.0, in_thread: bool = False):
         """config: what the worker builds. address: HOST:PORT to wait at for a worker started
         by hand (`ssd worker --connect HOST:PORT`, knowing `secret`); None starts one here: a
         process, or with `in_thread` a thread of this one (worker.serve_in_thread: one GPU for
-        both, the draft on a CUDA stream of its own)."""
-        super().__init__()
+        both, the draft on a CUDA stream of its own). context: the positions the draft model holds."""
+        super().__init__(context)
+        self.weights = config.weights
         self.config, self.target, self.draft = config, target, draft
         self.address, self.secret = address, secret
         self.make_fallback = fallback
@@ -131,18 +133,18 @@ class RemoteSpeculator(Speculator):
             cores = tuple(sorted({*cores, *self.draft.cores}))
         return pinned(cores)
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
         if self.restart:
             self.restart = False
             self._connect()
             self.wait_ready()
         if self.channel is None:
-            return self._propose_locally(seqs, ks)
+            return self._propose_locally(seqs, plans)
         try:
-            return self._exchange(seqs, ks)
+            return self._exchange(seqs, plans)
         except LinkError as e:
             self._fail_over(e)
-            proposals = self._propose_locally(seqs, ks)  # again, from scratch, in this process
+            proposals = self._propose_locally(seqs, plans)  # again, from scratch, in this process
             for p in proposals:
                 p.failed_over = True
             return proposals
@@ -150,9 +152,9 @@ class RemoteSpeculator(Speculator):
             self._interrupted()
             raise
 
-    def _exchange(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        requests = [SpecRequest(seq.seq_id, num_valid, new, k, params)
-                    for seq, k in zip(seqs, ks) for num_valid, new, params in [self.next_update(seq)]]
+    def _exchange(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
+        requests = [SpecRequest(seq.seq_id, num_valid, new, p.k, params)
+                    for seq, p in zip(seqs, plans) for num_valid, new, params in [self.next_update(seq)]]
         self.channel.send(encode_requests(requests, self._take_released()))
         msg, floats = self.channel.recv()
         if msg["type"] != "reply":
@@ -187,7 +189,7 @@ class RemoteSpeculator(Speculator):
                 self._fail_over(e if isinstance(e, LinkError) else LinkError(f"a bad held message: {e}"))
         return held
 
-    def _propose_locally(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def _propose_locally(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
         if self.local is None and not self.ar_only:
             try:
                 self.local = self.make_fallback()
@@ -197,7 +199,7 @@ class RemoteSpeculator(Speculator):
                 self.ar_only = True
         if self.local is None:
             return [Proposal([]) for _ in seqs]
-        return propose_locally(self, self.local, seqs, ks)
+        return propose_locally(self, self.local, seqs, plans)
 
     def _fail_over(self, error: Exception) -> None:
         self.failures += 1

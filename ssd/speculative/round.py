@@ -1,25 +1,27 @@
-"""One speculative round, the same in SD and SSD: propose -> verify -> accept, and its record.
+"""One speculative round, the same in SD and SSD: plan -> propose -> score -> verify -> accept,
+and its record.
 
-  1. propose: the draft side gives K tokens per sequence (SD: drafted now; SSD: usually
-     ready in the speculation cache);
-  2. the target scores [last, d_1..d_K] in one forward pass (K+1 rows of logits), with SD's
-     sibling leaves where the K policy chose some (siblings.py: the draft's runner-up beside
-     d_j, one more row each);
+  0. plan (plan.py): the K policy's word per sequence: K, prompt lookup's tokens or the
+     draft's, sibling leaves, whether the draft may stop early;
+  1. propose: the draft source gives up to K tokens per sequence (SD: drafted now; SSD:
+     usually ready in the speculation cache), a lookup round its tokens;
+  2. score: the target scores [last, d_1..d_K] in one forward pass (K+1 rows of logits), with
+     SD's sibling leaves where the plan's terms take some (siblings.py: the draft's runner-up
+     beside d_j, one more row each);
   3. verify (verifier.py): an exact prefix of the drafts is accepted, plus one token of the
      target's own (a recovery token, or the bonus token after all K); where a sibling is that
      recovery token (greedy), or is drawn in its place (sampled: the multi-candidate rule), it
      is taken and its row gives the target's next token too;
-  4. accept: the target's KV cache keeps the valid prefix (rolling back is a truncation),
-     and the draft side is told what the target kept.
+  4. accept: the target's KV cache keeps the valid prefix (rolling back is a truncation).
 
-Each sequence's round leaves one record, `Round`: what was asked for, the draft side's
-`Proposal` (its tokens, where they came from, what they cost the draft side), the verdict,
-and what the round cost. The request's metrics (RequestMetrics.record) and the K policy
-(adaptive_k.py) read it; an SSD worker learns the outcome from the next request, where the
-speculation cache and the fan-out read it (ssd_draft.py).
+Each sequence's round leaves one record, `Round` (records.py): what was asked for, the draft
+source's `Proposal` (its tokens, where they came from, what they cost), the verdict, what the
+target kept and what the round cost. Whoever learns from rounds reads the records after the
+round: the K policy (adaptive_k.py), the draft source (what the draft holds that is right),
+the request's metrics (RequestMetrics.record); an SSD worker learns the outcome from the next
+request, where the speculation cache and the fan-out read it (ssd_draft.py).
 """
 import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,76 +30,89 @@ from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.engine.sampler import probs_from_logits, sample, token_logprobs
 from ssd.engine.sequence import Sequence
+from ssd.speculative.plan import Plan
 from ssd.speculative.records import Proposal, Round, Sibling
 from ssd.speculative.siblings import MAX_PER_SEQUENCE, keep_sibling
-from ssd.speculative.speculator import Speculator
-from ssd.speculative.verifier import rescue, verify, verify_greedy, verify_with_siblings
+from ssd.speculative.speculator import DraftSource
+from ssd.speculative.verifier import Verdict, rescue, verify, verify_greedy, verify_with_siblings
 
 
-def speculative_round(speculator: Speculator, target: ModelRunner, cache: PagedKVCache, seqs: list[Sequence],
-                      ks: list[int], lookups: dict[int, list[int]] | None = None,
-                      siblings: Callable[[list[Sequence], list[Proposal]], list[list[Sibling]]] | None = None
-                      ) -> list[Round]:
-    """One round for the decoding sequences, ks[i] draft tokens asked for seqs[i]; `cache` is
-    the target's KV cache, which `target` writes. lookups: prompt lookup's tokens by seq_id,
-    proposed for those sequences instead of asking the draft (which then holds nothing new of
-    them: its next round there catches up). siblings: the K policy's choice of sibling leaves
-    for the proposals (siblings.py), verified in the same pass."""
-    lookups = lookups or {}
+def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cache: PagedKVCache,
+                      seqs: list[Sequence]) -> list[Round]:
+    """One round for the decoding sequences by `plan` (its K already within each sequence's
+    room, Plan.within); `cache` is the target's KV cache, which `target` writes."""
     t0 = time.perf_counter()
-    asked = [(s, k) for s, k in zip(seqs, ks) if s.seq_id not in lookups]
-    drafted = iter(speculator.propose([s for s, _ in asked], [k for _, k in asked]) if asked else [])
-    proposals = [Proposal(lookups[s.seq_id], lookup=True) if s.seq_id in lookups else next(drafted) for s in seqs]
-    if siblings is not None:
-        for s, p in zip(seqs, proposals):  # sibling leaves need slots past the chain's, where there are some
-            if p.alternatives:
-                need = s.num_tokens + len(p.tokens) + MAX_PER_SEQUENCE
-                if cache.can_reserve(s.seq_id, need):
-                    cache.reserve(s.seq_id, need)
-                else:
-                    p.alternatives = []
-    leaves = siblings(seqs, proposals) if siblings is not None else [[] for _ in seqs]
+    # 1. propose: a lookup round proposes the plan's tokens (the draft then holds nothing new
+    # of that sequence: its next round there catches up); the source proposes the rest.
+    asked = [b for b, p in enumerate(plan.seqs) if p.lookup is None]
+    drafted = iter(source.propose([seqs[b] for b in asked], [plan.seqs[b] for b in asked]) if asked else [])
+    proposals = [Proposal(p.lookup, lookup=True) if p.lookup is not None else next(drafted) for p in plan.seqs]
+    leaves = _siblings(plan, seqs, proposals, cache)
     t1 = time.perf_counter()
+    # 2. score every proposal, and its siblings, in one pass of the target.
     logits = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens + [b.token for b in sib], s.num_tokens - 1,
                                    len(p.tokens) + 1 + len(sib), [1 + b.depth for b in sib])
                              for s, p, sib in zip(seqs, proposals, leaves)])
     t2 = time.perf_counter()
-    step_s, catchup = (speculator.last_step_s(), speculator.last_catchup()) if asked else (None, None)
+    # The source's timings of its drafting (the batch's, on each of its proposals).
+    timed = next((p for p in proposals if not p.lookup), Proposal([]))
     rounds, row = [], 0
-    for seq, k, prop, sib in zip(seqs, ks, proposals, leaves):
+    for seq, k, prop, sib in zip(seqs, plan.ks, proposals, leaves):
         n = len(prop.tokens)
-        tree, row = logits[row:row + n + 1 + len(sib)], row + n + 1 + len(sib)
+        tree = logits[row:row + n + 1 + len(sib)]
+        row += n + 1 + len(sib)
         rows = tree[:n + 1]
         if seq.processor is not None:  # row i after the draft tokens before it, as AR would have it
             rows = seq.processor.process(rows, seq.token_ids, prop.tokens)
-        taken = None  # (sibling index, the token its row gives) where a sibling was taken
-        if seq.params.greedy_decoding:
-            verdict = verify_greedy(rows, prop.tokens)
-            taken = rescue(tree, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
-        else:
-            p = probs_from_logits(rows, seq.params)
-            # The target's head may be padded past the draft's vocabulary: q is 0 there.
-            q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
-            drafts = torch.tensor(prop.tokens, dtype=torch.long)
-            if sib:
-                verdict, took = verify_with_siblings(p, drafts, q, {b.depth: b.token for b in sib}, seq.generator)
-                if took:
-                    i = next(i for i, b in enumerate(sib) if b.depth == verdict.accepted)
-                    taken = i, int(sample(probs_from_logits(tree[n + 1 + i:n + 2 + i], seq.params), seq.generator)[0])
-            else:
-                verdict = verify(p, drafts, q, seq.generator)
-        valid = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
-        if not prop.lookup:
-            speculator.kept(seq, valid)
+        # 3. verify, then 4. accept: the target's cache keeps what stands.
+        verdict, taken = _verify(seq, prop, sib, rows, tree)
+        kept = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         tokens = prop.tokens[:verdict.accepted] + [verdict.token]
         if taken is not None:  # the sibling at the rejected depth, then its row's token
             keep_sibling(cache, seq, n, taken[0], verdict.accepted)
-            valid += 1
             tokens.append(taken[1])
-        cache.truncate(seq.seq_id, valid)
+        cache.truncate(seq.seq_id, kept + (taken is not None))
         lps = None if seq.params.logprobs is None else token_logprobs(rows, tokens, seq.params.logprobs)
         # Where the draft stopped by its own rule, K was only a cap: the round asked for what it drafted.
-        asked = k if prop.confidences is None else len(prop.tokens)
-        rounds.append(Round(seq, asked, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, step_s, catchup, lps,
-                            len(sib), taken is not None))
+        asked_k = k if prop.confidences is None else n
+        rounds.append(Round(seq, asked_k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, timed.step_s,
+                            timed.catchup, lps, sib, taken is not None, None if prop.lookup else kept))
     return rounds
+
+
+def _siblings(plan: Plan, seqs: list[Sequence], proposals: list[Proposal], cache: PagedKVCache
+              ) -> list[list[Sibling]]:
+    """The sibling leaves the plan's terms take beside the drafted chains, where the target's
+    KV cache has slots for them past the chain's (reserved here)."""
+    if plan.siblings is None:
+        return [[] for _ in seqs]
+    room = []
+    for s, p in zip(seqs, proposals):
+        need = s.num_tokens + len(p.tokens) + MAX_PER_SEQUENCE
+        fits = bool(p.alternatives) and cache.can_reserve(s.seq_id, need)
+        if fits:
+            cache.reserve(s.seq_id, need)
+        room.append(fits)
+    return plan.siblings.choose(proposals, room)
+
+
+def _verify(seq: Sequence, prop: Proposal, sib: list[Sibling], rows: torch.Tensor, tree: torch.Tensor
+            ) -> tuple[Verdict, tuple[int, int] | None]:
+    """The verdict on one sequence's proposal (verifier.py) from its chain's K + 1 rows as the
+    request changes them and the whole tree's logits (the siblings' rows after the chain's),
+    and where a sibling was taken, (its index, the token its row gives)."""
+    n = len(prop.tokens)
+    if seq.params.greedy_decoding:
+        verdict = verify_greedy(rows, prop.tokens)
+        return verdict, rescue(tree, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
+    p = probs_from_logits(rows, seq.params)
+    # The target's head may be padded past the draft's vocabulary: q is 0 there.
+    q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
+    drafts = torch.tensor(prop.tokens, dtype=torch.long)
+    if not sib:
+        return verify(p, drafts, q, seq.generator), None
+    verdict, took = verify_with_siblings(p, drafts, q, {b.depth: b.token for b in sib}, seq.generator)
+    if not took:
+        return verdict, None
+    i = next(i for i, b in enumerate(sib) if b.depth == verdict.accepted)
+    return verdict, (i, int(sample(probs_from_logits(tree[n + 1 + i:n + 2 + i], seq.params), seq.generator)[0]))

@@ -1,6 +1,6 @@
 """Sibling leaves: SD's chain of draft tokens plus, at some depths, the draft's runner-up as a
 one-token alternative that the target scores in the same verify pass (the simplest draft
-tree; issue 33, lever 1).
+tree).
 
 At depth j the chain proposes d_j, the draft's top choice; its runner-up s_j is a sibling
 leaf: one more verify row, at d_j's position, that sees the chain's tokens before depth j and
@@ -28,10 +28,12 @@ token, drawn from p there. Requests whose logits something changes (penalties, a
 constraint) or that ask for logprobs keep the chain.
 """
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.sequence import Sequence
-from ssd.speculative.records import Alternative, Sibling
+from ssd.speculative.costs import expected_tokens
+from ssd.speculative.records import Alternative, Proposal, Round, Sibling
 
 MAX_PER_SEQUENCE = 4  # sibling rows a sequence's round may add
 DECAY = 0.98  # per round with siblings: the calibration follows the recent text
@@ -44,50 +46,75 @@ def eligible(seq: Sequence) -> bool:
     return seq.processor is None and seq.params.logprobs is None
 
 
+def choose(alternatives: list[list[Alternative]], rate: float, verify: Callable[[int], float], rows: int,
+           calibration: float) -> list[list[Sibling]]:
+    """Per sequence, its siblings: alternatives[b] are sequence b's drafted tokens' runners-up
+    (empty: none wanted); rate: tokens per second the round makes without siblings;
+    verify(rows): the target's pass over that many rows; rows: the chain's; calibration:
+    rescues seen per rescue the draft's probabilities promised. Each sibling carries its
+    (uncalibrated) promise, which the policy learns from."""
+    pool = []
+    for b, alts in enumerate(alternatives):
+        reach = 1.0
+        for j, a in enumerate(alts):
+            pool.append((reach * a.p2, b, j, a.token))
+            reach *= a.p1
+    pool.sort(key=lambda c: -c[0])
+    chosen: list[list[Sibling]] = [[] for _ in alternatives]
+    for promise, b, depth, token in pool:
+        if len(chosen[b]) == MAX_PER_SEQUENCE:
+            continue
+        if calibration * promise <= rate * (verify(rows + 1) - verify(rows)):
+            break
+        chosen[b].append(Sibling(depth, token, promise))
+        rows += 1
+    return chosen
+
+
+@dataclass(frozen=True)
+class SiblingOffer:
+    """A round's terms for sibling leaves, set when the K policy plans it: the round chooses
+    them (`choose`) once the chains are drafted, at the rate the chains make."""
+
+    rates: list[list[float]]  # per sequence, its acceptance by position a_1..a_k_max
+    eligible: list[bool]  # per sequence: eligible()
+    draft_step: float  # seconds per draft step
+    verify: Callable[[int], float]  # the target's pass by rows
+    calibration: float
+
+    def choose(self, proposals: list[Proposal], room: list[bool]) -> list[list[Sibling]]:
+        """The siblings of each sequence's chain: room[b], the KV cache has the slots for
+        sequence b's (else none)."""
+        gain = sum(expected_tokens(r[:len(p.tokens)])[-1] for r, p in zip(self.rates, proposals))
+        rows = sum(len(p.tokens) + 1 for p in proposals)
+        deepest = max((len(p.tokens) for p in proposals if not p.lookup), default=0)
+        rate = gain / max(deepest * self.draft_step + self.verify(rows), 1e-9)
+        wanted = [p.alternatives if ok and fits and not p.lookup else []
+                  for p, ok, fits in zip(proposals, self.eligible, room)]
+        return choose(wanted, rate, self.verify, rows, self.calibration)
+
+
 class SiblingPolicy:
-    """Chooses each round's sibling leaves and learns how often they rescue a round."""
+    """How often sibling leaves rescue a round, learnt from the rounds; offers each round's
+    terms."""
 
     def __init__(self) -> None:
         self.rescued = 0.0  # decayed rescues seen
         self.expected = 0.0  # decayed rescues the draft's probabilities promised
-        self.pending: dict[int, float] = {}  # seq_id -> this round's promise (uncalibrated)
 
     @property
     def calibration(self) -> float:
         return (self.rescued + PRIOR_WEIGHT) / (self.expected + PRIOR_WEIGHT)
 
-    def choose(self, alternatives: list[list[Alternative]], rate: float, verify: Callable[[int], float],
-               rows: int, seq_ids: list[int]) -> list[list[Sibling]]:
-        """Per sequence, its siblings: alternatives[b] are sequence b's drafted tokens' runners-up
-        (empty: none wanted); rate: tokens per second the round makes without siblings;
-        verify(rows): the target's pass over that many rows; rows: the chain's."""
-        pool = []
-        for b, alts in enumerate(alternatives):
-            reach = 1.0
-            for j, a in enumerate(alts):
-                pool.append((reach * a.p2, b, Sibling(j, a.token)))
-                reach *= a.p1
-        pool.sort(key=lambda c: -c[0])
-        chosen: list[list[Sibling]] = [[] for _ in alternatives]
-        scale = self.calibration
-        for promise, b, sibling in pool:
-            if len(chosen[b]) == MAX_PER_SEQUENCE:
-                continue
-            if scale * promise <= rate * (verify(rows + 1) - verify(rows)):
-                break
-            chosen[b].append(sibling)
-            self.pending[seq_ids[b]] = self.pending.get(seq_ids[b], 0.0) + promise
-            rows += 1
-        return chosen
+    def offer(self, seqs: list[Sequence], rates: list[list[float]], draft_step: float,
+              verify: Callable[[int], float]) -> SiblingOffer:
+        return SiblingOffer(rates, [eligible(s) for s in seqs], draft_step, verify, self.calibration)
 
-    def observe(self, seq_id: int, rescued: bool) -> None:
-        promise = self.pending.pop(seq_id, None)
-        if promise is not None:
-            self.rescued = self.rescued * DECAY + rescued
-            self.expected = self.expected * DECAY + promise
-
-    def release(self, seq_id: int) -> None:
-        self.pending.pop(seq_id, None)
+    def learn(self, rounds: list[Round]) -> None:
+        for r in rounds:
+            if r.siblings:
+                self.rescued = self.rescued * DECAY + r.rescued
+                self.expected = self.expected * DECAY + sum(s.promise for s in r.siblings)
 
 
 def keep_sibling(cache: PagedKVCache, seq: Sequence, drafts: int, index: int, depth: int) -> None:

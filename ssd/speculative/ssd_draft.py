@@ -66,11 +66,11 @@ class SSDDraft:
             start = time.perf_counter()
             seqs, ks = [m[1] for m in misses], [m[2] for m in misses]
             if self.backup == "jit":
-                drafted = engine.draft(seqs, ks)
+                drafted = [(p.tokens, p.q) for p in engine.draft(seqs, ks)]
             else:
                 drafted = [self._placeholders(s, k, near) for _, s, k, near in misses]
             seconds = time.perf_counter() - start
-            for (i, s, k, _), (tokens, q, *_) in zip(misses, drafted):
+            for (i, s, k, _), (tokens, q) in zip(misses, drafted):
                 s.after_hit = False
                 replies[i] = Proposal(tokens, q, False, backup_s=seconds * k / sum(ks))
         self._pending = [r.seq_id for r, reply in zip(requests, replies) if reply.tokens]

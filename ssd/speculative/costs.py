@@ -1,0 +1,117 @@
+"""What the speculation policies measure, as the engine runs: a draft's acceptance by
+position (decayed counts), the tokens a round of K drafts is expected to gain, the target's
+pass by rows, and the draft's catch-up (docs/cost-model.md, "The speed-up model")."""
+from dataclasses import dataclass, field
+
+TIME_EMA = 0.2  # the moving averages' weight of a new measurement
+CATCHUP_DECAY = 0.9  # per catch-up measured (CatchupCost)
+CATCHUP_RIDGE = 0.01  # ... and its diagonal's relative ridge
+
+
+@dataclass
+class Acceptance:
+    """Decayed counts, per draft position, of rounds that reached it and accepted it."""
+
+    decay: float
+    reached: list[float] = field(default_factory=list)
+    accepted: list[float] = field(default_factory=list)
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        n = len(self.reached)
+        if drafted > n:
+            self.reached += [0.0] * (drafted - n)
+            self.accepted += [0.0] * (drafted - n)
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for i in range(min(accepted + 1, drafted)):  # positions 0..accepted were tried
+            self.reached[i] += 1
+            self.accepted[i] += i < accepted
+
+    def rates(self, k: int, prior: list[float], weight: float) -> list[float]:
+        """a_1..a_k: the observed counts with `weight` rounds of a prior added. The prior at a
+        position is `prior` there, scaled by how this one's rate compared with `prior` at the
+        position before: positions not reached yet follow the ones that were."""
+        out = []
+        for i in range(k):
+            r, a = (self.reached[i], self.accepted[i]) if i < len(self.reached) else (0.0, 0.0)
+            p = prior[i] if i == 0 else min(1.0, prior[i] * out[-1] / max(prior[i - 1], 1e-6))
+            out.append((a + weight * p) / (r + weight))
+        return out
+
+
+def expected_tokens(rates: list[float]) -> list[float]:
+    """E(K) for K = 0..len(rates)."""
+    out, run = [1.0], 1.0
+    for a in rates:
+        run *= a
+        out.append(out[-1] + run)
+    return out
+
+
+class CatchupCost:
+    """The draft's catch-up beyond a step, fitted as a x tokens + b x keys (the keys their
+    attention reads, each token's position + 1 summed) by decayed least squares over the
+    catch-ups measured: a long prompt costs more a token than a short one, by attention's
+    share, which grows with the context (on the Zen 5 host 0.75 ms a token over a 148-token
+    prompt, 1.26 ms over a 960-token one). Tokens count in thousands and keys in millions, so
+    the two columns are of a size."""
+
+    def __init__(self) -> None:
+        self.sums: list[float] | None = None  # decayed sums of n n, n k, k k, n y, k y
+
+    def observe(self, seconds: float, tokens: int, keys: float) -> None:
+        n, k = tokens / 1e3, keys / 1e6
+        new = [n * n, n * k, k * k, n * seconds, k * seconds]
+        self.sums = new if self.sums is None else [CATCHUP_DECAY * a + b for a, b in zip(self.sums, new)]
+
+    def __call__(self, tokens: int, keys: float) -> float | None:
+        """Seconds for a catch-up of this size; None before any was measured."""
+        if self.sums is None:
+            return None
+        nn, nk, kk, ny, ky = self.sums
+        nn, kk = nn * (1 + CATCHUP_RIDGE), kk * (1 + CATCHUP_RIDGE)  # alike sizes alone: a stable fit
+        det = nn * kk - nk * nk
+        a, b = ((ny * kk - ky * nk) / det, (ky * nn - ny * nk) / det) if det > 0 else (-1.0, -1.0)
+        if b < 0 or a < 0:  # noise, or one size alone: the better of the one-column fits
+            a, b = (ny / nn, 0.0) if kk == 0 or ny * ny / nn >= ky * ky / kk else (0.0, ky / kk)
+        return a * tokens / 1e3 + b * keys / 1e6
+
+
+class Timings:
+    """Moving averages of the target's pass by rows, read with interpolation. The start-up
+    timings are replaced by the first round measured at each size (a real round also pays for
+    sampling and verification). A pass over more rows costs at least what one over fewer
+    does, so a reading is capped by every larger size's: a start-up timing caught in a spike
+    of the host's load would otherwise stand until that size ran again, and a plain decoding
+    step that looks dearer than a verify pass makes drafting look free (then K = 0, the size
+    that would correct it, never runs)."""
+
+    def __init__(self, initial: dict[int, float]):
+        self.values = dict(initial)
+        self.measured: set[int] = set()
+
+    def observe(self, size: int, seconds: float) -> None:
+        old = self.values.get(size)
+        self.values[size] = old + TIME_EMA * (seconds - old) if size in self.measured else seconds
+        self.measured.add(size)
+
+    def __call__(self, size: int) -> float:
+        return min([self._read(size)] + [v for s, v in self.values.items() if s > size])
+
+    def _read(self, size: int) -> float:
+        if size in self.values:
+            return self.values[size]
+        known = sorted(self.values)
+        below = [s for s in known if s < size]
+        above = [s for s in known if s > size]
+        if below and above:
+            lo, hi = below[-1], above[0]
+        elif len(below) >= 2:
+            lo, hi = below[-2], below[-1]
+        elif len(above) >= 2:
+            lo, hi = above[0], above[1]
+        else:  # one point: proportional to size
+            s = known[0]
+            return self.values[s] * size / s
+        v_lo, v_hi = self.values[lo], self.values[hi]
+        return max(0.0, v_lo + (v_hi - v_lo) * (size - lo) / (hi - lo))

@@ -18,9 +18,9 @@ from torch.profiler import ProfilerActivity, profile
 
 import gpu_steps
 from gpu_steps import Event, build, copy_bandwidth, sync, sync_time, weight_bytes
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.kernels import fused_triton
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 
 
 def fused_add_check() -> dict | None:

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.kernels import attention_triton
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 
 from shapes import SHAPES
 

@@ -5,7 +5,7 @@ For each prompt the target's greedy output is computed, then the draft reads pro
 in one teacher-forced pass (its top-1 at every output position given the true prefix). Greedy
 rounds are replayed over each output:
 - chain: the draft proposes K tokens (accepted while its top-1 is the target's token);
-- lookup: the n-gram speculator's proposal of up to K tokens (ssd/speculative/ngram.py);
+- lookup: prompt lookup's proposal of up to K tokens (ssd/speculative/sources/ngram.py);
 - lookup first: a lookup round where the newest n-gram of at least n0 tokens occurred before,
   else a draft round.
 Costs: the target's pass over M rows T(M), the draft's pass over m rows D(m) (a round drafting
@@ -20,8 +20,8 @@ from types import SimpleNamespace
 
 from tree_headroom import pass_seconds, replay_setup, runner_for
 
-from ssd.engine.model_runner import Chunk
-from ssd.speculative.ngram import NgramSpeculator
+from ssd.runner.model_runner import Chunk
+from ssd.speculative.sources.ngram import PromptLookup
 
 
 class Costs:
@@ -49,7 +49,7 @@ class Costs:
 def replay(prompt: list[int], truth: list[int], top1: list[int], costs: Costs, policy: str, k_draft: int,
            k_lookup: int, n0: int) -> tuple[int, float, int]:
     """One output replayed under a policy: (tokens, seconds, lookup rounds)."""
-    lookup = NgramSpeculator(1, 4)
+    lookup = PromptLookup(1, 4)
     seq = SimpleNamespace(seq_id=0, token_ids=list(prompt))
     pos, seconds, fed, lookups, n = 0, 0.0, 0, 0, len(truth)
     while pos < n:

@@ -16,9 +16,9 @@ import time
 
 import torch
 
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.models.loader import WEIGHTS, load_model
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.store import resolve_model
 
 CONTEXT = 200

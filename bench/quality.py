@@ -26,7 +26,7 @@ import torch
 
 from ssd import LLM
 from ssd.bench.prompts import read_records
-from ssd.engine.model_runner import Chunk
+from ssd.runner.model_runner import Chunk
 from ssd.store import REGISTRY, gguf_path
 
 

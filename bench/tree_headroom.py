@@ -20,9 +20,9 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.models.loader import load_model
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.store import resolve_model
 
 

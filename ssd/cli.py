@@ -339,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=_serve)
 
-    from ssd.speculative import worker
+    from ssd.speculative.link import worker
     w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",
                        description="Run an SSD draft worker that connects to a target waiting at HOST:PORT "
                                    "(LLM(..., mode='ssd', draft_address='HOST:PORT') or "
@@ -347,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_arguments(w)
     w.set_defaults(func=lambda args: sys.exit(worker.run(args)))
 
-    from ssd.engine import rank
+    from ssd.distributed import rank
     r = sub.add_parser("rank", help="run a tensor-parallel rank for an engine on another host",
                        description="Run tensor-parallel rank R of N for an engine waiting at HOST:PORT "
                                    "(LLM(..., tensor_parallel_size=N, tensor_parallel_address='HOST:PORT') or "

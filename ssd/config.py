@@ -1,21 +1,22 @@
 """The engine's configuration: what LLM(...) is asked for, checked once, before any model
 loads or worker starts, and resolved against this machine and the model (its folder, device,
 dtype, weights, context). The draft side's configuration derives from it
-(ssd/llm_engine.py)."""
+(ssd/engine/llm_engine.py)."""
 import os
 from dataclasses import dataclass, field, fields
 
 import torch
 
 from ssd.checks import check_int, is_int, is_number
-from ssd.engine.link import parse_address
-from ssd.engine.placement import engine_threads, parse_placement
-from ssd.engine.tensor_parallel import RANK_SECRET_ENV
+from ssd.distributed.link import parse_address
+from ssd.distributed.placement import engine_threads, parse_placement
+from ssd.distributed.tensor_parallel import RANK_SECRET_ENV
 from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
 from ssd.models.shard import plan
-from ssd.speculative.options import NGRAM, SpecOptions
+from ssd.speculative.options import SpecOptions
+from ssd.speculative.sources.named import NAMED
 from ssd.store import resolve_model
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -82,11 +83,10 @@ class EngineConfig:
         if (self.draft is None) != (self.mode == "ar"):
             raise SSDError(f"mode {self.mode!r} needs a draft model" if self.draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {self.mode!r}")
-        if self.draft == NGRAM and self.mode != "sd":
-            raise SSDError(f"draft='{NGRAM}' (prompt lookup) runs in mode 'sd', not {self.mode!r}")
-        if self.draft == NGRAM and spec.prompt_lookup:
-            raise SSDError(f"prompt_lookup puts prompt lookup beside a draft model; draft='{NGRAM}' is prompt lookup "
-                           "alone")
+        if self.draft in NAMED and self.mode != "sd":
+            raise SSDError(f"draft='{self.draft}' (a draft source without a model) runs in mode 'sd', not {self.mode!r}")
+        if self.draft in NAMED and spec.prompt_lookup:
+            raise SSDError(f"prompt_lookup puts prompt lookup beside a draft model; draft='{self.draft}' has none")
         if self.threads is not None:
             check_int("threads", self.threads, 1)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -103,7 +103,7 @@ class EngineConfig:
             check_int("seed", self.seed, 0, 2**64 - 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise SSDError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        # SSD pins the target to its cores around each step (the speculator's placement()).
+        # SSD pins the target to its cores around each step (the draft source's placement()).
         self.threads = engine_threads(self.threads)
         target_device = spec.target_device if self.mode == "ssd" else None
         self.device = resolve_device(self.device if target_device is None else parse_placement(target_device).device)

@@ -8,12 +8,12 @@ import torch
 from tqdm import tqdm
 
 from ssd.config import EngineConfig
-from ssd.engine.detokenizer import TextStream
-from ssd.engine.sequence import Sequence
+from ssd.engine.llm_engine import Event, LLMEngine
 from ssd.errors import ContextLengthError, PromptError, SSDError
-from ssd.llm_engine import Event, LLMEngine
 from ssd.models.loader import load_tokenizer
 from ssd.outputs import RequestOutput, StreamChunk
+from ssd.request.detokenizer import TextStream
+from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, template_messages
 
@@ -198,7 +198,7 @@ class LLM:
         self.engine.scheduler.add(seq)
 
     def step(self) -> list[Event]:
-        """Run one scheduled step (ssd/llm_engine.py); return (sequence, new tokens, from_draft
+        """Run one scheduled step (ssd/engine/llm_engine.py); return (sequence, new tokens, from_draft
         flags) for each sequence that got tokens."""
         return self.engine.step()
 
@@ -245,8 +245,8 @@ class LLM:
     def draft_kv_blocks_in_use(self) -> int | None:
         """The SD draft's KV cache blocks held by requests; None where there is no draft model in
         this process (AR, prompt lookup, an SSD worker's cache in its own process)."""
-        speculator = self.engine.speculator
-        return speculator.kv_blocks_in_use() if speculator else None
+        source = self.engine.source
+        return source.kv_blocks_in_use() if source else None
 
     def set_speculate_k(self, k: int | str) -> None:
         """Change K for the next rounds: 0 (plain decoding, the draft idle) up to the K the
@@ -256,8 +256,8 @@ class LLM:
     @property
     def draft_failures(self) -> int:
         """How often the SSD draft worker failed to start, died or hung (SD took over)."""
-        speculator = self.engine.speculator
-        return speculator.failures if speculator else 0
+        source = self.engine.source
+        return source.failures if source else 0
 
     def close(self) -> None:
         """Free the requests in flight and stop the draft worker, if any. Idempotent."""

@@ -25,11 +25,11 @@ class SamplingParams:
     """How to pick tokens. temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 mean no cut.
 
     What a request changes about the model's logits, before temperature and the cuts
-    (ssd/engine/logits_process.py): repetition_penalty (> 1 discourages every token seen in
+    (ssd/request/logits_process.py): repetition_penalty (> 1 discourages every token seen in
     the prompt or the output, as in transformers), presence_penalty / frequency_penalty
     (OpenAI's: subtracted once / per occurrence, output tokens only), logit_bias (token id ->
     bias added), min_tokens (end-of-sequence and stop tokens banned until that many tokens),
-    and at most one constraint on the output (ssd/engine/constraint.py, llguidance):
+    and at most one constraint on the output (ssd/request/constraint.py, llguidance):
     json_schema (a JSON schema as a dict or JSON text; {"type": "object"} for any JSON
     object), regex, or grammar (Lark as llguidance reads it, or GBNF as llama.cpp writes it).
     logprobs: the emitted token's log-probability and that many top alternatives (0..20),
@@ -119,7 +119,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """Whether the request changes the model's logits before drawing (penalties, bias,
-        min_tokens, a constraint): ssd/engine/logits_process.py."""
+        min_tokens, a constraint): ssd/request/logits_process.py."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias or self.min_tokens or self.constrained)
 

@@ -1,4 +1,4 @@
-"""Auto-K (ssd/speculative/adaptive_k.py): K chosen per sequence and round from measured
+"""Auto-K (ssd/speculative/policy/adaptive_k.py): K chosen per sequence and round from measured
 acceptance and costs; plain decoding when drafting does not pay; exact in every case."""
 import dataclasses
 
@@ -7,14 +7,14 @@ import torch
 import transformers
 
 from ssd import LLM, SamplingParams
-from ssd.exactness import pooled_p_value
 from ssd.errors import SSDError
-from ssd.speculative.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK
-from ssd.speculative.costs import CatchupCost, Timings, expected_tokens
-from ssd.speculative.ngram import PromptLookup
+from ssd.exactness import pooled_p_value
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from ssd.speculative.plan import Plan, SeqPlan
+from ssd.speculative.policy.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK
+from ssd.speculative.policy.costs import CatchupCost, Timings, expected_tokens
 from ssd.speculative.records import Proposal, Round
+from ssd.speculative.sources.ngram import PromptLookup
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
@@ -451,7 +451,7 @@ def test_prompt_lookup_option():
             SpecOptions(prompt_lookup=True, speculate_k=k).resolved(mode)
     with pytest.raises(SSDError, match="True, False or None"):
         SpecOptions(prompt_lookup="yes").resolved("sd")
-    with pytest.raises(SSDError, match="prompt lookup alone"):
+    with pytest.raises(SSDError, match="beside a draft model; draft='ngram' has none"):
         LLM("smollm2-135m-instruct", draft="ngram", mode="sd", prompt_lookup=True)
 
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.models.loader import load_model
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 
 CPU = torch.device("cpu")
 
@@ -191,10 +191,10 @@ def test_draft_tree_steps_through_padded_static_steps(truncated_draft, smollm_di
     path build the tree the eager path builds, branch for branch."""
     import transformers
     from ssd import SamplingParams
-    from ssd.speculative.draft_engine import DraftEngine
-    from ssd.speculative.fanout import FanOut
-    from ssd.speculative.protocol import SpecRequest
-    from ssd.speculative.ssd_draft import SSDDraft
+    from ssd.speculative.draft.draft_engine import DraftEngine
+    from ssd.speculative.draft.fanout import FanOut
+    from ssd.speculative.link.protocol import SpecRequest
+    from ssd.speculative.draft.ssd_draft import SSDDraft
     model = load_model(truncated_draft, CPU, torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
     prompts = [tok(p).input_ids for p in ("def add(a, b):", "The capital of France is")]

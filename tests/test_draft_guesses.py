@@ -8,7 +8,7 @@ import torch
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
 from ssd.models.loader import load_model
-from ssd.speculative.draft_engine import DraftEngine
+from ssd.speculative.draft.draft_engine import DraftEngine
 from test_draft_window import fed
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT
@@ -71,7 +71,7 @@ def test_sd_with_guesses_is_exact(smollm_dir, truncated_draft, ar_outputs):
     params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
     prompts = [REPEATING, "List three prime numbers and say why they are prime."]
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=6, draft_guesses=True) as llm:
-        engine = llm.engine.speculator.engine
+        engine = llm.engine.source.engine
         guess, guessed = engine._guess, []
 
         def counted(s, most):
@@ -99,7 +99,7 @@ def test_sampled_requests_take_no_guesses(tiny_pair):
     sampled = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
     greedy = SamplingParams.greedy(max_tokens=NEW, ignore_eos=True)
     with LLM(target, draft=draft, mode="sd", speculate_k=4, draft_guesses=True, seed=3) as llm:
-        engine = llm.engine.speculator.engine
+        engine = llm.engine.source.engine
         guess, given = engine._guess, {True: 0, False: 0}
 
         def counted(s, most):

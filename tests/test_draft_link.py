@@ -1,4 +1,4 @@
-"""The link between the target and an SSD draft worker (ssd/speculative/protocol.py): messages
+"""The link between the target and an SSD draft worker (ssd/speculative/link/protocol.py): messages
 bounded before anything is allocated, both sides proving the run's secret, and sockets that
 listen on the loopback only."""
 import ipaddress
@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.engine.link import TARGET, WORKER, LinkError, Watcher, connect, listen_socket
-from ssd.speculative.protocol import Channel
+from ssd.distributed.link import TARGET, WORKER, LinkError, Watcher, connect, listen_socket
+from ssd.speculative.link.protocol import Channel
 
 # A worker side that sends one good message, then headers announcing ~1 TiB of JSON and
 # ~4 TiB of floats (neither body follows), and stays connected until its stdin closes.
 OVERSIZED = """
 import sys, torch
-from ssd.engine.link import TARGET, WORKER, connect
-from ssd.speculative.protocol import Channel
+from ssd.distributed.link import TARGET, WORKER, connect
+from ssd.speculative.link.protocol import Channel
 pg = connect("127.0.0.1", int(sys.argv[1]), WORKER, 30, sys.argv[2])
 Channel(pg, TARGET, torch.device("cpu")).send({"type": "ping"})
 for header in ([2**40, 0], [16, 2**40]):
@@ -110,6 +110,6 @@ def test_the_target_and_its_worker_listen_on_the_loopback_only(smollm_dir, trunc
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd") as llm:
         llm.generate("Hello", SamplingParams.greedy(max_tokens=8, ignore_eos=True))
         assert llm.draft_failures == 0
-        sockets = {"target": listening(os.getpid()), "worker": listening(llm.engine.speculator.proc.pid)}
+        sockets = {"target": listening(os.getpid()), "worker": listening(llm.engine.source.proc.pid)}
     assert sockets["target"] and sockets["worker"], sockets  # the rendezvous store's and gloo's
     assert all(_loopback(ip) for found in sockets.values() for ip, _ in found), sockets

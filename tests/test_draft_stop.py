@@ -1,5 +1,5 @@
 """draft_stop: an SD round's draft goes on while its confidence makes one more token worth its
-cost (ssd/speculative/draft_stop.py). Only the proposals' length depends on it: greedy output
+cost (ssd/speculative/policy/draft_stop.py). Only the proposals' length depends on it: greedy output
 stays AR's, sampled and constrained requests draft the K they are given."""
 import pytest
 import torch
@@ -7,10 +7,10 @@ import torch
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
 from ssd.models.loader import load_model
-from ssd.speculative.adaptive_k import AutoK
-from ssd.speculative.draft_engine import DraftEngine
-from ssd.speculative.draft_stop import BINS, PRIOR_WEIGHT, DraftStop, StopRule
+from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.options import SpecOptions
+from ssd.speculative.policy.adaptive_k import AutoK
+from ssd.speculative.policy.draft_stop import BINS, PRIOR_WEIGHT, DraftStop, StopRule
 from test_ngram import REPEATING
 
 

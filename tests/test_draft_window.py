@@ -30,7 +30,7 @@ def test_sd_with_a_draft_window_is_exact_and_reads_at_most_the_window(smollm_dir
     prompts = [LONG, REPEATING]
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_window=WINDOW) as llm:
         llm.engine.k_policy = _EveryOtherLookup(k_max=4)
-        draft = llm.engine.speculator.engine
+        draft = llm.engine.source.engine
         sizes = fed(draft)
         offsets = []
         release = draft.release

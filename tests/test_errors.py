@@ -165,7 +165,7 @@ def test_folder_without_weights(tmp_path, smollm_dir):
     (dict(draft=SMOLLM, mode="sd", speculate_k="fast"), "speculate_k must be an integer in 1..32 or 'auto', got 'fast'"),
     (dict(draft=SMOLLM, mode="sd", speculate_k="auto", k_max=0), "k_max must be an integer in 1..32, got 0"),
     (dict(draft=SMOLLM, mode="sd", speculate_k=4, k_max=6), "k_max applies to speculate_k='auto' only"),
-    (dict(draft="ngram", mode="ssd"), "prompt lookup\\) runs in mode 'sd', not 'ssd'"),
+    (dict(draft="ngram", mode="ssd"), "without a model\\) runs in mode 'sd', not 'ssd'"),
     (dict(threads=0), "threads must be .*>= 1, got 0"),
     (dict(block_size=0), "block_size must be an integer >= 1, got 0"),
     (dict(max_model_len=10**6), "max_model_len must be in 2..8192 for this model, got 1000000"),

@@ -2,7 +2,7 @@
 import pytest
 
 from ssd.errors import SSDError
-from ssd.speculative.fanout import MAX_RANK, FanOut, check_fan_out
+from ssd.speculative.draft.fanout import MAX_RANK, FanOut, check_fan_out
 
 
 def test_uniform_and_short_speculations():

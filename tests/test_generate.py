@@ -2,7 +2,7 @@
 import pytest
 
 from ssd import LLM, SamplingParams
-from ssd.engine.detokenizer import TextStream
+from ssd.request.detokenizer import TextStream
 
 GREEDY = SamplingParams.greedy(max_tokens=16)
 

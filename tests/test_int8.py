@@ -152,8 +152,8 @@ def test_smollm2_int8_logits_close_to_fp32(op, smollm_dir):
     """Tied embeddings: the lookup keeps the fp32 table, the head runs on an int8 copy."""
     import transformers
 
-    from ssd.engine.kv_cache import PagedKVCache
-    from ssd.engine.model_runner import Chunk, ModelRunner
+    from ssd.runner.kv_cache import PagedKVCache
+    from ssd.runner.model_runner import Chunk, ModelRunner
 
     tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
     ids = tok("The quick brown fox jumps over the lazy dog. In Python, a list comprehension "

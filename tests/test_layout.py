@@ -1,14 +1,14 @@
-"""Layers point one way: cli -> bench -> exactness -> serving -> llm -> llm_engine -> config -> speculative -> engine -> store -> models ->
-layers -> kernels
-(README.md, "Layout"). A module may import its own package, a lower layer, and the plain-data
-modules every layer shares; never a higher layer (that is how import cycles start)."""
+"""Layers point one way, in the order of ORDER (docs/algorithm.md, "The engine's layers"): a
+module may import its own package, a lower layer, and the plain-data modules every layer
+shares; never a higher layer (that is how import cycles start). And no module reaches itself
+through imports at all."""
 import ast
 from pathlib import Path
 
 import ssd
 
-ORDER = ["kernels", "layers", "models", "store", "engine", "speculative", "config", "llm_engine", "tools", "llm", "serving",
-         "exactness", "bench", "cli"]
+ORDER = ["kernels", "layers", "models", "store", "runner", "distributed", "request", "speculative", "config", "engine",
+         "tools", "llm", "serving", "exactness", "bench", "cli"]
 SHARED = {"errors", "checks", "outputs", "sampling_params"}  # plain data, checks and exceptions: no imports of the engine
 
 
@@ -82,3 +82,12 @@ def test_no_import_circle():
                 stack.append((nxt, iter(sorted(graph[nxt]))))
                 on_path.append(nxt)
     assert not circles, "import circles:\n" + "\n".join(" -> ".join(c) for c in circles)
+
+
+def test_no_folder_holds_more_than_a_dozen_modules():
+    """The folders show the architecture: a package with more modules than a reader takes in at
+    a glance is cut by what its modules are about."""
+    root = Path(ssd.__file__).parent
+    crowded = {str(d.relative_to(root.parent)): n for d in [root, *root.rglob("*/")] if d.is_dir()
+               and (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > 12}
+    assert not crowded, crowded

@@ -5,10 +5,10 @@ import torch
 import transformers
 
 from ssd import LLM, SamplingParams
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.layers.linear import QuantLinear
 from ssd.models.loader import load_model, transformers_kwargs
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 from conftest import ARCHS, WINDOW
 
 CPU = torch.device("cpu")

@@ -3,7 +3,7 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.exactness import pooled_p_value
-from ssd.speculative.ngram import PromptLookup
+from ssd.speculative.sources.ngram import PromptLookup
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
 REPEATING = "def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n    return a + b + c\n\n\ndef add"

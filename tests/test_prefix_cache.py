@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
-from ssd.engine.kv_cache import PagedKVCache
+from ssd.runner.kv_cache import PagedKVCache
 
 BS = 4
 SYSTEM = "You are a careful assistant who answers in short sentences. " * 8
@@ -115,7 +115,7 @@ def test_cached_prefixes_change_no_bit(mode, smollm_dir, truncated_draft):
 
 def test_the_sd_draft_reads_a_cached_prompt_too(smollm_dir, truncated_draft):
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=3) as llm:
-        draft = llm.engine.speculator.engine
+        draft = llm.engine.source.engine
         first = llm.generate([CHATS[0]], SamplingParams.greedy(max_tokens=8))[0]
         fed = draft.kv.prefix.hits
         second = llm.generate([CHATS[1]], SamplingParams.greedy(max_tokens=8))[0]

@@ -1,4 +1,4 @@
-"""Sibling leaves (ssd/speculative/siblings.py, issue 33 lever 1): the draft's runner-up beside
+"""Sibling leaves (ssd/speculative/policy/siblings.py, issue 33 lever 1): the draft's runner-up beside
 its top choice in the verify pass. The tree's rows, the rescue rule, the choice by cost, and
 SD with siblings == AR."""
 import dataclasses
@@ -6,17 +6,17 @@ import dataclasses
 import pytest
 import torch
 
-import ssd.speculative.verifier as verifier
 from ssd import LLM, SamplingParams
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
 from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
 from ssd.models.loader import load_model
-from ssd.speculative.adaptive_k import AutoK
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
+from ssd.speculative.policy.adaptive_k import AutoK
+from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingPolicy, choose
 from ssd.speculative.records import Alternative, Proposal, Round, Sibling
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy, choose
 from ssd.speculative.verifier import rescue
+import ssd.speculative.verifier as verifier
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France? Explain.",

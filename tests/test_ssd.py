@@ -13,18 +13,18 @@ import pytest
 import torch
 import transformers
 
-import ssd.llm_engine
 from ssd import LLM, SamplingParams
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import probs_from_logits
+import ssd.engine.llm_engine
 from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
 from ssd.models.loader import load_model
-from ssd.speculative.draft_engine import DraftEngine
-from ssd.speculative.fanout import FanOut
-from ssd.speculative.protocol import SpecRequest
-from ssd.speculative.ssd_draft import SSDDraft
+from ssd.request.sampler import probs_from_logits
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
+from ssd.speculative.draft.draft_engine import DraftEngine
+from ssd.speculative.draft.fanout import FanOut
+from ssd.speculative.draft.ssd_draft import SSDDraft
+from ssd.speculative.link.protocol import SpecRequest
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
@@ -32,7 +32,7 @@ GREEDY = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
 
 
 def children_alive(llm: LLM) -> bool:
-    proc = llm.engine.speculator.proc
+    proc = llm.engine.source.proc
     return proc is not None and proc.poll() is None
 
 
@@ -62,7 +62,7 @@ def test_a_worker_thread_gives_ar_outputs_and_ends_with_the_engine(smollm_dir, t
     """draft_thread: the worker as a thread of this process (one GPU's case, where it gets a
     CUDA stream of its own), over queues instead of gloo: the same rounds, the same outputs."""
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, fan_out=2, draft_thread=True) as llm:
-        spec = llm.engine.speculator
+        spec = llm.engine.source
         assert spec.proc is None and spec.thread.is_alive()
         outs = llm.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
@@ -124,10 +124,10 @@ def test_prompts_run_on_the_idle_workers_cores_too(smollm_dir, truncated_draft, 
         forward = spy(prompts, llm_forward)
         # Only the steps of prompt chunks (a round that drafts nothing also runs _forward).
         monkeypatch.setattr(llm.engine, "_forward", lambda work: (forward if work[0].num_new > 1 else llm_forward)(work))
-        monkeypatch.setattr(ssd.llm_engine, "speculative_round", spy(rounds, ssd.llm_engine.speculative_round))
+        monkeypatch.setattr(ssd.engine.llm_engine, "speculative_round", spy(rounds, ssd.engine.llm_engine.speculative_round))
         outs = llm.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
-        target, draft = set(llm.engine.speculator.target.cores), set(llm.engine.speculator.draft.cores)
+        target, draft = set(llm.engine.source.target.cores), set(llm.engine.source.draft.cores)
     assert prompts and all(c == target | draft and n == len(c) for c, n in prompts), prompts
     assert rounds and all(c == target and n == len(c) for c, n in rounds), rounds
 
@@ -243,7 +243,7 @@ def test_killing_the_worker_mid_generation(smollm_dir, truncated_draft, ar_outpu
     want = ar_outputs(PROMPTS[:1], SamplingParams.greedy(max_tokens=48, ignore_eos=True))[0]
     with caplog.at_level(logging.WARNING, logger="ssd"), \
             LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3) as llm:
-        proc = llm.engine.speculator.proc
+        proc = llm.engine.source.proc
         ids, metrics, _ = _stream_with(llm, proc.kill)
         assert ids == want and metrics.draft_failures == 1
         assert proc.poll() is not None
@@ -256,7 +256,7 @@ def test_killing_the_worker_mid_generation(smollm_dir, truncated_draft, ar_outpu
 def test_a_hung_worker_times_out(smollm_dir, truncated_draft, ar_outputs):
     want = ar_outputs(PROMPTS[:1], SamplingParams.greedy(max_tokens=48, ignore_eos=True))[0]
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, draft_timeout=2.0) as llm:
-        proc = llm.engine.speculator.proc
+        proc = llm.engine.source.proc
         ids, metrics, gap = _stream_with(llm, lambda: os.kill(proc.pid, signal.SIGSTOP))
         assert ids == want and metrics.draft_failures == 1
         assert gap < 30, "the round after the hang: the 2 s timeout, loading the draft here, one SD round"
@@ -274,7 +274,7 @@ def test_a_worker_that_cannot_start(smollm_dir, truncated_draft, tmp_path, ar_ou
             LLM(smollm_dir, draft=broken, mode="ssd") as llm:
         outs = llm.generate(PROMPTS[:2], GREEDY)
         assert [o.token_ids for o in outs] == ar_outputs(PROMPTS[:2], GREEDY)
-        assert llm.draft_failures == 1 and llm.engine.speculator.proc.poll() is not None
+        assert llm.draft_failures == 1 and llm.engine.source.proc.poll() is not None
     assert "could not start" in caplog.text and "plain decoding" in caplog.text
 
 
@@ -302,14 +302,15 @@ def test_a_worker_started_by_hand_on_another_address(smollm_dir, truncated_draft
 # A worker started by hand whose third reply announces ~4 TiB of floats (none follow).
 OVERSIZED_REPLY = """
 import itertools, sys, torch
-from ssd.speculative import protocol, worker
+from ssd.cli import main
+from ssd.speculative.link import protocol
 send, replies = protocol.Channel.send, itertools.count(1)
 def oversized(self, msg, floats=None):
     if msg["type"] == "reply" and next(replies) == 3:
         return self.wait(self.pg.send([torch.tensor([16, 2**40])], self.peer, 0))
     send(self, msg, floats)
 protocol.Channel.send = oversized
-sys.exit(worker.main(sys.argv[1:]))
+sys.exit(main(["worker", *sys.argv[1:]]))
 """
 
 
@@ -365,7 +366,7 @@ def _workers_of(pid: int) -> list[int]:
                 cmd = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
             except OSError:
                 continue
-            if b"ssd.speculative.worker" in cmd and str(pid).encode() in cmd:
+            if cmd[1:4] == [b"-m", b"ssd.cli", b"worker"] and str(pid).encode() in cmd:
                 found.append(int(entry))
     return found
 

@@ -44,7 +44,7 @@ def _run_with_cancellations(llm: LLM, seed: int) -> dict[int, list[int]]:
 @pytest.fixture
 def reduced_head(smollm_dir, tmp_path, monkeypatch):
     """Token counts for SmolLM2 where the engine looks for shipped ones: draft_vocab can cut the head."""
-    from ssd.speculative import vocab
+    from ssd.speculative.draft import vocab
     (tmp_path / f"{smollm_dir.name}.json").write_text(json.dumps({"counts": {str(t): 1000 - t for t in range(900)}}))
     monkeypatch.setattr(vocab, "SHIPPED", tmp_path)
 

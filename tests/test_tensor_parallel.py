@@ -1,4 +1,4 @@
-"""Tensor parallelism over gloo (ssd/engine/tensor_parallel.py): random-weight models of real
+"""Tensor parallelism over gloo (ssd/distributed/tensor_parallel.py): random-weight models of real
 layer shapes split across two processes, rank 1 a subprocess serving rank 0's passes.
 
 At TP = 2 a token's logits keep their bits in a verify pass and in decode steps (what exact
@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from ssd.engine import tensor_parallel as tp
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.distributed import tensor_parallel as tp
+from ssd.distributed.link import TARGET, connect, listen_socket
 from ssd.errors import UnsupportedModelError
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.shard import plan
-from ssd.engine.link import TARGET, connect, listen_socket
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 
 CPU = torch.device("cpu")
 # Layer shapes of SmolLM2-135M (9 query heads over 3 kv heads: 2 + 1 at TP = 2, tied head) and
@@ -37,13 +37,13 @@ WORKER = """
 import os, sys, torch
 sys.path.insert(0, {tests!r})
 from test_tensor_parallel import build, SLOTS, BLOCK
-from ssd.engine import tensor_parallel as tp
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.link import connect
+from ssd.distributed import tensor_parallel as tp
+from ssd.distributed.link import connect
+from ssd.runner.kv_cache import PagedKVCache
 group = tp.Group(connect("127.0.0.1", int(sys.argv[1]), 1, 60, "s3cret", world=2), 1, 2)
 model = tp.shard(build(sys.argv[2]), group)
 tp.serve(model, PagedKVCache(tp.local_config(model), SLOTS, BLOCK, torch.device("cpu"), torch.float32).kv, group)
-os._exit(0)  # as ssd/engine/rank.py: no teardown of gloo's group at interpreter exit
+os._exit(0)  # as ssd/distributed/rank.py: no teardown of gloo's group at interpreter exit
 """
 
 

@@ -11,8 +11,8 @@ position k+1 with the same rule, so this per-round check covers a whole generati
 import pytest
 import torch
 
-from ssd.engine.sampler import probs_from_logits, sample
 from ssd.exactness import chi_square, p_value
+from ssd.request.sampler import probs_from_logits, sample
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.verifier import Verdict, verify, verify_greedy, verify_many
 

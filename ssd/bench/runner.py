@@ -209,8 +209,8 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
     first = next(iter(llms.values()))
     result.device, result.dtype = str(first.config.device), str(first.config.dtype).removeprefix("torch.")
     result.threads = first.config.threads
-    result.draft_weights = next((llm.engine.speculator.weights for llm in llms.values()
-                                 if llm.engine.speculator and llm.engine.speculator.weights), None)
+    result.draft_weights = next((llm.engine.source.weights for llm in llms.values()
+                                 if llm.engine.source and llm.engine.source.weights), None)
     inputs = {name: [wrap(p.text) for p in ps] for name, ps in result.prompt_sets.items()}
     token_ids = {name: [first.encode(x) for x in xs] for name, xs in inputs.items()}
     schema = next((p.schema for ps in result.prompt_sets.values() for p in ps if p.schema), None)

@@ -32,7 +32,7 @@ from ssd.bench.cli import DEFAULT_DRAFT, DEFAULT_TARGET
 from ssd.bench.prompts import PROMPT_SETS, load_prompt_set
 from ssd.bench.report import check_out, machine_info
 from ssd.bench.runner import follows
-from ssd.engine.placement import engine_threads
+from ssd.distributed.placement import engine_threads
 from ssd.errors import SSDError
 from ssd.store import gguf_path
 

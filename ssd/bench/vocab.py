@@ -1,5 +1,5 @@
 """`ssd vocab`: count the tokens a target model writes, for a reduced-vocabulary draft head
-(SpecOptions.draft_vocab, ssd/speculative/vocab.py).
+(SpecOptions.draft_vocab, ssd/speculative/draft/vocab.py).
 
 The target answers held-out prompts of the benchmark's prompt sets greedily, in its chat
 template: records from --skip on (the benchmarks take their prompts from the start of each
@@ -23,7 +23,7 @@ DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 
 def count_outputs(model: str, sets: list[str], per_set: int, skip: int, max_tokens: int, batch: int) -> dict:
     from ssd import LLM, SamplingParams
-    from ssd.speculative.vocab import counts_path
+    from ssd.speculative.draft.vocab import counts_path
 
     counts: Counter = Counter()
     prompts_used, prompt_tokens = 0, 0

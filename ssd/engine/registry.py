@@ -1,6 +1,6 @@
 """Everything the target's side keeps per sequence, released in one call.
 
-Each component that holds state for a sequence (the target's KV cache, the speculator and
+Each component that holds state for a sequence (the target's KV cache, the draft source and
 the draft it drives, the K policy) registers here under a name; when a sequence ends
 (finished, cancelled) or is preempted, the scheduler releases it here and every holder
 forgets it. `held()` reports what each still holds, so that a test (and a reader) can see

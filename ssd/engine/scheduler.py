@@ -15,9 +15,9 @@ together with one system prompt, compute the shared part once.
 from collections import deque
 from dataclasses import dataclass
 
-from ssd.engine.kv_cache import PagedKVCache
 from ssd.engine.registry import Registry
-from ssd.engine.sequence import Sequence
+from ssd.request.sequence import Sequence
+from ssd.runner.kv_cache import PagedKVCache
 
 
 @dataclass

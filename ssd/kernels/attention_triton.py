@@ -14,7 +14,7 @@ speculation needs), and a decode step's few tokens are still read by many progra
 step on an H200: bench/results/gpu-h200-b).
 
 It reads q_len on the device and never syncs with the host, so a CUDA graph can capture it
-(ssd/engine/cuda_graphs.py). On a CPU it runs only under ``TRITON_INTERPRET=1`` (the tests).
+(ssd/runner/cuda_graphs.py). On a CPU it runs only under ``TRITON_INTERPRET=1`` (the tests).
 """
 from __future__ import annotations
 

@@ -86,7 +86,7 @@ class DecoderLM(nn.Module):
         """input_ids/positions: [T] flat new tokens; kv: [layers, 2, slots, kv_heads, head_dim].
 
         Returns logits for the rows in logits_index (all rows if None); with head=False their
-        final hidden states instead (a draft applies its own head, ssd/speculative/vocab.py)."""
+        final hidden states instead (a draft applies its own head, ssd/speculative/draft/vocab.py)."""
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)

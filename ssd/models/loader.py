@@ -424,7 +424,7 @@ def to_q4_0(t: GGUFTensor, index) -> GGUFTensor:
 
 def full_rows(t: GGUFTensor, index) -> nn.Module:
     """Any row of a GGUF matrix in fp32, read from the file's pages when asked: a reduced
-    draft head's source for a request's own tokens (ssd/speculative/vocab.py), which touches
+    draft head's source for a request's own tokens (ssd/speculative/draft/vocab.py), which touches
     only those rows' pages."""
     if t.qtype not in quant_cpu.SUPPORTED:
         return nn.Embedding.from_pretrained(dequantize(t))

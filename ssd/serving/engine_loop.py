@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.engine.sequence import Sequence
 from ssd.errors import SSDError
 from ssd.llm import LLM
 from ssd.outputs import RequestMetrics, TokenLogprob
+from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 
 log = logging.getLogger("ssd.serving")

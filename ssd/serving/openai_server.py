@@ -26,13 +26,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ssd.engine.sequence import Sequence
 from ssd.errors import SSDError
 from ssd.llm import LLM
-from ssd.serving.engine_loop import EngineLoop, Event, QueueFullError, ShuttingDownError
-from ssd.serving.metrics import ServerMetrics
+from ssd.request.sequence import Sequence
 from ssd.sampling_params import MAX_SEED
 from ssd.serving import anthropic_protocol as anthropic
+from ssd.serving.engine_loop import EngineLoop, Event, QueueFullError, ShuttingDownError
+from ssd.serving.metrics import ServerMetrics
 from ssd.serving.openai_protocol import (APIError, Choice, api_error, chunk, completion, logprobs_json, new_id,
                                          parse_request, speculation, usage)
 

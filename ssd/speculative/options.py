@@ -3,7 +3,7 @@
 `SpecOptions` is what a user sets: keyword arguments of `LLM(...)`, flags of `ssd generate`
 (generated from the fields below, see ssd/cli.py) and the bench's configurations.
 `DraftConfig` is what the draft side needs to build its engine: in this process (SD) or in
-the SSD worker, where it travels as a dict in the hello message (ssd/speculative/protocol.py).
+the SSD worker, where it travels as a dict in the hello message (ssd/speculative/link/protocol.py).
 """
 import os
 from pathlib import Path
@@ -12,18 +12,18 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 import torch
 
 from ssd.checks import check_int, is_int
-from ssd.engine.placement import Placement, default_pair, parse_placement
+from ssd.distributed.link import parse_address
+from ssd.distributed.placement import Placement, default_pair, parse_placement
 from ssd.errors import SSDError
 from ssd.models.loader import QUANTIZATIONS, resolve_weights
-from ssd.speculative.fanout import check_fan_out
-from ssd.engine.link import parse_address
+from ssd.speculative.draft.fanout import check_fan_out
 
 MODES = ("ar", "sd", "ssd")
-NGRAM = "ngram"  # draft=NGRAM: prompt lookup, no draft model (ssd/speculative/ngram.py)
+NGRAM = "ngram"  # draft=NGRAM: prompt lookup, no draft model (ssd/speculative/sources/ngram.py)
 BACKUPS = ("jit", "fast")
 SECRET_ENV = "SSD_DRAFT_SECRET"  # shared secret of a target and a draft worker started by hand
 MAX_K = 32
-AUTO_K = "auto"  # speculate_k=AUTO_K: K chosen each round (ssd/speculative/adaptive_k.py)
+AUTO_K = "auto"  # speculate_k=AUTO_K: K chosen each round (ssd/speculative/policy/adaptive_k.py)
 # SD's default K is AUTO_K (it measured at least as fast as the best fixed K on every prompt set,
 # bench/README.md); SSD's speculation cache is built for one depth, so it keeps a fixed default.
 SSD_K = 4

@@ -3,10 +3,10 @@ needs to finish its shape once the chains are drafted (docs/algorithm.md, "A spe
 round")."""
 from dataclasses import dataclass, replace
 
-from ssd.engine.sequence import Sequence
-from ssd.speculative.draft_stop import StopRule
+from ssd.request.sequence import Sequence
+from ssd.speculative.policy.draft_stop import StopRule
+from ssd.speculative.policy.siblings import SiblingOffer
 from ssd.speculative.records import round_k
-from ssd.speculative.siblings import SiblingOffer
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.engine.sequence import Sequence
+from ssd.request.sequence import Sequence
 
 
 def round_k(k: int, num_tokens: int, context: int, left: int | None = None) -> int:

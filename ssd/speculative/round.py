@@ -26,14 +26,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import probs_from_logits, sample, token_logprobs
-from ssd.engine.sequence import Sequence
+from ssd.request.sampler import probs_from_logits, sample, token_logprobs
+from ssd.request.sequence import Sequence
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.speculative.plan import Plan
+from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, keep_sibling
 from ssd.speculative.records import Proposal, Round, Sibling
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, keep_sibling
-from ssd.speculative.speculator import DraftSource
+from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.verifier import Verdict, rescue, verify, verify_greedy, verify_with_siblings
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ssd.engine.sampler import sample
+from ssd.request.sampler import sample
 from ssd.speculative.records import Sibling
 
 
@@ -63,7 +63,7 @@ def rescue(logits: torch.Tensor, drafts: list[int], siblings: list[Sibling], acc
 
 def verify_with_siblings(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, siblings: dict[int, int],
                          generator: torch.Generator | None) -> tuple[Verdict, bool]:
-    """verify() where some depths j have a sibling leaf s_j (ssd/speculative/siblings.py): a second
+    """verify() where some depths j have a sibling leaf s_j (ssd/speculative/policy/siblings.py): a second
     candidate for d_j's place, proposed one-hot. At the first rejected depth k the token must be
     drawn from the residual r = norm(max(0, p_k - q_k)); with a sibling there, s_k is taken with
     probability r(s_k) and otherwise the token is drawn from r without s_k: the multi-candidate

@@ -4,10 +4,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.engine.cuda_graphs import CapturedSteps
-from ssd.engine.kv_cache import PagedKVCache
 from ssd.layers.attention import AttentionBatch
 from ssd.models.decoder import DecoderLM
+from ssd.runner.cuda_graphs import CapturedSteps
+from ssd.runner.kv_cache import PagedKVCache
 
 
 WARM_UP_OWNER = -(1 << 62)  # a cache owner id no sequence or draft tree uses
@@ -24,7 +24,7 @@ class Chunk:
     num_logits: int
     # A tree: the last len(forks) tokens are alternatives, each to the chain token of index
     # forks[i] (the tokens before them are the chain): at that token's position, it sees the
-    # chain before it and itself (ssd/speculative/siblings.py). Their K/V go to the slots after
+    # chain before it and itself (ssd/speculative/policy/siblings.py). Their K/V go to the slots after
     # the chain's.
     forks: list[int] = field(default_factory=list)
 

@@ -4,7 +4,7 @@ tree).
 
 At depth j the chain proposes d_j, the draft's top choice; its runner-up s_j is a sibling
 leaf: one more verify row, at d_j's position, that sees the chain's tokens before depth j and
-itself (the tree mask as attention rows: `Chunk.forks`, ssd/engine/model_runner.py). Greedy
+itself (the tree mask as attention rows: `Chunk.forks`, ssd/runner/model_runner.py). Greedy
 verification follows the target's argmax down the tree: where the chain's first rejected
 depth j has a sibling equal to the target's token there, the sibling is taken and its own row
 gives one more token, so the round gains one token over the chain (`verifier.rescue`); its K/V move to
@@ -30,9 +30,9 @@ constraint) or that ask for logprobs keep the chain.
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.sequence import Sequence
-from ssd.speculative.costs import expected_tokens
+from ssd.request.sequence import Sequence
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.speculative.policy.costs import expected_tokens
 from ssd.speculative.records import Alternative, Proposal, Round, Sibling
 
 MAX_PER_SEQUENCE = 4  # sibling rows a sequence's round may add

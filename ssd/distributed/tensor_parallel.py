@@ -16,9 +16,9 @@ single product, which adds in another order (an embedding row is the same: one r
 zeros). A pass starts on rank 0 (the engine's ModelRunner), which broadcasts its inputs
 (send_pass); the other ranks run the same pass on their shards (serve).
 
-Ranks 1..N-1 are processes of their own (ssd/engine/rank.py), started by the engine (Ranks) on
+Ranks 1..N-1 are processes of their own (ssd/distributed/rank.py), started by the engine (Ranks) on
 this machine, in sessions of their own, linked over the loopback with this run's secret
-(ssd/engine/link.py), and ended with it; or started by hand on other hosts
+(ssd/distributed/link.py), and ended with it; or started by hand on other hosts
 (`ssd rank --connect HOST:PORT`, the engine's `tensor_parallel_address`). Rank 0 tells them
 how to hold the model (Settings); each loads it, checks it is rank 0's, and keeps its share. A
 rank that dies or breaks the link ends the pass in flight with a RankError, and every later
@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.distributed_c10d import AllgatherOptions, BroadcastOptions
 
-from ssd.engine.link import TARGET, LinkError, Watcher, connect, listen_socket, new_secret, parse_address
+from ssd.distributed.link import TARGET, LinkError, Watcher, connect, listen_socket, new_secret, parse_address
 from ssd.errors import RankError, UnsupportedModelError
 from ssd.layers.attention import AttentionBatch
 from ssd.layers.linear import Linear

@@ -15,14 +15,14 @@ from collections import Counter
 
 import torch
 
-from ssd.engine.sampler import probs_from_logits
-from ssd.speculative.draft_engine import DraftEngine, DraftSeq
-from ssd.speculative.fanout import MAX_RANK, FanOut
+from ssd.request.sampler import probs_from_logits
+from ssd.speculative.draft.draft_engine import DraftEngine, DraftSeq
+from ssd.speculative.draft.fanout import MAX_RANK, FanOut
+from ssd.speculative.draft.spec_cache import Branch, Lookup
+from ssd.speculative.draft.tree import DraftTree, Fork
+from ssd.speculative.link.protocol import SpecRequest
 from ssd.speculative.options import DraftConfig
-from ssd.speculative.protocol import SpecRequest
 from ssd.speculative.records import Proposal, round_k
-from ssd.speculative.spec_cache import Branch, Lookup
-from ssd.speculative.tree import DraftTree, Fork
 
 
 class SSDDraft:

@@ -6,11 +6,11 @@ quote their input repeat long spans of it, which this proposes at no cost.
 The proposals are not drawn from any distribution, so they are verified as one-hot proposals
 (q = None, ssd/speculative/verifier.py): exact for greedy and sampled requests alike.
 """
-from ssd.engine.sequence import Sequence
-from ssd.speculative.ngram_index import NgramIndex
+from ssd.request.sequence import Sequence
 from ssd.speculative.plan import SeqPlan
 from ssd.speculative.records import Proposal
-from ssd.speculative.speculator import DraftSource
+from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.ngram_index import NgramIndex
 
 
 class PromptLookup(DraftSource):

@@ -1,5 +1,5 @@
 """Links between the engine's processes: a target and its SSD draft worker
-(ssd/speculative/protocol.py), a tensor-parallel model's ranks (engine/tensor_parallel.py).
+(ssd/speculative/link/protocol.py), a tensor-parallel model's ranks (engine/tensor_parallel.py).
 
 Connecting: rank 0 hosts the rendezvous store on a socket it binds itself (127.0.0.1 for
 processes it starts; the address the user names for ones started by hand), and gloo's own

@@ -1,5 +1,5 @@
 """SSD's target side: the draft runs in a worker process of its own, on its own cores or GPU
-(ssd/speculative/worker.py), and the two talk over ssd/speculative/protocol.py.
+(ssd/speculative/link/worker.py), and the two talk over ssd/speculative/link/protocol.py.
 
 A worker this engine starts sits in its own session (a terminal's Ctrl-C does not reach it)
 and listens only on the loopback; the engine ends it. If it cannot start, dies, breaks the
@@ -26,17 +26,18 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
-from ssd.engine.link import (TARGET, WORKER, LinkError, Watcher, connect, listen_socket, new_secret,
+from ssd.distributed.link import (TARGET, WORKER, LinkError, Watcher, connect, listen_socket, new_secret,
                              parse_address)
-from ssd.engine.placement import Placement, pinned
-from ssd.engine.sequence import Sequence
-from ssd.speculative.draft_engine import DraftEngine
+from ssd.distributed.placement import Placement, pinned
+from ssd.request.sequence import Sequence
+from ssd.speculative.draft.draft_engine import DraftEngine
+from ssd.speculative.link.protocol import Channel, Limits, QueueChannel, SpecRequest, decode_replies, encode_requests
+from ssd.speculative.link.worker import serve_in_thread
 from ssd.speculative.options import SECRET_ENV, DraftConfig
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.protocol import Channel, Limits, QueueChannel, SpecRequest, decode_replies, encode_requests
 from ssd.speculative.records import Proposal
-from ssd.speculative.speculator import DraftSource, propose_locally
-from ssd.speculative.worker import serve_in_thread
+from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.draft_model import propose_locally
 
 log = logging.getLogger("ssd")
 
@@ -88,7 +89,7 @@ class SSDWorker(DraftSource):
             host, secret = "127.0.0.1", new_secret()
             self.listener = listen_socket(host)
             port = self.listener.getsockname()[1]
-            cmd = [sys.executable, "-m", "ssd.speculative.worker", "--connect", f"{host}:{port}",
+            cmd = [sys.executable, "-m", "ssd.cli", "worker", "--connect", f"{host}:{port}",
                    "--device", str(self.draft), "--parent-pid", str(os.getpid())]
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, start_new_session=True,
                                          env={**os.environ, SECRET_ENV: secret})

@@ -1,6 +1,6 @@
 """The SSD draft worker: a process of its own, pinned to its own CPU cores or on its own GPU,
 that answers the target's speculation requests and, while the target verifies, builds the
-speculation cache for the next round (ssd/speculative/ssd_draft.py).
+speculation cache for the next round (ssd/speculative/draft/ssd_draft.py).
 
 The target starts it (`LLM(..., mode="ssd")`), in a session of its own, with the run's
 secret in its environment. For a draft on another host, start it there by hand with the
@@ -18,13 +18,13 @@ from contextlib import nullcontext
 
 import torch
 
-from ssd.engine.link import TARGET, WORKER, LinkError, connect, die_with_parent, parse_address
-from ssd.engine.placement import Placement, parse_placement, pin
+from ssd.distributed.link import TARGET, WORKER, LinkError, connect, die_with_parent, parse_address
+from ssd.distributed.placement import Placement, parse_placement, pin
 from ssd.errors import SSDError
-from ssd.speculative.options import SECRET_ENV, DraftConfig
-from ssd.speculative.protocol import (Channel, Limits, QueueChannel, decode_release, decode_requests,
+from ssd.speculative.draft.ssd_draft import SSDDraft
+from ssd.speculative.link.protocol import (Channel, Limits, QueueChannel, decode_release, decode_requests,
                                       encode_replies)
-from ssd.speculative.ssd_draft import SSDDraft
+from ssd.speculative.options import SECRET_ENV, DraftConfig
 
 
 def serve(channel: Channel | QueueChannel, device: torch.device) -> None:
@@ -111,16 +111,3 @@ def run(args: argparse.Namespace) -> int:
         return 1
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="ssd worker", description="Run an SSD draft worker for a target.")
-    add_arguments(ap)
-    try:
-        return run(ap.parse_args(argv))
-    except SSDError as e:
-        print(f"ssd worker: error: {e}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,17 +1,16 @@
-"""The target's side of a draft source: one Proposal per sequence and round, in SD and SSD.
+"""A draft source, the target's side of drafting: one Proposal per sequence and round.
 
 A draft source is told only what a round's plan asks of it (plan.py) and learns the round's
 outcome from its records. What the draft already holds of each sequence is tracked here:
 after a round where the target kept `kept` tokens, the draft's first `kept` tokens are still
 right, and the next round tells it only what came after (the target's own token, or the whole
-prompt the first time). DraftModel (SD) drafts in this process; SSDWorker (SSD, remote.py)
-asks the draft worker; prompt lookup (ngram.py) needs no model.
+prompt the first time). DraftModel (SD, draft_model.py) drafts in this process; SSDWorker
+(SSD, ssd_worker.py) asks the draft worker; prompt lookup (ngram.py) needs no model.
 """
 from contextlib import AbstractContextManager, nullcontext
 
-from ssd.engine.sequence import Sequence
+from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.draft_engine import DraftEngine
 from ssd.speculative.plan import SeqPlan
 from ssd.speculative.records import Proposal, Round
 
@@ -78,42 +77,3 @@ class DraftSource:
 
     def close(self) -> None:
         pass
-
-
-class DraftModel(DraftSource):
-    """SD: the draft model runs in the target's process, between the target's passes."""
-
-    measures_steps = True
-
-    def __init__(self, engine: DraftEngine, context: int, weights: str):
-        super().__init__(context)
-        self.engine, self.weights = engine, weights
-
-    def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
-        return propose_locally(self, self.engine, seqs, plans)
-
-    def step_cost(self) -> float:
-        return self.engine.runner.timed_pass(1, repeat=2)
-
-    def release(self, seq_id: int) -> None:
-        super().release(seq_id)
-        self.engine.release(seq_id)
-
-    def held(self) -> dict[str, int]:
-        return {**super().held(), **self.engine.held()}
-
-    def kv_blocks_in_use(self) -> int | None:
-        return self.engine.kv.blocks_in_use
-
-
-def propose_locally(source: DraftSource, engine: DraftEngine, seqs: list[Sequence],
-                    plans: list[SeqPlan]) -> list[Proposal]:
-    """SD's proposals: tell the draft what the target kept, then draft each plan's K tokens. A
-    request that changes its logits (penalties, a constraint) has the draft propose under
-    the same changes, from a copy of its own."""
-    drafts = []
-    for seq, plan in zip(seqs, plans):
-        num_valid, tokens, params = source.next_update(seq)
-        fork = seq.processor.fork() if params is not None and seq.processor is not None else None
-        drafts.append(engine.sync(seq.seq_id, num_valid, tokens, params, plan.k, fork))
-    return engine.draft(drafts, [p.k for p in plans], any(p.alternatives for p in plans), [p.stop for p in plans])

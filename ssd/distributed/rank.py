@@ -10,12 +10,12 @@ from pathlib import Path
 
 import torch
 
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.link import connect, die_with_parent, parse_address
-from ssd.engine.placement import engine_threads
-from ssd.engine.tensor_parallel import (RANK_SECRET_ENV, Group, RankError, Settings, fingerprint, load,
+from ssd.distributed.link import connect, die_with_parent, parse_address
+from ssd.distributed.placement import engine_threads
+from ssd.distributed.tensor_parallel import (RANK_SECRET_ENV, Group, RankError, Settings, fingerprint, load,
                                         local_config, report, serve)
 from ssd.errors import SSDError
+from ssd.runner.kv_cache import PagedKVCache
 from ssd.store import resolve_model
 
 

@@ -44,7 +44,7 @@ probe, that sequence probes, with a backoff of its own; without it, rates measur
 that was useless for a while would keep every later short request from drafting.
 
 Prompt lookup beside the draft (SD with a draft model, `prompt_lookup`): where a sequence's
-newest n-gram occurred before, ssd/speculative/ngram.py proposes what followed it, at no
+newest n-gram occurred before, ssd/speculative/sources/ngram.py proposes what followed it, at no
 draft cost. Its acceptance is counted apart from the draft's, per match length n (1, 2, 3,
 4 or more: a longer match is likelier a copied span), per sequence and engine-wide as above,
 and in every round where the lookup found something, used or not: its tokens are compared
@@ -59,13 +59,13 @@ and lookup rounds carry the speed-up; on code, lookup takes the rounds that copy
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ssd.engine.sequence import Sequence
-from ssd.speculative.costs import TIME_EMA, Acceptance, CatchupCost, Timings, expected_tokens
-from ssd.speculative.draft_stop import DraftStop, StopRule, applies
-from ssd.speculative.ngram import PromptLookup
+from ssd.request.sequence import Sequence
 from ssd.speculative.plan import Plan, SeqPlan
+from ssd.speculative.policy.costs import TIME_EMA, Acceptance, CatchupCost, Timings, expected_tokens
+from ssd.speculative.policy.draft_stop import DraftStop, StopRule, applies
+from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingPolicy
 from ssd.speculative.records import Round
-from ssd.speculative.siblings import MAX_PER_SEQUENCE, SiblingPolicy
+from ssd.speculative.sources.ngram import PromptLookup
 
 PRIOR_RATE = 0.6  # acceptance assumed before anything is measured
 PRIOR_WEIGHT = 2.0  # ... worth this many rounds

@@ -1,5 +1,5 @@
 """The engine under LLM (ssd/llm.py): the target model with its KV cache and scheduler, the
-speculator and its K policy, and the step that runs them. The speculator is started here from
+draft source and its K policy, and the step that runs them. The draft source is started here from
 the engine's configuration: the draft loaded in this process (SD), prompt lookup (no draft
 model), or a draft worker on its own cores or GPU (SSD), with the draft side's configuration
 (DraftConfig) derived from the engine's.
@@ -16,31 +16,33 @@ from pathlib import Path
 
 from ssd.checks import check_int
 from ssd.config import EngineConfig
-from ssd.engine.constraint import Grammars
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.logits_process import LogitsProcessor
-from ssd.engine.model_runner import Chunk, ModelRunner
+from ssd.distributed.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fingerprint, local_config
+from ssd.distributed.tensor_parallel import load as load_shard
 from ssd.engine.registry import Registry
-from ssd.engine.sampler import next_tokens, token_logprobs
 from ssd.engine.scheduler import Scheduler, Work
-from ssd.engine.sequence import Sequence
-from ssd.engine.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fingerprint, local_config
-from ssd.engine.tensor_parallel import load as load_shard
 from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer, shared_model
+from ssd.request.constraint import Grammars
+from ssd.request.logits_process import LogitsProcessor
+from ssd.request.sampler import next_tokens, token_logprobs
+from ssd.request.sequence import Sequence
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.adaptive_k import AutoK, FixedK, KPolicy
-from ssd.speculative.draft_engine import DraftEngine
-from ssd.speculative.draft_stop import DraftStop
-from ssd.speculative.fanout import FanOut
-from ssd.speculative.ngram import PromptLookup
-from ssd.speculative.options import AUTO_K, NGRAM, DraftConfig
+from ssd.speculative.draft.draft_engine import DraftEngine
+from ssd.speculative.draft.fanout import FanOut
+from ssd.speculative.draft.vocab import check_same_vocabulary, head_tokens
+from ssd.speculative.options import AUTO_K, DraftConfig
+from ssd.speculative.policy.adaptive_k import AutoK, FixedK, KPolicy
+from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.records import Proposal, Round
-from ssd.speculative.remote import SSDWorker
 from ssd.speculative.round import speculative_round
-from ssd.speculative.speculator import DraftModel, DraftSource
-from ssd.speculative.vocab import check_same_vocabulary, head_tokens
+from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.draft_model import DraftModel
+from ssd.speculative.sources.named import NAMED
+from ssd.speculative.sources.ngram import PromptLookup
+from ssd.speculative.sources.ssd_worker import SSDWorker
 from ssd.store import resolve_model
 
 Event = tuple[Sequence, list[int], list[bool]]  # a sequence, its new tokens, and whether each was a draft's
@@ -51,7 +53,7 @@ class LLMEngine:
         self.config = config
         self.eos_ids = config.model_config.end_ids(tokenizer)
         self.grammars = Grammars(tokenizer, config.model_config.vocab_size, self.eos_ids)
-        self.speculator: DraftSource | None = None if config.draft is None else start_speculator(config, tokenizer)
+        self.source: DraftSource | None = None if config.draft is None else start_source(config, tokenizer)
         # The target loads while an SSD worker loads the draft (and tensor-parallel ranks their shares).
         self.ranks = None
         if config.tensor_parallel_size > 1:
@@ -64,35 +66,35 @@ class LLMEngine:
             self.ranks.ready()
         else:
             model = shared_model(config.model, config.device, config.dtype, config.weights)
-        if self.speculator:
-            self.speculator.wait_ready()
+        if self.source:
+            self.source.wait_ready()
         self.cache = PagedKVCache(local_config(model), config.kv_cache_tokens, config.block_size, config.device,
                                   config.dtype, config.prefix_salt)
         self.registry = Registry()  # everything held per sequence: one release reaches it all
         self.registry.register("target KV cache", self.cache)
-        if self.speculator:
-            self.registry.register("speculator", self.speculator)
+        if self.source:
+            self.registry.register("draft source", self.source)
         self.k_max = config.speculation.k_max
         self.runner = ModelRunner(model, self.cache, config.device, target_buckets(config, self.k_max),
                                   max_keys=config.max_model_len + self.k_max + 1)
         self.runner.warm_up()
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: KPolicy | None = None
-        if self.speculator:
+        if self.source:
             self.set_speculate_k(config.speculation.speculate_k)
         # Drafts sit before the target's own token, and inside the draft model's context.
-        draft_len = self.speculator.context if self.speculator else None
+        draft_len = self.source.context if self.source else None
         self.draft_context = min(config.max_model_len - 1, draft_len or config.max_model_len)
         self.scheduler = Scheduler(self.cache, self.registry, config.max_num_seqs, config.max_num_batched_tokens,
-                                   lookahead=self.k_max if self.speculator else 0)
+                                   lookahead=self.k_max if self.source else 0)
 
     def step(self) -> list[Event]:
         """One scheduled step. Prompt chunks run through the target alone; in SD and SSD the
         sequences that are decoding run one speculative round."""
         work = self.scheduler.schedule()
-        decoding = [w.seq for w in work if self.speculator and w.num_new == 1 and w.samples]
+        decoding = [w.seq for w in work if self.source and w.num_new == 1 and w.samples]
         plain = [w for w in work if w.seq not in decoding]
-        with self.speculator.placement(drafting=bool(decoding)) if self.speculator else nullcontext():
+        with self.source.placement(drafting=bool(decoding)) if self.source else nullcontext():
             drawn = self._forward(plain) if plain else []
             now = time.perf_counter()
             events = [self._append(seq, [token], [False], now, lps) for seq, token, lps in drawn]
@@ -104,14 +106,14 @@ class LLMEngine:
 
     def set_speculate_k(self, k: int | str) -> None:
         """K for the next rounds: 0 (plain decoding) up to k_max, or "auto"."""
-        if self.speculator is None:
+        if self.source is None:
             raise SSDError("there is no draft model: speculation needs mode 'sd' or 'ssd'")
         if k != AUTO_K:
             check_int("K", k, 0, self.k_max, also=f"(the most this engine was started with) or '{AUTO_K}'")
             self.k_policy = FixedK(k)
         else:
             opts = self.config.speculation
-            local = isinstance(self.speculator, DraftModel)  # a draft model in this process (SD)
+            local = isinstance(self.source, DraftModel)  # a draft model in this process (SD)
             # Prompt lookup beside it (module doc of adaptive_k.py), and sibling leaves (siblings.py).
             lookup = PromptLookup(opts.ngram_min, opts.ngram_max) if opts.prompt_lookup is not False and local \
                 else None
@@ -119,7 +121,7 @@ class LLMEngine:
             # The draft's stopping rule (draft_stop.py), where the draft is a model in this process.
             stop = DraftStop() if opts.draft_stop is not False and local else None
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
-                                  self.speculator.step_cost(), self.speculator.measures_steps, lookup,
+                                  self.source.step_cost(), self.source.measures_steps, lookup,
                                   opts.draft_window, siblings, stop)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
@@ -142,8 +144,8 @@ class LLMEngine:
     def close(self) -> None:
         for seq in self.scheduler.running + list(self.scheduler.waiting):
             self.finish(seq)
-        if self.speculator is not None:
-            self.speculator.close()
+        if self.source is not None:
+            self.source.close()
         if self.ranks is not None:
             self.ranks.close()
 
@@ -169,7 +171,7 @@ class LLMEngine:
         draft source and each request's metrics."""
         plan = self.k_policy.plan(seqs).within(seqs, self.draft_context)
         if any(plan.ks):
-            rounds = speculative_round(plan, self.speculator, self.runner, self.cache, seqs)
+            rounds = speculative_round(plan, self.source, self.runner, self.cache, seqs)
         else:  # plain decoding this round: no draft pass; the draft catches up when next asked
             start = time.perf_counter()
             drawn = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
@@ -177,7 +179,7 @@ class LLMEngine:
             rounds = [Round(seq, 0, Proposal([]), tokens=[token], verify_s=verify_s, logprobs=lps)
                       for seq, token, lps in drawn]
         self.k_policy.learn(rounds)
-        self.speculator.learn(rounds)
+        self.source.learn(rounds)
         now = time.perf_counter()
         events = []
         for r in rounds:
@@ -210,13 +212,13 @@ class LLMEngine:
         return seq, tokens, from_draft
 
 
-def start_speculator(config: EngineConfig, tokenizer) -> DraftSource:
+def start_source(config: EngineConfig, tokenizer) -> DraftSource:
     """The draft source for the target of `config` (whose tokenizer is given). An SSD worker is
     only started here; SSDWorker.wait_ready() waits for its draft to load, so the caller can
     load the target meanwhile."""
     opts = config.speculation
-    if config.draft == NGRAM:
-        return PromptLookup(opts.ngram_min, opts.ngram_max)
+    if config.draft in NAMED:
+        return NAMED[config.draft](opts)
     folder = resolve_model(config.draft)
     draft_model = ModelConfig.from_folder(folder)
     check_same_vocabulary(tokenizer, load_tokenizer(folder), config.model_config, draft_model)

@@ -1,7 +1,7 @@
 """The draft worker's message protocol: the target (rank 0) and the draft worker (rank 1) talk
 over a torch.distributed point-to-point process group (gloo on CPU, NCCL between GPUs).
 
-Connecting, authenticating and watching the link: ssd/engine/link.py.
+Connecting, authenticating and watching the link: ssd/distributed/link.py.
 
 Every message is three sends: a header tensor int64 [2] = (bytes of JSON, floats that follow),
 the JSON body as uint8, then, if any, one float32 tensor (the draft distributions q). JSON
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ssd.engine.link import LinkError, Watcher
+from ssd.distributed.link import LinkError, Watcher
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.records import Proposal
 

@@ -16,8 +16,8 @@ another sequence or the cache still reads.
 import numpy as np
 import torch
 
-from ssd.engine.prefix_cache import PrefixCache
 from ssd.models.config import ModelConfig
+from ssd.runner.prefix_cache import PrefixCache
 
 
 class CacheFullError(RuntimeError):
@@ -122,7 +122,7 @@ class PagedKVCache:
 
     def copy_position(self, owner: int, src: int, dst: int) -> None:
         """Position src's K/V (every layer) into position dst's slot, both written by `owner`
-        (a verify pass's sibling leaf taking its chain token's place, ssd/speculative/siblings.py)."""
+        (a verify pass's sibling leaf taking its chain token's place, ssd/speculative/policy/siblings.py)."""
         self.prepare_write(owner, dst, dst + 1)
         slots = self.slot_array(owner, max(src, dst) + 1)
         self.kv[:, :, int(slots[dst])] = self.kv[:, :, int(slots[src])]

@@ -5,7 +5,7 @@ only those tokens and its q is 0 elsewhere; verification needs nothing else to s
 
 Which tokens: counts of the target's own greedy outputs on held-out prompts and of those
 prompts (`ssd vocab`, ssd/bench/vocab.py), kept in the store as vocab/<target>.json (the
-default target's ship in ssd/speculative/counts/, made so); the most frequent V' tokens and
+default target's ship in ssd/speculative/draft/counts/, made so); the most frequent V' tokens and
 the end-of-turn tokens are kept, ranked ties and unseen tokens by id (BPE merge order).
 
 No count covers the words of one request: a name in a code prompt, a city in a question,
@@ -100,7 +100,7 @@ def check_same_vocabulary(target_tok, draft_tok, target_cfg: ModelConfig, draft_
 @dataclass
 class ExtraTokens:
     """A sequence's own tokens outside the reduced head, and their output-layer rows (each
-    sequence's own: ssd/speculative/draft_engine.py DraftSeq)."""
+    sequence's own: ssd/speculative/draft/draft_engine.py DraftSeq)."""
 
     known: set[int] = field(default_factory=set)
     ids: torch.Tensor | None = None  # [E] token ids

@@ -1,5 +1,5 @@
 """The draft model's side of speculation, shared by SD (in the target's process) and SSD (in
-the draft worker, ssd/speculative/ssd_draft.py): each sequence's tokens as the draft knows
+the draft worker, ssd/speculative/draft/ssd_draft.py): each sequence's tokens as the draft knows
 them, the draft's paged KV cache, and drafting K tokens one forward pass at a time.
 
 After a round where the target accepted k of the draft's tokens and added its own token t,
@@ -11,20 +11,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ssd.engine.kv_cache import PagedKVCache
-from ssd.engine.logits_process import LogitsProcessor
-from ssd.engine.model_runner import Chunk, ModelRunner
-from ssd.engine.sampler import probs_from_logits, sample, saguaro
 from ssd.errors import SSDError
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
+from ssd.request.logits_process import LogitsProcessor
+from ssd.request.sampler import probs_from_logits, sample, saguaro
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.draft_stop import StopRule, applies
-from ssd.speculative.ngram_index import NgramIndex
+from ssd.speculative.draft.spec_cache import SpeculationCache
+from ssd.speculative.draft.vocab import DraftHead, ExtraTokens
 from ssd.speculative.options import DraftConfig
+from ssd.speculative.policy.draft_stop import StopRule, applies
 from ssd.speculative.records import Alternative, Proposal, round_k
-from ssd.speculative.spec_cache import SpeculationCache
-from ssd.speculative.vocab import DraftHead, ExtraTokens
+from ssd.speculative.sources.ngram_index import NgramIndex
 
 
 GUESS_NGRAM_MAX = 4  # the longest n-gram looked up for the draft's guesses
@@ -194,14 +194,15 @@ class DraftEngine:
         a greedy request whose logits nothing changes drafts up to ks[b] tokens, as long as the
         rule (draft_stop.py) says one more is worth it. Each proposal has the q [k, V] its
         tokens were drawn from (None for greedy requests), with `alternatives` each drafted
-        token's runner-up (requests whose logits nothing changes, ssd/speculative/siblings.py),
+        token's runner-up (requests whose logits nothing changes, ssd/speculative/policy/siblings.py),
         where a rule applied each token's top-1 probability, and the call's timings (step_s,
         catchup: Proposal)."""
         ks = list(ks)
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]
-        rules = [rule if rule is not None and applies(s) else None for s, rule in zip(seqs, stops or [None] * len(seqs))]
+        rules = [rule if rule is not None and applies(s) else None
+                 for s, rule in zip(seqs, stops or [None] * len(seqs))]
         confs: list[list[float]] = [[] for _ in seqs]
         survival = [1.0] * len(seqs)
         step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence

@@ -5,9 +5,9 @@ from itertools import count
 
 import torch
 
-from ssd.engine.detokenizer import TextStream
-from ssd.engine.logits_process import LogitsProcessor
 from ssd.outputs import RequestMetrics, TokenLogprob
+from ssd.request.detokenizer import TextStream
+from ssd.request.logits_process import LogitsProcessor
 from ssd.sampling_params import SamplingParams
 
 _ids = count()

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ssd.engine.kv_cache import PagedKVCache
 from ssd.layers.attention import AttentionBatch
-from ssd.speculative.draft_engine import DraftSeq
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.speculative.draft.draft_engine import DraftSeq
 
 
 @dataclass

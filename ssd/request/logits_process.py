@@ -11,7 +11,7 @@ forbids, and verification stays exact whatever the draft did.
 """
 import torch
 
-from ssd.engine.constraint import Constraint
+from ssd.request.constraint import Constraint
 from ssd.sampling_params import SamplingParams
 
 

@@ -1,5 +1,5 @@
 """What a draft that stops by its own confidence could gain over a fixed K, before building it
-(issue 33; ssd/speculative/policy/draft_stop.py), replayed offline on real text.
+(ssd/speculative/policy/draft_stop.py), replayed offline on real text.
 
 For each prompt the target's greedy output is computed, then the draft reads prompt + output
 in one teacher-forced pass: at every position its top-1 token and that token's probability c.

@@ -1,7 +1,7 @@
 """Decode and verify steps of a random-weight Llama-3.1-8B-shaped model on one GPU: eager
 against captured (CUDA graphs), the bandwidth ceiling, host time per step, batch invariance
 and greedy exactness. Random weights: speed does not depend on their values, and greedy
-equality holds for any weights (issue 34's goals are stated on these shapes).
+equality holds for any weights (the GPU goals are stated on these shapes).
 
     python bench/gpu_steps.py [--layers 32] [--context 512] [--out DIR]
 

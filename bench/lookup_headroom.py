@@ -1,5 +1,5 @@
-"""What prompt lookup and the draft model could gain together over each alone (issue 33,
-lever 3), estimated offline from real text and measured pass costs before building it.
+"""What prompt lookup and the draft model could gain together over each alone,
+estimated offline from real text and measured pass costs before building it.
 
 For each prompt the target's greedy output is computed, then the draft reads prompt + output
 in one teacher-forced pass (its top-1 at every output position given the true prefix). Greedy

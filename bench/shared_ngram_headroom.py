@@ -1,5 +1,5 @@
-"""How much a table of n-grams from other answers could add to the draft's guesses (issue 33,
-lever 3), before building one: the draft's guesses now come from the sequence's own tokens
+"""How much a table of n-grams from other answers could add to the draft's guesses,
+before building one: the draft's guesses now come from the sequence's own tokens
 (ssd/speculative/draft/draft_engine.py, `_guess`); where those have no earlier occurrence of the
 newest n-gram, or only a 1-token one, a table built from the target's answers to other prompts
 might still guess the next token.

@@ -1,5 +1,5 @@
-"""What tree-shaped SD proposals could gain over a chain, before building them (issue 33,
-lever 1): the simplest tree, the draft's chain plus its second choice as a one-token sibling
+"""What tree-shaped SD proposals could gain over a chain, before building them:
+the simplest tree, the draft's chain plus its second choice as a one-token sibling
 leaf at chosen depths, estimated offline from real text and measured pass costs.
 
 For each prompt the target's greedy output is computed, then the draft reads prompt + output

@@ -33,9 +33,11 @@ class LLM:
     def __init__(self, model: str | os.PathLike, **options):
         """options: those of EngineConfig (ssd/config.py): draft, mode, device, dtype,
         max_model_len, threads, max_num_seqs, max_num_batched_tokens, kv_cache_tokens,
-        block_size, seed, weights, enable_prefix_caching, cuda_graph_rows; and those of SpecOptions (ssd/speculative/options.py):
-        speculate_k, draft_quantization, and for SSD fan_out, backup, target_device,
-        draft_device, ... weights: how the model's weights are held: "gguf" (a GGUF model's own
+        block_size, seed, weights, enable_prefix_caching, cuda_graph_rows, and tensor
+        parallelism's tensor_parallel_size, tensor_parallel_address and
+        tensor_parallel_timeout; and those of SpecOptions (ssd/speculative/options.py):
+        speculate_k, k_max, draft_quantization, draft_vocab, ..., and for SSD fan_out, backup,
+        target_device, draft_device, ... weights: how the model's weights are held: "gguf" (a GGUF model's own
         quantised blocks, the default for one on a CPU), "dequantized" (a copy in `dtype`: the
         values transformers loads, and what a GPU uses), "int8" or "q4_0" (requantised copies,
         which change the model's outputs: meant for a draft, see ssd/models/loader.py), or

@@ -1,4 +1,4 @@
-"""Sibling leaves (ssd/speculative/policy/siblings.py, issue 33 lever 1): the draft's runner-up beside
+"""Sibling leaves (ssd/speculative/policy/siblings.py): the draft's runner-up beside
 its top choice in the verify pass. The tree's rows, the rescue rule, the choice by cost, and
 SD with siblings == AR."""
 import dataclasses

@@ -134,7 +134,7 @@ def test_prompts_run_on_the_idle_workers_cores_too(smollm_dir, truncated_draft, 
 
 def _branches(draft: SSDDraft) -> int:
     """The speculation cache's entries, over all sequences."""
-    return sum(len(s.cache) for s in draft.engine.seqs.values())
+    return sum(len(s.speculations) for s in draft.engine.seqs.values())
 
 
 def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):

@@ -43,10 +43,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
 
-    @property
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 

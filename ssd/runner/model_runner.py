@@ -48,7 +48,7 @@ class ModelRunner:
         bucket's graph (of final hidden states with head=False: a draft's passes) is captured
         now: a capture inside a request's pass holds it up, and auto-K would take that time
         for what drafting costs (on an H200, SD with auto K drafted nothing while the draft's
-        graphs were captured in its first rounds: bench/results/gpu-h200-b)."""
+        graphs were captured in its first rounds: docs/kernels.md, "GPU")."""
         for rows in self.steps.buckets if self.steps is not None else [1]:
             self.timed_pass(rows, head=head)
 

@@ -941,7 +941,7 @@ struct VL {
 // Tiles of up to this many rows take all 16 lanes in one pass (VW), larger ones VL<0> then VL<1>
 // in parts of 4 rows. Measured in one process against the one-pass code of before (tiles of 8):
 // 1 or 2 halves were no faster at 3 to 5 rows (the second pass repeats the unpacking), the halves
-// win at 9 rows (one pass over the weights instead of two); see bench/results/amd-verify-pass.
+// win at 9 rows (one pass over the weights instead of two; docs/kernels.md, "Accumulation order").
 #ifndef SSD_VW_ROWS
 #define SSD_VW_ROWS 8
 #endif

@@ -55,13 +55,13 @@ class DraftSeq:
     processor: LogitsProcessor | None = None  # SD: the request's penalties and constraint, the draft's copy
     tokens: list[int] = field(default_factory=list)  # confirmed tokens, then the current speculation
     confirmed: int = 0
-    cached: int = 0  # leading tokens whose K/V are in the draft's cache
+    fed: int = 0  # leading tokens the draft has fed: their K/V are in its KV cache
     # Leading context tokens the draft dropped (DraftEngine's window): tokens[i] is the
     # context's token offset + i, at draft position i.
     offset: int = 0
     extra: ExtraTokens = field(default_factory=ExtraTokens)
-    cache: SpeculationCache = field(default_factory=SpeculationCache)  # SSD
-    # SSD: whether the current speculation came from the cache, and the fork candidates of
+    speculations: SpeculationCache = field(default_factory=SpeculationCache)  # SSD's, for the round in flight
+    # SSD: whether the current speculation came from `speculations`, and the fork candidates of
     # the tree built from it (per depth, most likely first).
     after_hit: bool = False
     candidates: list[list[int]] = field(default_factory=list)
@@ -155,12 +155,12 @@ class DraftEngine:
         if first:  # a prompt, or the whole context again: start from the cached prefix
             s.ngrams = NgramIndex(GUESS_NGRAM_MAX)
             self.kv.release(seq_id)
-            s.cached = self.kv.match(seq_id, s.tokens)
+            s.fed = self.kv.match(seq_id, s.tokens)
         else:
-            s.cached = min(s.cached, num_valid)
+            s.fed = min(s.fed, num_valid)
         s.candidates = []
-        self.kv.truncate(seq_id, s.cached)
-        self.kv.commit(seq_id, s.tokens[:s.cached])
+        self.kv.truncate(seq_id, s.fed)
+        self.kv.commit(seq_id, s.tokens[:s.fed])
         return s
 
     def release(self, seq_id: int) -> None:
@@ -217,10 +217,10 @@ class DraftEngine:
             for b in live:
                 s = seqs[b]
                 self._window(s)
-                s.cached = min(s.cached, len(s.tokens) - 1)  # feed at least the newest token
+                s.fed = min(s.fed, len(s.tokens) - 1)  # feed at least the newest token
                 guess = self._guess(s, min(GUESS_ROWS, ks[b] - len(tokens[b]) - 1))
                 self.kv.reserve(s.seq_id, len(s.tokens) + len(guess))
-                chunks.append(Chunk(s.seq_id, s.tokens[s.cached:] + guess, s.cached, 1 + len(guess)))
+                chunks.append(Chunk(s.seq_id, s.tokens[s.fed:] + guess, s.fed, 1 + len(guess)))
                 guesses.append(guess)
             picked, q, runner_up, conf = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
                                                    [1 + len(g) for g in guesses], alternatives, any(rules))
@@ -228,9 +228,9 @@ class DraftEngine:
             for i, b in enumerate(live):
                 s, guess = seqs[b], guesses[i]
                 right = agreed(picked[row:row + len(guess)], guess)  # their K/V stay
-                s.cached = len(s.tokens) + right
+                s.fed = len(s.tokens) + right
                 if right < len(guess):
-                    self.kv.truncate(s.seq_id, s.cached)
+                    self.kv.truncate(s.seq_id, s.fed)
                 new = guess[:right] + [picked[row + right]]
                 s.tokens += new
                 if q[i] is not None:
@@ -281,14 +281,14 @@ class DraftEngine:
         """More than `window` tokens unread: drop all but the context's last `window` and
         start over from them (the target verifies every token, so the draft may see less)."""
         drop = len(s.tokens) - self.window if self.window is not None else 0
-        if drop <= 0 or len(s.tokens) - s.cached <= self.window:
+        if drop <= 0 or len(s.tokens) - s.fed <= self.window:
             return
         del s.tokens[:drop]
         s.offset += drop
         s.confirmed -= drop
         s.ngrams = NgramIndex(GUESS_NGRAM_MAX)
         self.kv.release(s.seq_id)
-        s.cached = self.kv.match(s.seq_id, s.tokens)
+        s.fed = self.kv.match(s.seq_id, s.tokens)
 
     def _forced(self, seqs: list[DraftSeq], ks: list[int], tokens: list[list[int]],
                 qs: list[list[torch.Tensor]]) -> None:
@@ -312,11 +312,11 @@ class DraftEngine:
         chunks = []
         for s in seqs:
             self._window(s)
-            s.cached = min(s.cached, s.confirmed - 1)  # re-feed from the target's newest token
-            self.kv.truncate(s.seq_id, s.cached)
+            s.fed = min(s.fed, s.confirmed - 1)  # re-feed from the target's newest token
+            self.kv.truncate(s.seq_id, s.fed)
             self.kv.reserve(s.seq_id, len(s.tokens))
-            chunks.append(Chunk(s.seq_id, s.tokens[s.cached:], s.cached, len(s.spec) + 1))
-            s.cached = len(s.tokens)
+            chunks.append(Chunk(s.seq_id, s.tokens[s.fed:], s.fed, len(s.spec) + 1))
+            s.fed = len(s.tokens)
         rows = [len(s.spec) + 1 for s in seqs]
         logits, extra_ids = self.head(self.runner.forward(chunks, head=False), [s.extra for s in seqs], rows)
         return list(zip(logits.split(rows), extra_ids.split(rows) if extra_ids is not None else [None] * len(seqs)))

@@ -47,7 +47,7 @@ class SSDDraft:
             end = known.outcome(r.num_valid, r.new_tokens) if known else None
             if end is not None and known.candidates:
                 self._observe(known, *end)
-            found = known.cache.lookup(end) if known else Lookup(None, [])
+            found = known.speculations.lookup(end) if known else Lookup(None, [])
             s = engine.sync(r.seq_id, r.num_valid, r.new_tokens, r.params, r.k)
             engine.kv.release(s.tree_owner)  # last round's branches
             k = r.k
@@ -144,7 +144,7 @@ class SSDDraft:
                         qs[b].append(q_group[r])
                 row += n
         for b, f in enumerate(forks):
-            f.seq.cache.put(f.depth, f.token, Branch(tokens[b], qs[b] or None))
+            f.seq.speculations.put(f.depth, f.token, Branch(tokens[b], qs[b] or None))
         seconds = time.perf_counter() - start
         self._built = (len(forks), seconds)
         counts = Counter(f.seq.seq_id for f in forks)

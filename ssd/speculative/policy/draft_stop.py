@@ -20,7 +20,7 @@ up to the round's K, which auto-K then sets to k_max for the sequences this appl
 only the proposals' length depends on the rule, and verification stays exact). Only where
 one sequence drafts alone: in a batch, one sequence's deeper draft holds up every other's
 pass and adds rows to a larger verify pass, which this rule does not price, and with it on,
-batches of 4 ran 0.84-0.88x (bench/results/zen5-stop-batch4); auto-K's K,
+batches of 4 ran 0.84-0.88x (docs/algorithm.md, "The draft's stopping rule"); auto-K's K,
 which weighs the batch's costs, stands there. Replayed on the bench sets' greedy outputs
 (bench/draft_stop_headroom.py), the rule gained 4-9 % over the best fixed K.
 """

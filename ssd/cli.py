@@ -41,7 +41,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def add_speculation_args(p: argparse.ArgumentParser) -> None:
     """--mode, --draft, and one flag per option of SpecOptions, generated from its fields."""
-    from ssd.speculative.options import SpecOptions
+    from ssd.speculative.options import SpecOptions, declared
 
     s = p.add_argument_group("speculative decoding (--mode sd / ssd)")
     s.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar",
@@ -50,17 +50,18 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--draft", help=f"draft model: store name, folder or .gguf (default with sd/ssd: {DEFAULT_DRAFT}; "
                                    f"the target then defaults to {DEFAULT_TARGET})")
     for f in fields(SpecOptions):
-        meta = f.metadata
-        if meta["flag"] is None:
+        o = declared(f)
+        if o.flag is None:
             continue
-        default = "none" if f.default is None and meta["choices"] else f.default
+        default = o.none if f.default is None else f.default
         if isinstance(default, bool):  # a switch: written on/off (argparse parses a text default)
             default = "on" if default else "off"
         shown = "" if f.default is None else f" (default: {default})"
-        names = [meta["flag"], "--fan-out-hit"] if f.name == "fan_out" else [meta["flag"]]
-        s.add_argument(*names, dest=f"spec_{f.name}", default=default, type=_parsed(meta["parse"]),
-                       choices=meta["choices"], metavar=meta["metavar"],
-                       help=("ssd: " if meta["ssd_only"] else "") + meta["help"] + shown)
+        names = [o.flag, "--fan-out-hit"] if f.name == "fan_out" else [o.flag]
+        metavar = o.metavar or ("|".join(o.none if c is None else c for c in o.choices) if o.choices else None)
+        s.add_argument(*names, dest=f"spec_{f.name}", default=f.default if f.default is None else default,
+                       type=_parsed(o.parse), choices=o.choices, metavar=metavar,
+                       help=("ssd: " if o.modes == ("ssd",) else "") + o.help + shown)
 
 
 def _parsed(parse):
@@ -91,8 +92,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     kw.update(draft=args.draft or DEFAULT_DRAFT, mode=args.mode)
     for f in fields(SpecOptions):
         value = getattr(args, f"spec_{f.name}", f.default)
-        if f.name == "draft_quantization" and value == "none":
-            value = None
         if value != f.default:  # only what was given: SD refuses SSD-only options
             kw[f.name] = value
     return kw

@@ -79,14 +79,12 @@ class EngineConfig:
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        spec = self.speculation = self.speculation.resolved(self.mode)
+        spec = self.speculation = self.speculation.resolved(self.mode, self.draft in NAMED)
         if (self.draft is None) != (self.mode == "ar"):
             raise SSDError(f"mode {self.mode!r} needs a draft model" if self.draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {self.mode!r}")
         if self.draft in NAMED and self.mode != "sd":
             raise SSDError(f"draft='{self.draft}' (a draft source without a model) runs in mode 'sd', not {self.mode!r}")
-        if self.draft in NAMED and spec.prompt_lookup:
-            raise SSDError(f"prompt_lookup puts prompt lookup beside a draft model; draft='{self.draft}' has none")
         if self.threads is not None:
             check_int("threads", self.threads, 1)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

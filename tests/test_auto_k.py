@@ -447,11 +447,11 @@ def test_prompt_lookup_beside_the_draft_sampling_follows_the_target(tiny_pair):
 def test_prompt_lookup_option():
     assert SpecOptions(prompt_lookup=True).resolved("sd").prompt_lookup
     for mode, k in (("ssd", None), ("sd", 4)):
-        with pytest.raises(SSDError, match="prompt_lookup beside a draft model applies to mode 'sd'"):
+        with pytest.raises(SSDError, match="prompt_lookup applies to mode 'sd' with speculate_k='auto' only"):
             SpecOptions(prompt_lookup=True, speculate_k=k).resolved(mode)
     with pytest.raises(SSDError, match="True, False or None"):
         SpecOptions(prompt_lookup="yes").resolved("sd")
-    with pytest.raises(SSDError, match="beside a draft model; draft='ngram' has none"):
+    with pytest.raises(SSDError, match="prompt_lookup applies to a draft model, not a draft source without one"):
         LLM("smollm2-135m-instruct", draft="ngram", mode="sd", prompt_lookup=True)
 
 

@@ -41,27 +41,27 @@ def test_expand_configs():
     assert labels(["ar", "sd", "ssd"], 4, fan_out=(3, 1), backup="jit", sweep=("f", [1, "auto"])) == [
         "ar", "sd k=4", "ssd k=4 f=1 backup=jit", "ssd k=4 f=auto backup=jit"]
     assert labels(["sd"], 3, peers=["llamacpp"]) == ["sd k=3", "llamacpp", "llamacpp-spec k=3"]
-    assert RunConfig("ssd", 4, (4, 2, 1)).label == "ssd k=4 f=4,2,1"
+    assert RunConfig("ssd", 4, (("fan_out", (4, 2, 1)),)).label == "ssd k=4 f=4,2,1"
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("lookup", [True, False])) == [
         "ar", "sd k=auto lookup=on", "sd k=auto lookup=off", "ngram k=auto"]
-    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", lookup=False))["prompt_lookup"] is False
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", (("prompt_lookup", False),)))["prompt_lookup"] is False
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("siblings", [False, True])) == [
         "ar", "sd k=auto siblings=off", "sd k=auto siblings=on", "ngram k=auto"]
-    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", siblings=True))["draft_siblings"] is True
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", (("draft_siblings", True),)))["draft_siblings"] is True
     assert labels(["ar", "sd", "ssd", "ngram"], 3, sweep=("guesses", [False, True])) == [
         "ar", "sd k=3 guesses=off", "sd k=3 guesses=on", "ssd k=3 guesses=off", "ssd k=3 guesses=on", "ngram k=3"]
-    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", 3, guesses=False))["draft_guesses"] is False
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", 3, (("draft_guesses", False),)))["draft_guesses"] is False
     assert labels(["ar", "sd", "ssd"], "auto", sweep=("stop", [False, True])) == [
         "ar", "sd k=auto stop=off", "sd k=auto stop=on", "ssd k=auto"]
-    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", stop=False))["draft_stop"] is False
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("sd", "auto", (("draft_stop", False),)))["draft_stop"] is False
     assert labels(["ar", "sd", "ngram"], "auto", sweep=("kmax", [8, 16])) == [
         "ar", "sd k=auto kmax=8", "sd k=auto kmax=16", "ngram k=auto kmax=8", "ngram k=auto kmax=16"]
-    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("ngram", "auto", k_max=16))["k_max"] == 16
-    assert labels(["ar", "sd", "ngram"], "auto", sweep=("w", ["all", 64])) == [
+    assert BenchSpec("m", "d", []).engine_kwargs(RunConfig("ngram", "auto", (("k_max", 16),)))["k_max"] == 16
+    assert labels(["ar", "sd", "ngram"], "auto", sweep=("w", [None, 64])) == [
         "ar", "sd k=auto w=all", "sd k=auto w=64", "ngram k=auto"]
     spec = BenchSpec("m", "d", [])
-    assert spec.engine_kwargs(RunConfig("sd", "auto", draft_window="all"))["draft_window"] is None
-    assert spec.engine_kwargs(RunConfig("sd", "auto", draft_window=64))["draft_window"] == 64
+    assert spec.engine_kwargs(RunConfig("sd", "auto", (("draft_window", None),)))["draft_window"] is None
+    assert spec.engine_kwargs(RunConfig("sd", "auto", (("draft_window", 64),)))["draft_window"] == 64
 
 
 def test_sweep_gives_one_row_per_value_and_greedy_modes_match_ar(bench):
@@ -137,7 +137,7 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "ar,fast"], "unknown mode 'fast'; choose from ar, sd, ssd"),
     (["--modes", ","], "--modes is empty"),
     (["--peers", "vllm"], "unknown peer 'vllm'; choose from hf, llamacpp"),
-    (["--sweep", "k=2,x"], "--sweep k: expected a whole number >= 1, got 'x'"),
+    (["--sweep", "k=2,x"], "--sweep k: bad K 'x'"),
     (["--sweep", "n=1,2"], "bad --sweep 'n=1,2'"),
     (["--sweep", "k=2,2"], "repeats a value"),
     (["--modes", "sd", "--sweep", "k=2,4"], "add ar to --modes"),
@@ -150,8 +150,8 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "ar,ngram", "--sweep", "w=all,64"], "needs one of the modes sd, ssd"),
     (["--modes", "ar,ssd", "--sweep", "stop=on,off"], "needs one of the modes sd"),
     (["--modes", "ar,ssd", "--sweep", "kmax=8,16"], "needs one of the modes ngram, sd"),
-    (["--modes", "ar,sd", "--sweep", "kmax=8,0"], "--sweep kmax: expected a whole number >= 1, got '0'"),
-    (["--modes", "ar,sd", "--sweep", "w=all,0"], "--sweep w: expected a whole number >= 1, got '0'"),
+    (["--modes", "ar,sd", "--sweep", "kmax=8,0"], "--sweep kmax: k_max must be"),
+    (["--modes", "ar,sd", "--sweep", "w=all,0"], "--sweep w: draft_window must be"),
     (["--k", "often"], "bad K 'often'"),
     (["--modes", "ar,sd", "--f", "2"], "apply to mode ssd"),
     (["--f", "2,0"], "--f: expected a whole number >= 1, got '0'"),

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -57,3 +58,11 @@ def test_models_lists_known_models():
     names = {m["name"]: m for m in json.loads(r.stdout)}
     assert {"qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct", "smollm2-135m-instruct"} <= set(names)
     assert names["smollm2-135m-instruct"]["present"]
+
+
+def test_the_options_reference_in_docs_is_made_from_the_declarations():
+    from ssd.speculative.options import reference
+    path = Path(__file__).parent.parent / "docs" / "options.md"
+    assert path.read_text() == reference(), ("docs/options.md is stale: write it again with\n  python -c \"from "
+                                             "ssd.speculative.options import reference; print(reference(), end='')\" "
+                                             "> docs/options.md")

@@ -353,7 +353,7 @@ def test_bad_ssd_options(smollm_dir, kwargs, match):
 
 
 def test_ssd_options_need_ssd_mode(smollm_dir):
-    with pytest.raises(SSDError, match="backup only apply to mode 'ssd'"):
+    with pytest.raises(SSDError, match="backup applies to mode 'ssd' only"):
         LLM(smollm_dir, draft=smollm_dir, mode="sd", backup="fast")
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 from ssd.bench.plots import write_plots
 from ssd.bench.prompts import PROMPT_SETS, BenchPrompt, load_prompt_set, load_prompts_file
 from ssd.bench.report import check_out, earlier_results, format_table, summarise, write_report
-from ssd.bench.runner import ENGINE_MODES, PEERS, SWEEP_MODES, BenchSpec, FanOut, expand_configs, run_bench
+from ssd.bench.runner import (ENGINE_MODES, OPTIONS, PEERS, SWEEPS, BenchSpec, FanOut, expand_configs, run_bench,
+                              sweep_modes)
 from ssd.errors import SSDError
-from ssd.models.loader import QUANTIZATIONS
-from ssd.speculative.options import AUTO_K, parse_k, parse_on_off
+from ssd.speculative.options import AUTO_K, declared, parse_k
 from ssd.store import resolve_model
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
@@ -54,12 +54,8 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--f", metavar="F", help="SSD fan-out: N, one N per depth (4,2,1) or auto (default: the engine's)")
     b.add_argument("--backup", choices=("jit", "fast"), help="SSD backup on a cache miss (default: the engine's)")
     b.add_argument("--sweep", metavar="KEY=V,V,..",
-                   help="one configuration per value: k=2,4,auto (sd, ssd, ngram), f=1,2,3 (ssd), v=full,auto,32768 "
-                   "(the draft head's vocabulary, sd and ssd, whose default is auto; see `ssd vocab`) or lookup=on,off "
-                   "(prompt lookup beside the draft, sd with --k auto) or w=all,V,.. (--draft-window, sd and ssd) or "
-                   "siblings=on,off (sibling leaves, sd with --k auto) or guesses=on,off (--draft-guesses, sd and "
-                   "ssd) or stop=on,off (--draft-stop, sd with --k auto) or kmax=8,16 (--k-max, sd and ngram with --k "
-                   "auto); needs ar in --modes")
+                   help="one configuration per value of a speculation option, written as its flag takes it, for the "
+                   f"modes it applies to (the others run once): {sweep_help()}; e.g. k=2,4,auto; needs ar in --modes")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 is greedy, where every mode must match AR token for token (default: 0)")
     b.add_argument("--batch-size", type=int, default=1, metavar="B",
@@ -73,9 +69,10 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     b.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: float32 on cpu, bfloat16 on cuda)")
     b.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
-    b.add_argument("--draft-quantization", choices=("auto", *QUANTIZATIONS, "none"), default="auto",
-                   help="the draft's weights, as the engine's --draft-quantization (`ssd generate --help`) "
-                        "(default: auto)")
+    quantization = declared(OPTIONS["draft_quantization"])
+    b.add_argument(quantization.flag, choices=[quantization.none if c is None else c for c in quantization.choices],
+                   default=OPTIONS["draft_quantization"].default,
+                   help="the draft's weights, as the engine's (`ssd generate --help`) (default: auto)")
     b.add_argument("--out", metavar="DIR", help="write results.json, table.md and .png plots there")
     b.add_argument("--overwrite", action="store_true",
                    help="replace the results of an earlier run in --out (default: refuse such a folder)")
@@ -108,26 +105,31 @@ def parse_fan_out(text: str) -> FanOut:
 
 
 def parse_sweep(text: str) -> tuple[str, list]:
-    """--sweep: "k=2,4,auto", "f=1,2,auto", "v=full,32768,16384" (reduced draft heads) or
-    "lookup=on,off", "w=all,256,64" (the draft's window), "siblings=on,off", "guesses=on,off", "stop=on,off",
-    "kmax=8,16"."""
-    m = re.fullmatch(r"\s*(k|f|v|lookup|w|siblings|guesses|stop|kmax)\s*=\s*(.+)", text)
-    if not m:
-        raise SSDError(f"bad --sweep {text!r}: expected k=V,V,..., f=V,V,..., v=V,V,..., lookup=on,off, "
-                       "w=V,V,..., siblings=on,off, guesses=on,off, stop=on,off or kmax=V,V,... (e.g. k=2,4,6)")
-    parse = {"k": lambda v, what: AUTO_K if v.strip() == AUTO_K else _positive(v, what),
-             "f": _fan_out,
-             "v": lambda v, what: v.strip() if v.strip() in ("full", "auto") else _positive(v, what),
-             "lookup": lambda v, what: parse_on_off(v),
-             "siblings": lambda v, what: parse_on_off(v),
-             "guesses": lambda v, what: parse_on_off(v),
-             "stop": lambda v, what: parse_on_off(v),
-             "kmax": _positive,
-             "w": lambda v, what: "all" if v.strip() == "all" else _positive(v, what)}[m[1]]
-    values = [parse(v, f"--sweep {m[1]}") for v in m[2].split(",")]
-    if len(set(values)) != len(values):
+    """--sweep KEY=V,V,..: KEY the --sweep key of a speculation option (SWEEPS), each value read
+    and checked as that option's."""
+    m = re.fullmatch(r"\s*(\w+)\s*=\s*(.+)", text)
+    if not m or m[1] not in SWEEPS:
+        raise SSDError(f"bad --sweep {text!r}: expected KEY=V,V,... with KEY one of {', '.join(SWEEPS)} "
+                       "(e.g. k=2,4,6)")
+    f = SWEEPS[m[1]]
+    o = declared(f)
+    values = []
+    for v in m[2].split(","):
+        try:
+            value = o.parse(v) if o.parse else v.strip()
+            if o.check is not None:
+                o.check(f.name, value)
+        except (SSDError, ValueError) as e:
+            raise SSDError(f"--sweep {m[1]}: {e}") from None
+        values.append(value)
+    if len(set(map(str, values))) != len(values):
         raise SSDError(f"--sweep {text!r} repeats a value")
     return m[1], values
+
+
+def sweep_help() -> str:
+    """Each --sweep key, its option's flag and the modes it applies to."""
+    return ", ".join(f"{key} ({declared(f).flag}: {', '.join(sorted(sweep_modes(key)))})" for key, f in SWEEPS.items())
 
 
 def build_spec(args: argparse.Namespace) -> BenchSpec:
@@ -145,8 +147,8 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     sweep = parse_sweep(args.sweep) if args.sweep else None
     if sweep and "ar" not in modes:
         raise SSDError("--sweep measures speedup vs AR: add ar to --modes")
-    if sweep and not set(modes) & SWEEP_MODES[sweep[0]]:
-        raise SSDError(f"--sweep {sweep[0]}=... needs one of the modes {', '.join(sorted(SWEEP_MODES[sweep[0]]))} "
+    if sweep and not set(modes) & sweep_modes(sweep[0]):
+        raise SSDError(f"--sweep {sweep[0]}=... needs one of the modes {', '.join(sorted(sweep_modes(sweep[0])))} "
                        "in --modes")
     if (args.f or args.backup) and "ssd" not in modes:
         raise SSDError("--f and --backup apply to mode ssd, which is not in --modes")
@@ -166,7 +168,7 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
                      temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                      batch_size=args.batch_size, chat_template=args.chat_template == "on", device=args.device,
                      dtype=args.dtype, threads=args.threads, sweep=sweep[0] if sweep else None,
-                     draft_quantization=None if args.draft_quantization == "none" else args.draft_quantization)
+                     draft_quantization=declared(OPTIONS["draft_quantization"]).parse(args.draft_quantization))
     spec.params()  # checks temperature and max_tokens
     return spec
 

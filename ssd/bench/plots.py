@@ -8,7 +8,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from ssd.bench.report import Row
-from ssd.bench.runner import SWEEP_FIELDS, BenchResult
+from ssd.bench.runner import SWEEPS, BenchResult, shown
+from ssd.speculative.options import declared
 
 
 def _title(result: BenchResult) -> str:
@@ -86,25 +87,20 @@ def plot_acceptance(result: BenchResult, path: Path) -> Path | None:
 def plot_sweep(result: BenchResult, rows: Sequence[Row], path: Path) -> Path:
     """Speedup vs AR against the swept value: a colour per set, solid for sd, dashed for ssd."""
     key = result.spec.sweep
+    name = SWEEPS[key].name
     config = {c.label: c for c in result.spec.configs}
-    values = list(dict.fromkeys(getattr(c, SWEEP_FIELDS[key]) for c in result.spec.configs
-                                if c.mode in ("sd", "ssd")))
+    values = list(dict.fromkeys(c.value(name) for c in result.spec.configs if c.mode in ("sd", "ssd")))
     fig = Figure(figsize=(6.0, 4.0), layout="constrained")
     ax = fig.add_subplot()
     for mode, style in (("sd", "-o"), ("ssd", "--s")):
         for i, s in enumerate(result.prompt_sets):
-            points = [(values.index(getattr(config[r.config], SWEEP_FIELDS[key])), r.speedup) for r in rows
+            points = [(values.index(config[r.config].value(name)), r.speedup) for r in rows
                       if r.set == s and r.mode == mode and r.speedup is not None]
             if points:
                 ax.plot(*zip(*points), style, color=f"C{i}", label=f"{mode}, {s}")
     ax.axhline(1.0, color="gray", linestyle=":", linewidth=1, label="AR")
-    ax.set_xticks(range(len(values)), [",".join(map(str, v)) if isinstance(v, tuple) else "full" if v is None
-                                       else ("on" if v else "off") if isinstance(v, bool) else str(v) for v in values])
-    ax.set_xlabel({"k": "K (draft tokens per round)", "f": "f (SSD fan-out)",
-                   "v": "V (tokens of the draft's head)", "lookup": "prompt lookup beside the draft",
-                   "w": "W (the draft's window, tokens)", "siblings": "sibling leaves",
-                   "guesses": "the draft's guesses (prompt lookup)", "stop": "the draft's stopping rule",
-                   "kmax": "K max (auto-K's deepest round)"}[key])
+    ax.set_xticks(range(len(values)), [shown(name, v) for v in values])
+    ax.set_xlabel(f"{declared(SWEEPS[key]).flag} ({name})")
     ax.set_ylabel("speedup vs AR (decode tok/s)")
     ax.grid(alpha=0.3)
     return _save(fig, ax, result, path)

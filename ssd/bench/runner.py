@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 import jsonschema
@@ -21,22 +21,35 @@ from ssd import LLM, SamplingParams
 from ssd.bench.peers import PeerResult, PeerSkip, isolated, run_hf, run_llamacpp
 from ssd.bench.prompts import BenchPrompt
 from ssd.errors import SSDError
-from ssd.speculative.options import NGRAM, SSD_K
+from ssd.speculative.options import NGRAM, SSD_K, SpecOptions, declared
 from ssd.store import REGISTRY, gguf_path, resolve_model
 
 ENGINE_MODES = ("ar", "sd", "ssd", "ngram")  # ngram: SD drafted by prompt lookup (draft="ngram"), no draft model
 PEERS = {"hf": ("hf", "hf-assisted"), "llamacpp": ("llamacpp", "llamacpp-spec")}  # --peers name -> rows
-SWEEP_FIELDS = {"k": "k", "f": "fan_out", "v": "draft_vocab", "lookup": "lookup",  # --sweep key -> RunConfig field
-                "w": "draft_window", "siblings": "siblings", "guesses": "guesses", "stop": "stop",
-                "kmax": "k_max"}
-# --sweep key -> the engine modes it applies to (the others run once, at the default)
-SWEEP_MODES = {"k": {"sd", "ssd", "ngram"}, "f": {"ssd"}, "v": {"sd", "ssd"}, "lookup": {"sd"}, "w": {"sd", "ssd"},
-               "siblings": {"sd"}, "guesses": {"sd", "ssd"}, "stop": {"sd"},
-               "kmax": {"sd", "ngram"}}
+SWEEPS = {declared(f).sweep: f for f in fields(SpecOptions) if declared(f).sweep}  # --sweep key -> its option
+OPTIONS = {f.name: f for f in fields(SpecOptions)}
 WARMUP_PROMPT = "Count from one to ten."
 WARMUP_TOKENS = 8
 
 FanOut = int | str | tuple[int, ...]  # per depth, or "auto"
+
+
+def shown(name: str, value) -> str:
+    """An option's value as the command line writes it."""
+    if value is None:
+        return declared(OPTIONS[name]).none
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def sweep_modes(key: str) -> set[str]:
+    """The engine modes a --sweep key's option applies to, as the bench runs them (the others
+    run once, at the default): an option of auto-K's only in sd, whose default K is auto, and
+    ngram (SD without a draft model) only where the option needs no draft model."""
+    o = declared(SWEEPS[key])
+    modes = {m for m in o.modes if not (o.auto_only and m == "ssd")}
+    return modes | ({"ngram"} if "sd" in modes and not o.model_only else set())
 
 
 @dataclass(frozen=True)
@@ -45,45 +58,47 @@ class RunConfig:
 
     mode: str  # "ar" | "sd" | "ssd" | "ngram", or a peer: "hf" | "hf-assisted" | "llamacpp" | "llamacpp-spec"
     k: int | str | None = None  # draft tokens per round, or "auto"
-    fan_out: FanOut | None = None  # SSD only; None = the engine's default
-    backup: str | None = None  # SSD only: "jit" | "fast"; None = the engine's default
-    draft_vocab: int | str | None = None  # sd and ssd: the draft head (V, "auto", "full"); None = the engine's default
-    lookup: bool | None = None  # sd: prompt lookup beside the draft (SpecOptions.prompt_lookup); None = the default
-    draft_window: int | str | None = None  # sd and ssd: SpecOptions.draft_window, or "all"; None = the default
-    siblings: bool | None = None  # sd: sibling leaves (SpecOptions.draft_siblings); None = the default
-    guesses: bool | None = None  # sd and ssd: the draft's guesses (SpecOptions.draft_guesses); None = the default
-    stop: bool | None = None  # sd: the draft's stopping rule (SpecOptions.draft_stop); None = the default
-    k_max: int | None = None  # sd and ngram with k auto: the most tokens a round drafts (SpecOptions.k_max)
+    # The speculation options this run sets (SpecOptions field, value), in the order given.
+    options: tuple[tuple[str, object], ...] = ()
 
     @property
     def label(self) -> str:
-        f = ",".join(map(str, self.fan_out)) if isinstance(self.fan_out, tuple) else self.fan_out
-        on_off = lambda v: None if v is None else "on" if v else "off"  # noqa: E731
-        parts = [self.mode, *(f"{name}={v}" for name, v in (("k", self.k), ("f", f), ("backup", self.backup),
-                                                           ("v", self.draft_vocab), ("lookup", on_off(self.lookup)),
-                                                           ("w", self.draft_window),
-                                                           ("siblings", on_off(self.siblings)),
-                                                           ("guesses", on_off(self.guesses)),
-                                                           ("stop", on_off(self.stop)),
-                                                           ("kmax", self.k_max))
-                              if v is not None)]
-        return " ".join(parts)
+        parts = [self.mode] + ([f"k={self.k}"] if self.k is not None else [])
+        return " ".join(parts + [f"{declared(OPTIONS[name]).sweep or name}={shown(name, value)}"
+                                 for name, value in self.options])
+
+    def value(self, name: str):
+        """The value this configuration gives option `name` (None: the engine's default)."""
+        return self.k if name == "speculate_k" else dict(self.options).get(name)
 
     @property
     def is_peer(self) -> bool:
         return self.mode not in ENGINE_MODES
 
+    def setting(self, name: str, value) -> "RunConfig":
+        """This configuration with option `name` set to `value` (in place, where it was set; K is
+        the configuration's own)."""
+        if name == "speculate_k":
+            return replace(self, k=value)
+        names = [n for n, _ in self.options]
+        options = list(self.options)
+        if name in names:
+            options[names.index(name)] = (name, value)
+        else:
+            options.append((name, value))
+        return replace(self, options=tuple(options))
+
 
 def expand_configs(modes: Sequence[str], k: int, fan_out: FanOut | None = None, backup: str | None = None,
                    sweep: tuple[str, Sequence] | None = None, peers: Sequence[str] = ()) -> list[RunConfig]:
     """The configurations of a run, in table order: each mode, a sweep's values for the
-    speculative modes it applies to (k: sd and ssd; f: ssd), then the peers' rows."""
+    speculative modes it applies to (sweep_modes), then the peers' rows."""
     configs = []
     for mode in modes:
-        base = RunConfig(mode) if mode == "ar" else RunConfig(
-            mode, k, *((fan_out, backup) if mode == "ssd" else (None, None)))
-        applies = sweep is not None and mode in SWEEP_MODES[sweep[0]]
-        configs += [replace(base, **{SWEEP_FIELDS[sweep[0]]: v}) for v in sweep[1]] if applies else [base]
+        ssd = (("fan_out", fan_out), ("backup", backup)) if mode == "ssd" else ()
+        base = RunConfig(mode) if mode == "ar" else RunConfig(mode, k, tuple((n, v) for n, v in ssd if v is not None))
+        applies = sweep is not None and mode in sweep_modes(sweep[0])
+        configs += [base.setting(SWEEPS[sweep[0]].name, v) for v in sweep[1]] if applies else [base]
     for peer in peers:
         plain, spec = PEERS[peer]
         configs += [RunConfig(plain), RunConfig(spec, k)]
@@ -105,7 +120,7 @@ class BenchSpec:
     threads: int | None = None
     draft_quantization: str | None = "auto"  # the engine's option (SpecOptions.draft_quantization)
     seed: int = 0  # of every LLM's sampling generator
-    sweep: str | None = None  # the --sweep key (SWEEP_FIELDS) when the configurations sweep one
+    sweep: str | None = None  # the --sweep key (SWEEPS) when the configurations sweep one
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,
@@ -118,24 +133,7 @@ class BenchSpec:
             kwargs.update(draft=NGRAM, mode="sd", speculate_k=c.k)
         elif c.mode != "ar":
             kwargs.update(draft=self.draft, mode=c.mode, speculate_k=c.k, draft_quantization=self.draft_quantization)
-        if c.fan_out is not None:
-            kwargs["fan_out"] = list(c.fan_out) if isinstance(c.fan_out, tuple) else c.fan_out
-        if c.backup is not None:
-            kwargs["backup"] = c.backup
-        if c.draft_vocab is not None:
-            kwargs["draft_vocab"] = c.draft_vocab
-        if c.lookup is not None:
-            kwargs["prompt_lookup"] = c.lookup
-        if c.siblings is not None:
-            kwargs["draft_siblings"] = c.siblings
-        if c.guesses is not None:
-            kwargs["draft_guesses"] = c.guesses
-        if c.stop is not None:
-            kwargs["draft_stop"] = c.stop
-        if c.k_max is not None:
-            kwargs["k_max"] = c.k_max
-        if c.draft_window is not None:
-            kwargs["draft_window"] = None if c.draft_window == "all" else c.draft_window
+        kwargs.update({name: list(v) if isinstance(v, tuple) else v for name, v in c.options})
         return kwargs
 
 

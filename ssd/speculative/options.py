@@ -1,12 +1,16 @@
-"""The speculation options, and the draft side's configuration, each spelled once.
+"""The speculation options, and the draft side's configuration, each declared once.
 
-`SpecOptions` is what a user sets: keyword arguments of `LLM(...)`, flags of `ssd generate`
-(generated from the fields below, see ssd/cli.py) and the bench's configurations.
+`SpecOptions` is what a user sets. Each field declares (Option) its help, flag, parser,
+check, the modes it applies to and its `ssd bench --sweep` key; the keyword arguments of
+`LLM(...)`, the flags of `ssd generate` and the other commands (ssd/cli.py), the bench's
+configurations and sweeps (ssd/bench/runner.py) and docs/options.md are made from them.
 `DraftConfig` is what the draft side needs to build its engine: in this process (SD) or in
-the SSD worker, where it travels as a dict in the hello message (ssd/speculative/link/protocol.py).
+the SSD worker, where it travels as a dict in the hello message
+(ssd/speculative/link/protocol.py).
 """
 import os
 from pathlib import Path
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 
 import torch
@@ -79,165 +83,223 @@ def parse_fan_out(text: str) -> int | str | list[int]:
     return values[0] if len(values) == 1 else values
 
 
-def _option(default, help: str, *, flag: str | None = None, ssd_only: bool = False, parse=None,
-            metavar: str | None = None, choices: tuple | None = None, repr: bool = True):
-    """A field of SpecOptions with what the command line needs to offer it (flag None: no flag)."""
-    return field(default=default, repr=repr, metadata=dict(flag=flag, help=help, ssd_only=ssd_only, parse=parse,
-                                                          metavar=metavar, choices=choices))
+@dataclass(frozen=True)
+class Option:
+    """What a field of SpecOptions declares besides its name, type and default: its help, the
+    command-line flag (None: none), how a flag's or a sweep's text is read, the check of a
+    value, where it applies (the modes; with `auto_only` only under speculate_k="auto"; with
+    `model_only` only with a draft model, not a named draft source), the bench's --sweep key,
+    and the word that stands for None on the command line."""
+
+    help: str
+    flag: str | None = None
+    parse: Callable[[str], object] | None = None
+    metavar: str | None = None
+    choices: tuple | None = None
+    check: Callable[[str, object], None] | None = None  # (name, value): raises SSDError
+    modes: tuple[str, ...] = ("sd", "ssd")
+    auto_only: bool = False
+    model_only: bool = False
+    sweep: str | None = None
+    none: str = "none"
+
+    @property
+    def requires(self) -> str:
+        """Where it applies, as an error message says it."""
+        where = [] if set(self.modes) == {"sd", "ssd"} else ["mode " + " or ".join(f"'{m}'" for m in self.modes)]
+        return " with ".join(where + ([f"speculate_k='{AUTO_K}'"] if self.auto_only else []))
+
+
+def _option(default, help: str, *, repr: bool = True, **declared) -> object:
+    """A field of SpecOptions and its declaration (Option)."""
+    return field(default=default, repr=repr, metadata={"option": Option(help, **declared)})
+
+
+def declared(f) -> Option:
+    """The declaration of a field of SpecOptions."""
+    return f.metadata["option"]
+
+
+def _fail(message: str) -> None:
+    raise SSDError(message)
+
+
+def _switch(name: str, value) -> None:
+    if value not in (None, True, False):
+        raise SSDError(f"{name} must be True, False or None, got {value!r}")
+
+
+def _k(name: str, value) -> None:
+    if value != AUTO_K:
+        check_int(name, value, 1, MAX_K, also=f"or '{AUTO_K}'")
+
+
+def _quantization(name: str, value) -> None:
+    if value not in ("auto", None, *QUANTIZATIONS):
+        raise SSDError(f"{name} must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, got {value!r}")
+
+
+def _draft_vocab(name: str, value) -> None:
+    if value not in (None, "auto", "full") and not is_int(value):
+        raise SSDError(f"{name} must be an integer, 'auto', 'full' or None, got {value!r}")
+
+
+def parse_window(text: str) -> int | None:
+    """The draft's window as written on the command line: an integer, or "all" (None)."""
+    window = _int_or(text, ("all",), "draft window")
+    return None if window == "all" else window
+
+
+def parse_quantization(text: str) -> str | None:
+    return None if text.strip() == "none" else text.strip()
 
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """How SD and SSD speculate (README.md, "Speculative decoding"). Checked, once, by
-    `resolved(mode)` (ssd/config.py) before any model loads or worker starts."""
+    """How SD and SSD speculate (README.md, "Speculative decoding"; every option's declaration:
+    docs/options.md, made from these fields). Checked, once, by `resolved(mode)` (ssd/config.py)
+    before any model loads or worker starts."""
 
     speculate_k: int | str | None = _option(
         None, "draft tokens per round (1..32), or auto: chosen per sequence and round from the measured acceptance "
         f"and costs, 0 (plain decoding) when drafting does not pay. Default: auto in sd, {SSD_K} in ssd",
-        flag="--k", parse=parse_k, metavar="K|auto")
+        flag="--k", parse=parse_k, metavar="K|auto", check=_k, sweep="k")
     k_max: int = _option(8, "with --k auto: the most draft tokens a round may ask for", flag="--k-max", parse=int,
-                         metavar="K")
+                         metavar="K", check=lambda name, v: check_int(name, v, 1, MAX_K), auto_only=True,
+                         sweep="kmax")
     draft_quantization: str | None = _option(
         "auto", "the draft's weights: gguf (its GGUF file's own blocks), q4_0 (those blocks, each matrix of "
         "more than 5 bits a weight requantised to Q4_0 at load), int8 (weight-only int8 from its values), none "
         "(dequantised to the target's dtype); the output stays exact whatever they are, only acceptance may "
         "change. auto: q4_0 for a GGUF draft on a CPU (a cheaper draft step), int8 for another CPU draft, none "
         "on a GPU",
-        flag="--draft-quantization", choices=("auto", "none", *QUANTIZATIONS))
+        flag="--draft-quantization", parse=parse_quantization, choices=("auto", None, *QUANTIZATIONS),
+        check=_quantization, model_only=True)
     draft_vocab: int | str | None = _option(
         "auto", "reduced-vocabulary draft head: the V tokens the target writes most (counted by `ssd vocab`), "
         "plus each request's own tokens; the draft proposes only those, the output stays exact. auto: "
         f"{AUTO_DRAFT_VOCAB} where the target's counts are known (the default target's ship with ssd-engine), "
         "else the full head; full (or None): the draft's whole output layer", flag="--draft-vocab",
-        parse=parse_draft_vocab, metavar="V|auto|full")
+        parse=parse_draft_vocab, metavar="V|auto|full", check=_draft_vocab, model_only=True, sweep="v")
     prompt_lookup: bool | None = _option(
         None, "SD with a draft model and K auto: prompt lookup beside the draft. Where a sequence's newest n-gram "
         "occurred before, a round may propose what followed it (no draft step) instead of the draft's tokens, "
-        "chosen by their measured acceptance and costs; the output stays exact. Default: on there",
-        flag="--lookup", parse=parse_on_off, metavar="on|off")
+        "chosen by their measured acceptance and costs; the output stays exact (for prompt lookup alone: "
+        "--draft ngram). Default: on there",
+        flag="--lookup", parse=parse_on_off, metavar="on|off", check=_switch, modes=("sd",), auto_only=True,
+        model_only=True, sweep="lookup")
     draft_siblings: bool | None = _option(
         None, "SD with a draft model and K auto: sibling leaves. Where the draft was unsure, its runner-up joins the "
         "verify pass as one more row beside its top choice; where the target takes it, the round gains a token. "
-        "Chosen by their measured rescue rate against the cost of a row; sampled requests are verified by the "
-        "multi-candidate rule; the output stays exact. Default: off",
-        flag="--siblings", parse=parse_on_off, metavar="on|off")
+        "Chosen by their measured rescue rate against the cost of a row (auto-K's costs); sampled requests are "
+        "verified by the multi-candidate rule; the output stays exact. Default: off",
+        flag="--siblings", parse=parse_on_off, metavar="on|off", check=_switch, modes=("sd",), auto_only=True,
+        model_only=True, sweep="siblings")
     draft_stop: bool | None = _option(
         None, "SD with a draft model and K auto: the draft's own stopping rule. A greedy round drafts while "
         "the draft's confidence in its tokens (their top-1 probabilities, calibrated by measured acceptance) "
         "makes one more token worth a draft step and a verify row, up to --k-max; the output stays exact. "
         "Default: on there",
-        flag="--draft-stop", parse=parse_on_off, metavar="on|off")
+        flag="--draft-stop", parse=parse_on_off, metavar="on|off", check=_switch, modes=("sd",), auto_only=True,
+        model_only=True, sweep="stop")
     draft_guesses: bool | None = _option(
         None, "with a draft model: prompt lookup guesses the draft's next tokens (what followed the latest earlier "
         "occurrence of its newest n-gram), fed in the same draft pass; each guessed token the draft would have "
         "picked itself saves a draft pass; greedy requests only. The draft's tokens are the same, the output stays "
         "exact. Default: on in SD (3-6 per cent faster on the bench sets), off in SSD (only its backups after a "
         "miss would take them: no gain measured)",
-        flag="--draft-guesses", parse=parse_on_off, metavar="on|off")
+        flag="--draft-guesses", parse=parse_on_off, metavar="on|off", check=_switch, model_only=True,
+        sweep="guesses")
     draft_window: int | None = _option(
         None, "the most tokens of a context the draft reads when it catches up (a prompt, or what it missed "
         "while not drafting): beyond that it starts over from the context's last W tokens, as if they were "
-        "its whole context; the target still reads all, the output stays exact. Default: all of it",
-        flag="--draft-window", parse=int, metavar="W")
+        "its whole context; the target still reads all, the output stays exact. all: all of it. Default: all",
+        flag="--draft-window", parse=parse_window, metavar="W|all",
+        check=lambda name, v: v is None or check_int(name, v, 16), model_only=True, sweep="w", none="all")
     ngram_min: int = _option(1, "prompt lookup (draft='ngram', or beside a draft): the shortest n-gram looked up",
                              flag="--ngram-min", parse=int, metavar="N")
     ngram_max: int = _option(4, "prompt lookup: the longest n-gram looked up (tried first)", flag="--ngram-max",
                              parse=int, metavar="N")
     fan_out: int | list[int] | str = _option(
         3, "fork tokens per depth of the speculation tree: F, one count per depth F0,..,FK, or auto "
-        "(sized from the measured acceptance)", flag="--f", ssd_only=True, parse=parse_fan_out, metavar="F|auto|F0,..,FK")
+        "(sized from the measured acceptance)", flag="--f", parse=parse_fan_out, metavar="F|auto|F0,..,FK",
+        modes=("ssd",), model_only=True, sweep="f")
     fan_out_miss: int | list[int] | None = _option(
-        None, "fork counts per depth after a cache miss (default: as --f)", flag="--fan-out-miss", ssd_only=True,
-        parse=parse_fan_out, metavar="F0,..,FK")
+        None, "fork counts per depth after a cache miss (default: as --f)", flag="--fan-out-miss",
+        parse=parse_fan_out, metavar="F0,..,FK", modes=("ssd",), model_only=True)
     tree_budget: int | None = _option(None, "with --f auto: branches per tree (default: 3*(K+1))",
-                                      flag="--tree-budget", ssd_only=True, parse=int, metavar="B")
-    fit_tree: bool = _option(True, "fit the tree to the target's verify pass: a build the target had to wait for "
-                             "caps the next trees' branches at the likeliest outcomes; off: the whole fan-out every "
-                             "round", flag="--fit-tree", ssd_only=True, parse=parse_on_off, metavar="on|off")
+                                      flag="--tree-budget", parse=int, metavar="B", modes=("ssd",), model_only=True)
+    fit_tree: bool = _option(
+        True, "fit the tree to the target's verify pass: a build the target had to wait for caps the next trees' "
+        "branches at the likeliest outcomes; off: the whole fan-out every round", flag="--fit-tree",
+        parse=parse_on_off, metavar="on|off", modes=("ssd",), model_only=True,
+        check=lambda name, v: None if isinstance(v, bool) else _fail(f"{name} must be True or False, got {v!r}"))
     backup: str = _option("jit", "on a cache miss draft on the spot (jit) or send placeholders verified as one-hot "
-                          "proposals (fast)", flag="--backup", ssd_only=True, choices=BACKUPS)
-    saguaro_c: float | None = _option(None, "temperature > 0: Saguaro sampling, scale the draft's top tokens by C in "
-                                      "(0, 1)", flag="--saguaro-c", ssd_only=True, parse=float, metavar="C")
-    target_device: str | None = _option(None, "the target's device, e.g. cpu:0 or cuda:0 (default: the first half of "
-                                        "the CPU cores / cuda:0)", flag="--target-device", ssd_only=True, metavar="DEV")
-    draft_device: str | None = _option(None, "the draft worker's device, e.g. cpu:1 or cuda:1 (default: the other "
-                                       "CPU cores / cuda:1)", flag="--draft-device", ssd_only=True, metavar="DEV")
+                          "proposals (fast)", flag="--backup", choices=BACKUPS, modes=("ssd",), model_only=True,
+                          check=lambda name, v: None if v in BACKUPS else
+                          _fail(f"{name} must be one of {', '.join(BACKUPS)}, got {v!r}"))
+    saguaro_c: float | None = _option(
+        None, "temperature > 0: Saguaro sampling, scale the draft's top tokens by C in (0, 1)", flag="--saguaro-c",
+        parse=float, metavar="C", modes=("ssd",), model_only=True,
+        check=lambda name, v: None if v is None or 0 < v < 1 else _fail(f"{name} must be in (0, 1), got {v}"))
+    target_device: str | None = _option(
+        None, "the target's device, e.g. cpu:0 or cuda:0 (default: the first half of the CPU cores / cuda:0)",
+        flag="--target-device", metavar="DEV", modes=("ssd",), model_only=True,
+        check=lambda name, v: v is None or parse_placement(v))
+    draft_device: str | None = _option(
+        None, "the draft worker's device, e.g. cpu:1 or cuda:1 (default: the other CPU cores / cuda:1)",
+        flag="--draft-device", metavar="DEV", modes=("ssd",), model_only=True,
+        check=lambda name, v: v is None or parse_placement(v))
     draft_address: str | None = _option(
         None, "wait at HOST:PORT for a worker started by hand (`ssd worker --connect HOST:PORT`, with the same "
-        f"{SECRET_ENV} in both environments) instead of starting one", flag="--draft-address", ssd_only=True,
-        metavar="HOST:PORT")
+        f"{SECRET_ENV} in both environments) instead of starting one", flag="--draft-address", metavar="HOST:PORT",
+        modes=("ssd",), model_only=True, check=lambda name, v: v is None or parse_address(v))
     draft_thread: bool | None = _option(
         None, "run the draft worker as a thread of this process (on a CUDA stream of its own) instead of a process: "
         "two processes on one GPU take turns, two streams of one process can overlap. Default: on where the target and "
-        "the draft share one CUDA device", flag="--draft-thread", ssd_only=True, parse=parse_on_off, metavar="on|off")
-    draft_timeout: float = _option(60.0, "seconds without an answer before the draft worker counts as hung",
-                                   flag="--draft-timeout", ssd_only=True, parse=float, metavar="S")
+        "the draft share one CUDA device", flag="--draft-thread", parse=parse_on_off, metavar="on|off",
+        check=_switch, modes=("ssd",), model_only=True)
+    draft_timeout: float = _option(
+        60.0, "seconds without an answer before the draft worker counts as hung", flag="--draft-timeout",
+        parse=float, metavar="S", modes=("ssd",), model_only=True,
+        check=lambda name, v: None if v > 0 else _fail(f"{name} must be > 0 seconds, got {v}"))
     # A remote worker's shared secret (default: $SSD_DRAFT_SECRET); never shown in a repr.
-    draft_secret: str | None = _option(None, "", ssd_only=True, repr=False)
+    draft_secret: str | None = _option(None, "", modes=("ssd",), model_only=True, repr=False)
 
-    def resolved(self, mode: str) -> "SpecOptions":
-        """These options checked for `mode`, its default K filled in, and k_max the most draft
-        tokens a round asks for (a fixed K's own value)."""
+    def resolved(self, mode: str, named_source: bool = False) -> "SpecOptions":
+        """These options checked for `mode` (named_source: the draft is a draft source without a
+        model, sources/named.py), its default K filled in, and k_max the most draft tokens a
+        round asks for (a fixed K's own value)."""
         spec = self if self.speculate_k is not None else replace(self, speculate_k=SSD_K if mode == "ssd" else AUTO_K)
-        spec.check(mode)
+        spec.check(mode, named_source)
         return spec if spec.speculate_k == AUTO_K else replace(spec, k_max=spec.speculate_k)
 
-    def check(self, mode: str) -> None:
+    def check(self, mode: str, named_source: bool = False) -> None:
+        """Each option's own check (Option.check) and where it applies, then the rules that tie
+        options together."""
         if mode not in MODES:
             raise SSDError(f"unknown mode {mode!r}; available: {', '.join(MODES)}")
         if mode == "ar":
             return
-        if self.speculate_k != AUTO_K:
-            check_int("speculate_k", self.speculate_k, 1, MAX_K, also=f"or '{AUTO_K}'")
-        check_int("k_max", self.k_max, 1, MAX_K)
-        if self.k_max != SpecOptions.k_max and self.speculate_k != AUTO_K:
-            raise SSDError(f"k_max applies to speculate_k='{AUTO_K}' only")
-        if self.draft_vocab not in (None, "auto", "full") and not is_int(self.draft_vocab):
-            raise SSDError(f"draft_vocab must be an integer, 'auto', 'full' or None, got {self.draft_vocab!r}")
-        changed = [f.name for f in fields(self) if f.metadata["ssd_only"] and getattr(self, f.name) != f.default]
-        if mode != "ssd" and changed:
-            raise SSDError(f"{', '.join(changed)} only apply to mode 'ssd'")
-        if self.draft_window is not None:
-            check_int("draft_window", self.draft_window, 16)
-        if self.draft_thread not in (None, True, False):
-            raise SSDError(f"draft_thread must be True, False or None, got {self.draft_thread!r}")
+        for f in fields(self):
+            o, value = declared(f), getattr(self, f.name)
+            if o.check is not None:
+                o.check(f.name, value)
+            # None is the mode's default, and a switch turned off where it defaults to None is off
+            # wherever it does not apply: neither is set here.
+            set_here = value != f.default and not (f.default is None and value in (None, False))
+            if set_here and (mode not in o.modes or (o.auto_only and self.speculate_k != AUTO_K)):
+                raise SSDError(f"{f.name} applies to {o.requires} only")
+            if set_here and o.model_only and named_source:
+                raise SSDError(f"{f.name} applies to a draft model, not a draft source without one")
         if self.draft_thread and self.draft_address is not None:
             raise SSDError("draft_thread runs the worker in this process; draft_address waits for one elsewhere")
         check_ngram_sizes(self.ngram_min, self.ngram_max)
-        for name in ("prompt_lookup", "draft_siblings", "draft_stop", "draft_guesses"):  # on, off, or the mode's default
-            if getattr(self, name) not in (None, True, False):
-                raise SSDError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
-        if self.prompt_lookup and (mode != "sd" or self.speculate_k != AUTO_K):
-            raise SSDError("prompt_lookup beside a draft model applies to mode 'sd' with speculate_k='auto' "
-                           "(for prompt lookup alone, use draft='ngram')")
-        if self.draft_siblings and (mode != "sd" or self.speculate_k != AUTO_K):
-            raise SSDError("draft_siblings applies to mode 'sd' with speculate_k='auto' (their choice rests on "
-                           "auto-K's measured costs)")
-        if self.draft_stop and (mode != "sd" or self.speculate_k != AUTO_K):
-            raise SSDError("draft_stop applies to mode 'sd' with speculate_k='auto' (a fixed K is what a round "
-                           "drafts)")
-        if self.draft_quantization not in ("auto", None, *QUANTIZATIONS):
-            raise SSDError(f"draft_quantization must be 'auto', None or one of {', '.join(QUANTIZATIONS)}, "
-                           f"got {self.draft_quantization!r}")
-        if not self.draft_timeout > 0:
-            raise SSDError(f"draft_timeout must be > 0 seconds, got {self.draft_timeout}")
-        if not isinstance(self.fit_tree, bool):
-            raise SSDError(f"fit_tree must be True or False, got {self.fit_tree!r}")
-        if self.backup not in BACKUPS:
-            raise SSDError(f"backup must be one of {', '.join(BACKUPS)}, got {self.backup!r}")
-        if self.saguaro_c is not None and not 0 < self.saguaro_c < 1:
-            raise SSDError(f"saguaro_c must be in (0, 1), got {self.saguaro_c}")
-        if self.draft_address is not None:
-            parse_address(self.draft_address)
         if self.draft_address is not None and not self.secret():
             raise SSDError(f"a draft worker started by hand needs a shared secret: set {SECRET_ENV} to the same value "
                            "where the target and the worker run (or pass draft_secret=...)")
         check_fan_out(self.k_max if self.speculate_k == AUTO_K else self.speculate_k, self.fan_out,
                       self.fan_out_miss, self.tree_budget)
-        if mode == "ssd":
-            for device in (self.target_device, self.draft_device):
-                if device is not None:
-                    parse_placement(device)
 
     def secret(self) -> str | None:
         return self.draft_secret or os.environ.get(SECRET_ENV) or None
@@ -321,3 +383,24 @@ class DraftConfig:
         cfg = cls(**d)
         check_fan_out(cfg.k_max, cfg.fan_out, cfg.fan_out_miss, cfg.tree_budget)
         return cfg
+
+
+def reference() -> str:
+    """docs/options.md: every speculation option as declared above (tests/test_cli.py checks that
+    the file is this text, and says how to write it again)."""
+    lines = ["# Speculation options", "",
+             "Made from the declarations in `ssd/speculative/options.py` (`SpecOptions`): the keyword of",
+             "`LLM(...)`, the flag of `ssd generate`, `ssd chat`, `ssd serve` and `ssd check`, the key of",
+             "`ssd bench --sweep`, the default and where the option applies. The engine's own options",
+             "(device, threads, KV cache, ...) are in the README.", "",
+             "| keyword | flag | sweep | default | applies to | what it does |", "|---|---|---|---|---|---|"]
+    for f in fields(SpecOptions):
+        o = declared(f)
+        if not o.help:
+            continue
+        where = o.requires or "sd, ssd"
+        where += ", with a draft model" if o.model_only else ""
+        default = "(the mode's)" if f.default is None else f"`{f.default!r}`"
+        lines.append(f"| `{f.name}` | `{o.flag}` | {f'`{o.sweep}`' if o.sweep else ''} | {default} | {where} | "
+                     f"{o.help} |")
+    return "\n".join(lines) + "\n"

@@ -5,10 +5,12 @@ K, a draft source's `Proposal` for one sequence, and the round's record, `Round`
 Nothing here imports another module of ssd/speculative/, so that every side can import it.
 """
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from ssd.request.sequence import Sequence
+from ssd.sampling_params import SamplingParams
 
 
 def round_k(k: int, num_tokens: int, context: int, left: int | None = None) -> int:
@@ -18,6 +20,18 @@ def round_k(k: int, num_tokens: int, context: int, left: int | None = None) -> i
     target's own token."""
     k = min(k, context - num_tokens)
     return max(0, k if left is None else min(k, left - 1))
+
+
+class _Request(Protocol):  # a Sequence (the target's side) or a DraftSeq (the draft's)
+    processor: object | None
+    params: SamplingParams
+
+
+def argmax_chain(request: _Request) -> bool:
+    """Whether the draft's proposals for a request are its argmax chain: greedy, its logits
+    unchanged. Then only their length is a choice (the draft's stopping rule), and a guess of
+    the draft's next tokens can be checked row by row (the draft's guesses)."""
+    return request.processor is None and request.params.greedy_decoding
 
 
 @dataclass

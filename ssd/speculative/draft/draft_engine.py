@@ -22,8 +22,8 @@ from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.spec_cache import SpeculationCache
 from ssd.speculative.draft.vocab import DraftHead, ExtraTokens
 from ssd.speculative.options import DraftConfig
-from ssd.speculative.policy.draft_stop import StopRule, applies
-from ssd.speculative.records import Alternative, Proposal, round_k
+from ssd.speculative.policy.draft_stop import StopRule
+from ssd.speculative.records import Alternative, Proposal, argmax_chain, round_k
 from ssd.speculative.sources.ngram_index import NgramIndex
 
 
@@ -201,7 +201,7 @@ class DraftEngine:
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
         alts: list[list[Alternative]] = [[] for _ in seqs]
-        rules = [rule if rule is not None and applies(s) else None
+        rules = [rule if rule is not None and argmax_chain(s) else None
                  for s, rule in zip(seqs, stops or [None] * len(seqs))]
         confs: list[list[float]] = [[] for _ in seqs]
         survival = [1.0] * len(seqs)
@@ -272,7 +272,7 @@ class DraftEngine:
         guess matches less often, and each guessed row would cost its distribution over the
         whole vocabulary (measured slower, bench/README.md, "The draft's guesses"); requests
         whose logits the draft changes (penalties, a constraint) take none either."""
-        if not self.guesses or most <= 0 or s.processor is not None or not s.params.greedy_decoding:
+        if not self.guesses or most <= 0 or not argmax_chain(s):
             return []
         s.ngrams.extend(s.tokens, s.confirmed)
         return s.ngrams.match(s.tokens, most)[0]

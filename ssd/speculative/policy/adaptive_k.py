@@ -62,9 +62,9 @@ from dataclasses import dataclass, field
 from ssd.request.sequence import Sequence
 from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.costs import TIME_EMA, Acceptance, CatchupCost, Timings, expected_tokens
-from ssd.speculative.policy.draft_stop import DraftStop, StopRule, applies
+from ssd.speculative.policy.draft_stop import DraftStop, StopRule
 from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingPolicy
-from ssd.speculative.records import Round
+from ssd.speculative.records import Round, argmax_chain
 from ssd.speculative.sources.ngram import PromptLookup
 
 PRIOR_RATE = 0.6  # acceptance assumed before anything is measured
@@ -225,7 +225,7 @@ class AutoK(KPolicy):
         rule = self._stop_rule(seqs, ks, gains, lookups) if self.stop is not None else None
         alternatives = self.sibling_policy is not None
         offer = self.sibling_policy.offer(seqs, rates, self.draft_step, self.verify) if alternatives else None
-        return Plan([SeqPlan(k, lookups.get(s.seq_id), alternatives, rule if rule is not None and applies(s) else None)
+        return Plan([SeqPlan(k, lookups.get(s.seq_id), alternatives, rule if rule is not None and argmax_chain(s) else None)
                      for s, k in zip(seqs, ks)], offer)
 
     def _stop_rule(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]],
@@ -236,7 +236,7 @@ class AutoK(KPolicy):
         here. None: the rule does not apply this round."""
         drafting = [b for b, k in enumerate(ks) if k and seqs[b].seq_id not in lookups]
         s = seqs[drafting[0]] if len(drafting) == 1 else None
-        if s is None or s.seq_id in self.probing or s.seq_id == self.engine_probe or not applies(s):
+        if s is None or s.seq_id in self.probing or s.seq_id == self.engine_probe or not argmax_chain(s):
             return None
         k = ks[drafting[0]]
         ks[drafting[0]] = self.k_max

@@ -26,25 +26,12 @@ which weighs the batch's costs, stands there. Replayed on the bench sets' greedy
 """
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
-from ssd.sampling_params import SamplingParams
 
 BINS = 10
 PRIOR_WEIGHT = 2.0  # the prior f(c) = c, worth this many tokens per bin
 DECAY = 0.998  # per round
 RATE_EMA = 0.2
-
-
-class _Request(Protocol):  # a Sequence (the target's side) or a DraftSeq (the draft's)
-    processor: object | None
-    params: SamplingParams
-
-
-def applies(request: _Request) -> bool:
-    """Whether the rule may set a request's length: greedy, its logits unchanged (its
-    proposals are the draft's argmax chain, so only their length is the rule's)."""
-    return request.processor is None and request.params.greedy_decoding
 
 
 def _bin(confidence: float) -> int:

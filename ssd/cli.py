@@ -367,7 +367,7 @@ def _chat(args: argparse.Namespace) -> None:
 
 def _serve(args: argparse.Namespace) -> None:
     from ssd import LLM
-    from ssd.serving.openai_server import serve
+    from ssd.serving.server import serve
     if args.max_queue < 0 or args.max_num_seqs < 1:
         raise SSDError(f"--max-queue must be >= 0 and --max-num-seqs >= 1, got {args.max_queue}, {args.max_num_seqs}")
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, **llm_kwargs(args))

@@ -8,14 +8,14 @@ import torch
 from tqdm import tqdm
 
 from ssd.config import EngineConfig
-from ssd.engine.llm_engine import Event, LLMEngine
+from ssd.engine.llm_engine import LLMEngine
 from ssd.errors import ContextLengthError, PromptError, SSDError
 from ssd.models.loader import load_tokenizer
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.request.detokenizer import TextStream
 from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
-from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, template_messages
+from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, finish_reason, template_messages
 
 Prompt = str | list[dict]
 
@@ -87,9 +87,7 @@ class LLM:
             self.add_request(seq)
         try:
             while self.unfinished():
-                for seq, _, _ in self.step():
-                    if seq.finished:
-                        bar.update(1)
+                bar.update(sum(chunk.finish_reason is not None for _, chunk in self.step()))
         finally:
             bar.close()
             self.abort(seqs)
@@ -100,22 +98,10 @@ class LLM:
         """Yield StreamChunks as tokens are made; the last one has finish_reason and metrics
         (and with tools, tool_calls: a call's text is not streamed as content)."""
         seq = self.new_request(prompt, sampling_params or SamplingParams(), tools=tools)
-        calls = self.call_stream(seq)
         self.add_request(seq)
         try:
             while not seq.finished:
-                for s, new, from_draft in self.step():
-                    if s is seq:
-                        text = seq.detokenizer.take(final=seq.finished)
-                        found = None
-                        if calls is not None:
-                            text = calls.push(new)
-                            if seq.finished:
-                                rest, found = calls.finish()
-                                text += rest
-                        lps = None if seq.params.logprobs is None else seq.logprobs[-len(new):]
-                        yield StreamChunk(text, new, from_draft, self._finish_reason(seq, found),
-                                          seq.metrics() if seq.finished else None, lps, found or None)
+                yield from (chunk for s, chunk in self.step() if s is seq)
         finally:
             self.abort([seq])
 
@@ -146,8 +132,9 @@ class LLM:
             gen = torch.Generator(self.config.device)
             gen.manual_seed(params.seed)
         processor = self.engine.processor(params, len(ids))
+        calls = CallStream(self.tool_format, self._end_texts(), tools.names) if tools and tools.calls_parsed else None
         return Sequence(text, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator,
-                        processor=processor, tools=tools)
+                        processor=processor, tools=tools, calls=calls)
 
     def tool_calls(self, seq: Sequence) -> tuple[str, list[ToolCall]] | None:
         """A finished request's content and tool calls; None where it had no tools, or
@@ -157,12 +144,6 @@ class LLM:
         fmt = self.tool_format
         return fmt.parse(fmt.text(seq.output_ids), self._end_texts(), seq.tools.names)
 
-    def call_stream(self, seq: Sequence) -> CallStream | None:
-        """For a request with tools: what streams its content and collects its calls."""
-        if seq.tools is None or not seq.tools.calls_parsed:
-            return None
-        return CallStream(self.tool_format, self._end_texts(), seq.tools.names)
-
     @functools.cached_property
     def tool_format(self) -> ToolFormat:
         """How this model writes tool calls (read from its tokenizer once)."""
@@ -170,10 +151,6 @@ class LLM:
 
     def _end_texts(self) -> tuple[str, ...]:
         return tuple(self.tokenizer.decode([t]) for t in self.eos_ids)
-
-    @staticmethod
-    def _finish_reason(seq: Sequence, calls: list[ToolCall] | None) -> str | None:
-        return "tool_calls" if calls and seq.finish_reason == "stop" else seq.finish_reason
 
     def _tools(self, prompt: Prompt, params: SamplingParams, tools: Tools | list[dict]
                ) -> tuple[Tools, SamplingParams]:
@@ -199,10 +176,21 @@ class LLM:
         """Queue a request from new_request(); it joins the running batch at a later step."""
         self.engine.scheduler.add(seq)
 
-    def step(self) -> list[Event]:
-        """Run one scheduled step (ssd/engine/llm_engine.py); return (sequence, new tokens, from_draft
-        flags) for each sequence that got tokens."""
-        return self.engine.step()
+    def step(self) -> list[tuple[Sequence, StreamChunk]]:
+        """Run one scheduled step (ssd/engine/llm_engine.py); return what it made for each
+        sequence that got tokens. The one place a step becomes a chunk: its new text (a tool
+        request's content, its calls with its last tokens), logprobs, how it finished and, at
+        the end, its metrics."""
+        out = []
+        for seq, new, from_draft in self.engine.step():
+            text = seq.detokenizer.take(final=seq.finished)
+            calls = []
+            if seq.calls is not None:
+                text, calls = seq.calls.step(new, seq.finished)
+            lps = None if seq.params.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new):]
+            out.append((seq, StreamChunk(text, new, from_draft, finish_reason(seq.finish_reason, calls),
+                                         seq.metrics() if seq.finished else None, lps, calls or None)))
+        return out
 
     def abort(self, seqs: list[Sequence]) -> None:
         """Stop unfinished requests and free what they hold (KV blocks, the draft's state)."""
@@ -333,6 +321,7 @@ class LLM:
 
     def _output(self, seq: Sequence) -> RequestOutput:
         text, calls = self.tool_calls(seq) or (seq.output_text, [])
-        return RequestOutput(seq.prompt, text, list(seq.output_ids), self._finish_reason(seq, calls) or "length",
+        finished = finish_reason(seq.finish_reason, calls) or "length"
+        return RequestOutput(seq.prompt, text, list(seq.output_ids), finished,
                              seq.metrics(), list(seq.from_draft),
                              None if seq.params.logprobs is None else list(seq.logprobs), calls or None)

@@ -151,9 +151,10 @@ class RequestOutput:
 
 @dataclass
 class StreamChunk:
-    """New text and tokens from one engine step. The last chunk carries finish_reason
-    and metrics; `from_draft[i]` tells whether token_ids[i] was a draft proposal the
-    target accepted (always False in AR mode)."""
+    """What one engine step made for one request: new text and tokens. The last chunk carries
+    finish_reason ("stop", "length", "tool_calls", or "error" with `error` set) and metrics;
+    `from_draft[i]` tells whether token_ids[i] was a draft proposal the target accepted
+    (always False in AR mode)."""
 
     text: str
     token_ids: list[int]
@@ -162,3 +163,4 @@ class StreamChunk:
     metrics: RequestMetrics | None = None
     logprobs: list[TokenLogprob] | None = None  # per token, where SamplingParams.logprobs asked for them
     tool_calls: list | None = None  # the last chunk of a request with tools: its calls (ssd.tools.ToolCall)
+    error: str | None = None  # the request failed (the server's engine loop)

@@ -184,6 +184,12 @@ def _may_be_bare_call(text: str) -> bool:
     return head.startswith(("{", "```")) or "```".startswith(head)
 
 
+def finish_reason(reason: str | None, calls: list[ToolCall] | None) -> str | None:
+    """How a request finished, as the APIs say it: one that stopped by its own end after
+    calling tools finished with "tool_calls" (OpenAI's reason; Anthropic's "tool_use")."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
 class CallStream:
     """A tool request's output as it streams: content is handed out until a call begins
     (text that could be the start of one is held back); the calls come at the end."""
@@ -223,6 +229,14 @@ class CallStream:
         """The content not handed out yet, and the calls."""
         content, calls = self.fmt.parse(self._text(), names=self.names)
         return content[self.sent:], calls
+
+    def step(self, ids: list[int], last: bool) -> tuple[str, list[ToolCall]]:
+        """New content after these tokens, and with the request's last tokens its calls."""
+        text = self.push(ids)
+        if not last:
+            return text, []
+        rest, calls = self.finish()
+        return text + rest, calls
 
 
 def template_messages(chat: list[dict]) -> list[dict]:

@@ -45,7 +45,9 @@ from ssd.speculative.sources.ngram import PromptLookup
 from ssd.speculative.sources.ssd_worker import SSDWorker
 from ssd.store import resolve_model
 
-Event = tuple[Sequence, list[int], list[bool]]  # a sequence, its new tokens, and whether each was a draft's
+# What a step added to a sequence: its new tokens, and whether each was a draft's (LLM.step makes
+# each a StreamChunk).
+Advance = tuple[Sequence, list[int], list[bool]]
 
 
 class LLMEngine:
@@ -88,7 +90,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cache, self.registry, config.max_num_seqs, config.max_num_batched_tokens,
                                    lookahead=self.k_max if self.source else 0)
 
-    def step(self) -> list[Event]:
+    def step(self) -> list[Advance]:
         """One scheduled step. Prompt chunks run through the target alone; in SD and SSD the
         sequences that are decoding run one speculative round."""
         work = self.scheduler.schedule()
@@ -165,7 +167,7 @@ class LLMEngine:
             out.append((seq, token, lps))
         return out
 
-    def _speculate(self, seqs: list[Sequence]) -> list[Event]:
+    def _speculate(self, seqs: list[Sequence]) -> list[Advance]:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding,
         by the K policy's plan; its records go to whoever learns from them: the K policy, the
         draft source and each request's metrics."""
@@ -188,7 +190,7 @@ class LLMEngine:
         return events
 
     def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float,
-                logprobs: list | None = None) -> Event:
+                logprobs: list | None = None) -> Advance:
         """Add tokens up to the first that finishes the sequence; return what was added. A
         sequence stops at an end token, a stop token or string, or where its constraint is
         complete."""

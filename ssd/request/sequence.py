@@ -26,6 +26,9 @@ class Sequence:
     # Penalties, bias, min_tokens and a constraint (None: the model's logits as they are).
     processor: LogitsProcessor | None = field(default=None, repr=False)
     tools: object | None = field(default=None, repr=False)  # ssd.tools.Tools, read by the API layer (ssd/llm.py)
+    # ssd.tools.CallStream where the request has tools whose calls are parsed: its content as it
+    # streams, and its calls (ssd/llm.py).
+    calls: object | None = field(default=None, repr=False)
     num_prompt_tokens: int = 0
     finish_reason: str | None = None
     from_draft: list[bool] = field(default_factory=list)  # per output token

@@ -2,7 +2,7 @@
 running batch between its steps (continuous batching, in AR, SD and SSD alike).
 
 Callers (the HTTP server's handlers, in other threads) check and tokenize a request in their
-own thread (`submit`, which raises the user's mistakes at once), then get `Event`s through a
+own thread (`submit`, which raises the user's mistakes at once), then get `StreamChunk`s through a
 callback called from the engine's thread. `cancel` takes effect before the next step and
 frees the request's KV blocks. Everything else of the LLM is touched by the engine only.
 
@@ -14,13 +14,12 @@ and every kernel call pays a futex wake-up (measured: SmolLM2's decode step 9 ->
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from ssd.errors import SSDError
 from ssd.llm import LLM
-from ssd.outputs import RequestMetrics, TokenLogprob
+from ssd.outputs import StreamChunk
 from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 
@@ -35,21 +34,7 @@ class ShuttingDownError(SSDError):
     """The engine is stopping and takes no new requests."""
 
 
-@dataclass
-class Event:
-    """What one engine step made for one request. The last event of a request has
-    finish_reason ("stop", "length", or "error" with `error` set) and its metrics."""
-
-    text: str
-    token_ids: list[int]
-    from_draft: list[bool]
-    finish_reason: str | None = None
-    metrics: RequestMetrics | None = None
-    error: str | None = None
-    logprobs: list[TokenLogprob] | None = None  # per token, where the request asked for them
-
-
-Sink = Callable[[Event], None]
+Sink = Callable[[StreamChunk], None]
 
 
 class EngineLoop:
@@ -147,24 +132,20 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            events = self.llm.step()
+            chunks = self.llm.step()
         except Exception as e:  # a bug or a resource failure: fail the batch, keep serving
             self.failed_steps += 1
             log.exception("ssd: an engine step failed")
             self._fail(self.llm.unfinished(),
                        f"the engine failed: {type(e).__name__}: {e}")
             return
-        for seq, tokens, from_draft in events:
+        for seq, chunk in chunks:
             sink = self._sinks.get(seq.seq_id)
             if sink is None:
                 continue
-            text = seq.detokenizer.take(final=seq.finished)
-            lps = None if seq.params.logprobs is None else seq.logprobs[len(seq.logprobs) - len(tokens):]
             if seq.finished:
                 del self._sinks[seq.seq_id]
-                sink(Event(text, tokens, from_draft, seq.finish_reason, seq.metrics(), logprobs=lps))
-            else:
-                sink(Event(text, tokens, from_draft, logprobs=lps))
+            sink(chunk)
         self.on_step(self.llm)
 
     def _drop(self, seqs: list[Sequence]) -> None:
@@ -179,4 +160,4 @@ class EngineLoop:
         self._drop(seqs)
         for seq, sink in zip(seqs, sinks):
             if sink is not None:
-                sink(Event("", [], [], "error", seq.metrics(), error=message))
+                sink(StreamChunk("", [], [], "error", seq.metrics(), error=message))

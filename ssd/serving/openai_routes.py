@@ -1,0 +1,81 @@
+"""OpenAI's routes of `ssd serve`: POST /v1/chat/completions and /v1/completions (streamed as
+server-sent events, or not) and GET /v1/models; request checks and response shapes in
+openai_protocol.py."""
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ssd.outputs import StreamChunk
+from ssd.request.sequence import Sequence
+from ssd.serving.gateway import Gateway
+from ssd.serving.openai_protocol import (APIError, Choice, chunk, completion, logprobs_json, new_id, parse_request,
+                                         speculation, usage)
+
+
+def routes(gw: Gateway) -> APIRouter:
+    router = APIRouter(dependencies=[Depends(gw.bearer)])
+    llm, name = gw.llm, gw.served_name
+
+    @router.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "ssd-engine", "max_model_len": llm.config.max_model_len}]}
+
+    @router.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @router.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    async def generate(request: Request, chat: bool) -> Response:
+        req = parse_request(await gw.body_json(request), chat, gw.served, default_max_tokens=16)  # OpenAI's
+        seqs, queue = await gw.start(req)
+        rid = new_id(chat)
+        if req.stream:
+            return StreamingResponse(stream(chat, rid, req, seqs, queue),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        answers = await gw.collect(seqs, queue, request)
+        if answers is None:
+            return Response(status_code=499)
+        choices = [Choice(a.text, a.last.finish_reason, a.last.metrics, a.logprobs if req.logprobs else None,
+                          a.last.tool_calls) for a in answers]
+        return JSONResponse(completion(chat, rid, name, choices, llm.config.mode, llm.tokenizer))
+
+    async def stream(chat: bool, rid: str, req, seqs: list[Sequence], queue: asyncio.Queue) -> AsyncIterator[str]:
+        data = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
+        last: list[StreamChunk | None] = [None] * len(seqs)
+        offsets = [0] * len(seqs)  # completions' text_offset
+        try:
+            if chat:
+                for i in range(len(seqs)):
+                    yield data(chunk(True, rid, name, None, None, index=i, role=True))
+            async for i, c in gw.chunks(queue, len(seqs)):
+                last[i] = c
+                if c.error:
+                    yield data(APIError(500, c.error, type="server_error").body())
+                    break
+                if c.text or (req.logprobs and c.logprobs):
+                    lps = logprobs_json(chat, llm.tokenizer, c.logprobs, offsets[i]) if req.logprobs else None
+                    offsets[i] += len(c.text)
+                    yield data(chunk(chat, rid, name, c.text, None, index=i, logprobs=lps))
+                if c.tool_calls:
+                    yield data(chunk(chat, rid, name, None, None, index=i, calls=c.tool_calls))
+                if c.finish_reason:
+                    final = chunk(chat, rid, name, None, c.finish_reason, index=i)
+                    final["ssd_metrics"] = speculation(c.metrics, llm.config.mode)
+                    yield data(final)
+            else:
+                if req.include_usage:
+                    yield data({**chunk(chat, rid, name, None, None, choices=False),
+                                "usage": usage([c.metrics for c in last])})
+            yield "data: [DONE]\n\n"
+        finally:
+            gw.settle(seqs, last)
+
+    return router

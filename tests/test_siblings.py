@@ -8,7 +8,6 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
-from ssd.exactness import pooled_p_value
 from ssd.models.loader import load_model
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
@@ -17,7 +16,7 @@ from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingPolicy, cho
 from ssd.speculative.records import Alternative, Proposal, Round, Sibling
 from ssd.speculative.verifier import rescue
 import ssd.speculative.verifier as verifier
-from tiny_pair import NEW, PROMPT, V, exact_joint
+from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France? Explain.",
            "List three prime numbers and say why they are prime.", "def fibonacci(n):"]
@@ -167,18 +166,13 @@ def _sampled_with_siblings(tiny_pair, n: int) -> tuple[torch.Tensor, list, list[
     return torch.tensor([o.token_ids for o in outs]), outs, prompt_ids
 
 
-def _marginal_p_values(tokens: torch.Tensor, joint: torch.Tensor) -> list[float]:
-    return [pooled_p_value(tokens[:, i].bincount(minlength=V).double(),
-                           joint.sum(dim=[d for d in range(NEW) if d != i])) for i in range(NEW)]
-
-
 def test_sampled_sd_with_siblings_follows_the_target(tiny_pair):
     """The multi-candidate rule: every position's token follows the target's exact marginal,
     with many rounds rescued by a sibling."""
     tokens, outs, prompt_ids = _sampled_with_siblings(tiny_pair, 4000)
     assert sum(o.metrics.rescues for o in outs) > 200, sum(o.metrics.rescues for o in outs)
     joint = exact_joint(tiny_pair[0], prompt_ids, 1.0)
-    assert min(_marginal_p_values(tokens, joint)) > 1e-3
+    assert min(marginal_p_values(tokens, joint)) > 1e-3
 
 
 def test_a_sibling_taken_whenever_the_chain_is_rejected_is_caught(tiny_pair, monkeypatch):
@@ -193,4 +187,4 @@ def test_a_sibling_taken_whenever_the_chain_is_rejected_is_caught(tiny_pair, mon
     monkeypatch.setattr("ssd.speculative.round.verify_with_siblings", always)
     tokens, _, prompt_ids = _sampled_with_siblings(tiny_pair, 4000)
     joint = exact_joint(tiny_pair[0], prompt_ids, 1.0)
-    assert min(_marginal_p_values(tokens, joint)) < 1e-6
+    assert min(marginal_p_values(tokens, joint)) < 1e-6

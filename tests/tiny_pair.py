@@ -7,6 +7,8 @@ import transformers
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from ssd.exactness import pooled_p_value
+
 
 V, NEW = 8, 6  # a vocabulary small enough to enumerate the target's distribution exactly
 PROMPT = "w2 w5 w3"
@@ -63,3 +65,10 @@ def exact_joint(folder, prompt_ids: list[int], temperature: float, adjust=None) 
     for i in range(NEW - 1):
         joint = joint + logp[:, i].gather(1, conts[:, i:i + 1])
     return joint.exp().view(*[V] * NEW)
+
+
+def marginal_p_values(tokens: torch.Tensor, joint: torch.Tensor) -> list[float]:
+    """Per output position, the p-value of the tokens drawn there ([n, NEW]) against the
+    target's exact marginal (from exact_joint)."""
+    return [pooled_p_value(tokens[:, i].bincount(minlength=V).double(),
+                           joint.sum(dim=[d for d in range(NEW) if d != i])) for i in range(NEW)]

@@ -209,7 +209,7 @@ def test_draft_tree_steps_through_padded_static_steps(truncated_draft, smollm_di
         if buckets:  # the draft steps and each depth of the tree (16 branches, 16 rows)
             assert engine.runner.steps.passes >= 3 + 3
         trees.append(([r.tokens for r in replies],
-                      [{key: b.tokens for key, b in engine.seqs[i].cache.entries.items()} for i in range(2)]))
+                      [{key: b.tokens for key, b in engine.seqs[i].speculations.entries.items()} for i in range(2)]))
     assert trees[0] == trees[1] and all(trees[0][1])
 
 

@@ -150,7 +150,7 @@ def test_tree_branches_equal_decoding_each_branch_alone(truncated_draft):
     shares = draft.build()
     assert _branches(draft) == 2 * sum(sizes) and set(shares) == {0, 1}
     for seq_id, (ids, p, reply) in enumerate(zip(prompts, params, replies)):
-        entries = draft.engine.seqs[seq_id].cache.entries
+        entries = draft.engine.seqs[seq_id].speculations.entries
         per_depth = [sum(1 for j, _ in entries if j == d) for d in range(k + 1)]
         assert per_depth == sizes
         for (j, t), branch in entries.items():
@@ -177,11 +177,11 @@ def test_a_late_build_makes_the_next_tree_smaller(truncated_draft):
     draft.fit_tree_to(0.0)
     assert draft.fan_out.cap == 7
     # The target accepted the whole speculation and then the draft's likeliest bonus token.
-    bonus = max(draft.engine.seqs[0].cache.entries.items(), key=lambda e: e[0][0])[0][1]
+    bonus = max(draft.engine.seqs[0].speculations.entries.items(), key=lambda e: e[0][0])[0][1]
     reply = draft.step([SpecRequest(0, len(ids) + k, [bonus], k, None)])[0]
     assert reply.hit
     draft.build()
-    entries = dict(draft.engine.seqs[0].cache.entries)
+    entries = dict(draft.engine.seqs[0].speculations.entries)
     assert len(entries) == 7
     context = draft.engine.seqs[0].tokens  # the prompt, the first speculation, the bonus, this one
     for (j, t), branch in entries.items():

@@ -116,7 +116,12 @@ class ToolFormat:
 
     def grammar(self, tools: Tools) -> str | None:
         """A Lark grammar (llguidance's dialect) that admits only valid calls, for "required"
-        or a named function; None for "auto" and "none"."""
+        or a named function; None for "auto" and "none". The calls may take any form the parser
+        reads as calls, so the model writes the one it would have written: call blocks (the
+        chat template's; several where parallel calls are allowed), or one call as JSON in a
+        ```json fence or bare (what Qwen2.5-Coder writes unconstrained), after which the
+        grammar ends. Forced into blocks, that model took the separator before another block
+        over its end token after every call, and repeated one call until max_tokens."""
         if tools.choice in ("auto", "none"):
             return None
         chosen = [t["function"] for t in tools.definitions if tools.choice in ("required", t["function"]["name"])]
@@ -126,8 +131,9 @@ class ToolFormat:
                           for f in chosen]}
         tag = (lambda t: t) if self.special else json.dumps  # a special token is named bare in Lark
         calls = 'call ("\\n" call)*' if tools.parallel and tools.choice == "required" else "call"
-        return (f"start: {calls}\n"
+        return (f"start: {calls} | fence | body\n"
                 f'call: {tag(OPEN)} "\\n" body "\\n" {tag(CLOSE)}\n'
+                'fence: "```" "json"? "\\n" body "\\n```"\n'
                 f"body: %json {json.dumps(body)}\n")
 
     def text(self, ids: list[int]) -> str:

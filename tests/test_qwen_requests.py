@@ -8,6 +8,7 @@ import pytest
 
 from ssd import LLM, SamplingParams
 from ssd.tools import Tools
+from serving import start_server
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct"
 pytestmark = pytest.mark.slow
@@ -64,3 +65,32 @@ def test_schema_sd_equals_ar(llm):
     assert sd.token_ids == want.token_ids and sd.logprobs == want.logprobs
     jsonschema.validate(json.loads(sd.text), PERSON)
     assert sd.metrics.acceptance_rate > 0.5
+
+
+WEATHER = fn("get_weather", "Get the current weather in a city", {"city": {"type": "string"},
+                                                                  "unit": {"type": "string",
+                                                                           "enum": ["celsius", "fahrenheit"]}})
+
+
+def test_required_through_the_server_calls_once_and_finishes_with_tool_calls(tmp_path):
+    """tool_choice "required" from the official client, parallel calls allowed (its default):
+    the model's one call and its end, streamed and not (it used to repeat the call until
+    max_tokens)."""
+    openai = pytest.importorskip("openai")
+    server = start_server("--model", TARGET, "--draft", DRAFT, "--mode", "sd", tmp_path=tmp_path, timeout=600)
+    try:
+        client = openai.OpenAI(base_url=server.base_url, api_key="none")
+        ask = dict(model=TARGET, messages=[{"role": "user", "content": "What's the weather in Oslo right now? Use "
+                                                                       "Celsius."}],
+                   tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=0)
+        r = client.chat.completions.create(**ask)
+        (call,) = r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+        assert json.loads(call.function.arguments) == {"city": "Oslo", "unit": "celsius"}
+        chunks = list(client.chat.completions.create(**ask, stream=True))
+        deltas = [d for c in chunks for d in c.choices[0].delta.tool_calls or []]
+        assert [d.function.name for d in deltas if d.function.name] == ["get_weather"]
+        assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    finally:
+        server.stop()

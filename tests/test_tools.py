@@ -87,6 +87,24 @@ def test_streamed_content_stops_where_a_call_begins():
     assert "".join(stream.push([ord(ch)]) for ch in "Hello there") == "Hello there"
 
 
+def test_the_required_grammar_takes_every_form_the_parser_reads_and_ends_after_one_json_call(llm):
+    """Blocks (several where parallel calls are allowed), or one call in a ```json fence or as
+    bare JSON, after which nothing more is allowed: a model that writes its one call as JSON
+    ends there instead of being forced into blocks it does not know how to stop."""
+    grammar = llm.tool_format.grammar(Tools.check(TOOLS, "required", True))
+    call = '{"name": "add", "arguments": {"a": 1, "b": 2}}'
+    for text, ends in ((f"```json\n{call}\n```", True), (call, True), (f"```\n{call}\n```", True),
+                       (f"<tool_call>\n{call}\n</tool_call>", False)):  # a block may be followed by another
+        c = llm.engine.grammars.compile(SamplingParams(grammar=grammar))
+        ids = llm.tokenizer.encode(text, add_special_tokens=False)
+        c.follow(ids)
+        assert len(c.consumed) == len(ids) and c.stopped == ends, text
+        assert ToolFormat.parse(text, names=("add",))[1][0].name == "add"
+    bad = llm.engine.grammars.compile(SamplingParams(grammar=grammar))
+    with pytest.raises(RuntimeError, match="broke the grammar"):
+        bad.follow(llm.tokenizer.encode('```json\n{"name": "sub"', add_special_tokens=False))
+
+
 def test_required_and_named_calls_always_validate(llm):
     for choice, parallel in (("required", True), ("required", False), ({"type": "function", "function": {
             "name": "add"}}, True)):

@@ -1,0 +1,137 @@
+"""EAGLE-3 heads load as people bring them (ssd/speculative/draft/eagle.py): random-weight heads
+written here in exactly the EAGLE-3 authors' layout (pytorch_model.bin or model.safetensors)
+and in vLLM's speculators layout, for a Llama-shaped (SmolLM2) and a Qwen2-shaped target."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ssd.errors import ModelFileError, UnsupportedModelError
+from ssd.models.config import ModelConfig
+from ssd.speculative.draft.eagle import EagleConfig, expected_shapes, load_eagle
+
+QWEN = ModelConfig.from_dict({"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
+                              "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+                              "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+                              "max_position_embeddings": 32768, "tie_word_embeddings": True})
+VD = 64  # the head's own vocabulary
+
+
+def layer_config(target: ModelConfig) -> dict:
+    return {"hidden_size": target.hidden_size, "intermediate_size": 2 * target.hidden_size,
+            "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+            "rms_norm_eps": 1e-5, "vocab_size": target.vocab_size, "max_position_embeddings": 2048}
+
+
+def used_tokens(target: ModelConfig) -> torch.Tensor:
+    return torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:VD].sort().values
+
+
+def head_tensors(target: ModelConfig) -> dict[str, torch.Tensor]:
+    """A head's tensors in the authors' names, random, with its d2t / t2d."""
+    cfg = EagleConfig._layer(layer_config(target), {"draft_vocab_size": VD}, "eagle3", None, None, False, None)
+    g = torch.Generator().manual_seed(1)
+    tensors = {n: torch.randn(shape, generator=g) for n, shape in expected_shapes(cfg).items()}
+    ids = used_tokens(target)
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[ids] = True
+    return {**tensors, "d2t": ids - torch.arange(VD), "t2d": t2d}
+
+
+def write_authors(folder, target: ModelConfig, weights: str = "pytorch_model.bin", **config) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = head_tensors(target)
+    (folder / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+                                                    "num_hidden_layers": 1, "hidden_act": "silu",
+                                                    "draft_vocab_size": VD, **layer_config(target), **config}))
+    if weights.endswith(".bin"):
+        torch.save(tensors, folder / weights)
+    else:
+        save_file(tensors, folder / weights)
+    return tensors
+
+
+def write_speculators(folder, target: ModelConfig, layer_ids=None, embed: bool = False, **flags) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = head_tensors(target)
+    renamed = {n.replace("midlayer.", "layers.0."): t for n, t in tensors.items()}
+    if embed:
+        renamed["embed_tokens.weight"] = torch.randn(target.vocab_size, target.hidden_size)
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.2.0",
+        "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
+                               "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
+                               "verifier": {"name_or_path": "target", "architectures": ["Qwen2ForCausalLM"]}},
+        "transformer_layer_config": {"model_type": "llama", **layer_config(target)}, "draft_vocab_size": VD,
+        "norm_before_residual": False, "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": layer_ids,
+        "norm_before_fc": False, "fc_norm": False, "norm_output": False, **flags}))
+    save_file(renamed, folder / "model.safetensors")
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def smollm_config(smollm_dir):
+    return ModelConfig.from_folder(smollm_dir)
+
+
+@pytest.mark.parametrize("weights", ["pytorch_model.bin", "model.safetensors"])
+def test_the_authors_layout_loads(tmp_path, smollm_config, weights):
+    written = write_authors(tmp_path / "head", smollm_config, weights)
+    head = load_eagle(tmp_path / "head", smollm_config)
+    assert head.config.layout == "eagle3" and head.embedding is None and head.config.rope_theta == 10000.0
+    assert head.config.target_layers(smollm_config.num_layers) == (2, 15, 27)
+    assert set(head.tensors) == set(expected_shapes(head.config))
+    assert all(torch.equal(head.tensors[n], written[n]) for n in head.tensors)
+    assert torch.equal(head.draft_to_target, used_tokens(smollm_config))  # token i is the target's i + d2t[i]
+
+
+def test_the_speculators_layout_loads_to_the_same_head(tmp_path):
+    written = write_speculators(tmp_path / "spec", QWEN, layer_ids=[1, 12, 20], embed=True)
+    head = load_eagle(tmp_path / "spec", QWEN)
+    assert head.config.layout == "speculators" and head.config.target_layers(QWEN.num_layers) == (1, 12, 20)
+    assert all(torch.equal(head.tensors[n], written[n]) for n in head.tensors)
+    assert head.embedding.shape == (QWEN.vocab_size, QWEN.hidden_size)
+    write_authors(tmp_path / "authors", QWEN, "model.safetensors")
+    authors = load_eagle(tmp_path / "authors", QWEN)
+    assert torch.equal(authors.draft_to_target, head.draft_to_target)
+    assert all(torch.equal(authors.tensors[n], head.tensors[n]) for n in head.tensors)
+
+
+def test_a_head_for_another_target_is_refused_naming_the_mismatch(tmp_path, smollm_config):
+    write_authors(tmp_path / "qwen-head", QWEN)
+    with pytest.raises(UnsupportedModelError) as e:
+        load_eagle(tmp_path / "qwen-head", smollm_config)
+    assert "width 896" in str(e.value) and "vocabulary of 151936" in str(e.value)
+    write_speculators(tmp_path / "deep", QWEN, layer_ids=[2, 12, 30])
+    with pytest.raises(UnsupportedModelError, match=r"target layers \[2, 12, 30\], the target has 24"):
+        load_eagle(tmp_path / "deep", QWEN)
+
+
+def test_bad_files_are_clear_errors(tmp_path, smollm_config):
+    folder = tmp_path / "head"
+    tensors = write_authors(folder, smollm_config)
+    del tensors["norm.weight"]
+    tensors["lm_head.weight"] = tensors["lm_head.weight"][:-1]
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(ModelFileError, match=r"missing \['norm.weight'\].*lm_head.weight is \(63, 576\)"):
+        load_eagle(folder, smollm_config)
+    tensors = write_authors(folder, smollm_config)
+    tensors["t2d"][0] = not bool(tensors["t2d"][0])
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(ModelFileError, match="t2d does not mark"):
+        load_eagle(folder, smollm_config)
+    tensors["d2t"][1] = -1  # token 1 maps to 0: not rising
+    torch.save(tensors, folder / "pytorch_model.bin")
+    with pytest.raises(ModelFileError, match="d2t does not map"):
+        load_eagle(folder, smollm_config)
+    write_speculators(tmp_path / "flags", QWEN, norm_before_fc=True)
+    with pytest.raises(UnsupportedModelError, match="norm_before_fc"):
+        load_eagle(tmp_path / "flags", QWEN)
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ModelFileError, match="not an EAGLE-3 head"):
+        load_eagle(tmp_path / "plain", smollm_config)
+    (folder / "pytorch_model.bin").unlink()
+    with pytest.raises(ModelFileError, match="no weights"):
+        load_eagle(folder, smollm_config)

@@ -7,8 +7,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from ssd.errors import ModelFileError, UnsupportedModelError
+from ssd.errors import ModelFileError, SSDError, UnsupportedModelError
 from ssd.models.config import ModelConfig
+from ssd.models.loader import load_model
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.speculative.draft.eagle import EagleConfig, expected_shapes, load_eagle
 
 QWEN = ModelConfig.from_dict({"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
@@ -135,3 +138,38 @@ def test_bad_files_are_clear_errors(tmp_path, smollm_config):
     (folder / "pytorch_model.bin").unlink()
     with pytest.raises(ModelFileError, match="no weights"):
         load_eagle(folder, smollm_config)
+
+
+def test_a_pass_returns_the_states_entering_the_layers_a_head_reads(smollm_dir):
+    """The target's pass gives the residual stream entering chosen layers beside its logits,
+    from the layers as one CPU op and from the Python loop with the same bits, and taking them
+    changes nothing of the logits: layer 0's is the embedding, layer L's the stream the final
+    norm and head turn into the logits."""
+    model = load_model(smollm_dir, torch.device("cpu"), torch.float32, "gguf")
+    L = model.config.num_layers
+    taps = (0, *EagleConfig._layer(layer_config(QWEN), {"draft_vocab_size": VD}, "eagle3", None, None, False,
+                                   None).target_layers(L), L)
+    ids = torch.randint(0, model.config.vocab_size, (26,), generator=torch.Generator().manual_seed(5)).tolist()
+    out = {}
+    for fused in (True, False):
+        model.fused_layers = fused
+        for tapped in (True, False):
+            cache = PagedKVCache(model.config, 256, 16, torch.device("cpu"), torch.float32)
+            runner = ModelRunner(model, cache, torch.device("cpu"))
+            cache.reserve(0, 26)
+            kw = dict(taps=taps) if tapped else {}
+            out[fused, tapped] = [runner.forward([Chunk(0, ids[:20], 0, 20)], **kw),
+                                  runner.forward([Chunk(0, ids[20:26], 20, 3)], **kw)]  # a verify pass's last rows
+    (logits, states), (verify, verify_states) = out[True, True]
+    assert states.shape == (len(taps), 20, model.config.hidden_size) and verify_states.shape[1] == 3
+    for fused in (True, False):
+        assert torch.equal(out[fused, True][0][0], out[fused, False][0]) and torch.equal(out[fused, True][1][0],
+                                                                                          out[fused, False][1])
+        for (a, sa), (b, sb) in zip(out[fused, True], out[True, True]):
+            assert torch.equal(a, b) and torch.equal(sa, sb)
+    assert torch.equal(states[0], model.embed_tokens(torch.tensor(ids[:20])))
+    assert torch.equal(model.logits(model.norm(states[-1])), logits)
+    cache = PagedKVCache(model.config, 64, 16, torch.device("cpu"), torch.float32)
+    cache.reserve(0, 4)
+    with pytest.raises(SSDError, match="ascending layer ids"):
+        ModelRunner(model, cache, torch.device("cpu")).forward([Chunk(0, ids[:4], 0, 1)], taps=(5, 2))

@@ -57,8 +57,10 @@ class LayerStack:
     expert_down: list[torch.Tensor]
     expert_down_types: list[int]
 
-    def run(self, x: torch.Tensor, positions: torch.Tensor, batch, kv: torch.Tensor) -> torch.Tensor | None:
-        """x after every layer, the KV cache written; None where the op cannot run here.
+    def run(self, x: torch.Tensor, positions: torch.Tensor, batch, kv: torch.Tensor, taps: tuple[int, ...] = ()
+            ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        """x after every layer, the KV cache written, and the stream entering each layer of
+        `taps` (ascending, L for the stream after the last); None where the op cannot run here.
         batch: the pass's AttentionBatch (ssd/layers/attention.py)."""
         if not (x.is_cpu and x.dtype is torch.float32 and kv.dtype is torch.float32):
             return None
@@ -71,7 +73,7 @@ class LayerStack:
                   self.sin, self.norms, self.parts, self.types, self.part_rows, self.nparts, self.qkv_bias,
                   self.qk_norms, self.dims, self.sliding, win.rows, win.q_row, win.q_len, self.cos_w, self.sin_w,
                   self.moe, self.routers, self.expert_gate_up, self.expert_gate_up_types, self.expert_down,
-                  self.expert_down_types, self.eps, self.scale, self.softcap, *names)
+                  self.expert_down_types, self.eps, self.scale, self.softcap, list(taps), *names)
 
 
 def experts(x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, gate_up: list[torch.Tensor],

@@ -8,6 +8,7 @@ Gemma), and Gemma's block (models/config.py, GEMMA); ModelConfig carries those a
 import torch
 from torch import nn
 
+from ssd.errors import SSDError
 from ssd.kernels.decoder_cpu import LayerStack
 from ssd.layers.attention import Attention, AttentionBatch
 from ssd.layers.linear import Linear, QuantLinear
@@ -82,26 +83,41 @@ class DecoderLM(nn.Module):
         self.tp_group = None  # this rank's tensor_parallel.Group once sharded (engine/tensor_parallel.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-                kv: torch.Tensor, logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+                kv: torch.Tensor, logits_index: torch.Tensor | None = None, head: bool = True,
+                taps: tuple[int, ...] = ()) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """input_ids/positions: [T] flat new tokens; kv: [layers, 2, slots, kv_heads, head_dim].
 
         Returns logits for the rows in logits_index (all rows if None); with head=False their
-        final hidden states instead (a draft applies its own head, ssd/speculative/draft/vocab.py)."""
+        final hidden states instead (a draft applies its own head, ssd/speculative/draft/vocab.py).
+        taps: ascending layer ids in 0..layers whose entering residual stream (layers: the
+        stream after the last layer) is returned too, [len(taps), rows, hidden], the features
+        an EAGLE-3 head reads (ssd/speculative/draft/eagle.py); the same bits on either path."""
+        if taps and not (list(taps) == sorted(set(taps)) and 0 <= taps[0] and taps[-1] <= len(self.layers)):
+            raise SSDError(f"taps must be ascending layer ids in 0..{len(self.layers)}, got {list(taps)}")
         x = self.embed_tokens(input_ids)
         if self.config.embed_scale is not None:
             x = x * torch.tensor(self.config.embed_scale, dtype=x.dtype)
         stack = self.layer_stack() if self.fused_layers else None
-        y = None if stack is None else stack.run(x, positions, batch, kv)
-        branch = None
+        y = None if stack is None else stack.run(x, positions, batch, kv, taps)
+        branch, tapped = None, []
         if y is not None:
-            x = y
+            x, tapped = y
         else:
-            for layer, layer_kv in zip(self.layers, kv):
+            for i, (layer, layer_kv) in enumerate(zip(self.layers, kv)):
+                if i in taps:  # the stream entering the layer: its pending add done here (the same bits)
+                    x, branch = x if branch is None else x + branch, None
+                    tapped.append(x)
                 x, branch = layer(x, branch, positions, batch, layer_kv)
+            if len(self.layers) in taps:
+                tapped.append(x if branch is None else x + branch)
         if logits_index is not None:
             x, branch = x[logits_index], None if branch is None else branch[logits_index]
         _, x = self.norm.add_forward(x, branch)
-        return self.logits(x) if head else x
+        out = self.logits(x) if head else x
+        if not taps:
+            return out
+        states = torch.stack(tapped)
+        return out, states if logits_index is None else states[:, logits_index]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on final (normed) hidden states, soft-capped where the model says."""

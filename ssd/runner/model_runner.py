@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ssd.errors import SSDError
 from ssd.layers.attention import AttentionBatch
 from ssd.models.decoder import DecoderLM
 from ssd.runner.cuda_graphs import CapturedSteps
@@ -70,11 +71,14 @@ class ModelRunner:
             self.cache.release(owner)
 
     @torch.inference_mode()
-    def forward(self, chunks: list[Chunk], head: bool = True) -> torch.Tensor:
-        """Logits [sum of num_logits, vocab] in chunk order (head=False: final hidden states)."""
+    def forward(self, chunks: list[Chunk], head: bool = True, taps: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits [sum of num_logits, vocab] in chunk order (head=False: final hidden states);
+        with taps, also the residual stream entering those layers at the same rows
+        (DecoderLM.forward; an eager pass)."""
         lengths = [len(c.tokens) for c in chunks]
         ends = [c.start + n for c, n in zip(chunks, lengths)]
-        if self.steps is not None and not any(c.forks for c in chunks) and \
+        if self.steps is not None and not taps and not any(c.forks for c in chunks) and \
                 self.steps.fits(sum(lengths), len(chunks), max(ends)):
             for c, end in zip(chunks, ends):
                 self.cache.prepare_write(c.owner, c.start, end)
@@ -108,20 +112,24 @@ class ModelRunner:
         logits_index = torch.cat([torch.arange(end - c.num_logits, end)
                                   for c, end in zip(chunks, row_ends.tolist())])
         batch = AttentionBatch(slot_mapping, rows, q_row, q_len)
-        out = self.run(input_ids, positions, batch, logits_index, head)
+        out = self.run(input_ids, positions, batch, logits_index, head, taps)
         for c, n in zip(chunks, lengths):
             self.cache.written(c.owner, c.start + n)
         return out
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-            logits_index: torch.Tensor | None = None, head: bool = True) -> torch.Tensor:
+            logits_index: torch.Tensor | None = None, head: bool = True, taps: tuple[int, ...] = ()
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward pass over tokens placed by an explicit attention batch (a draft tree)."""
-        if self.steps is not None and self.steps.fits(len(input_ids), *batch.rows.shape):
+        if self.steps is not None and not taps and self.steps.fits(len(input_ids), *batch.rows.shape):
             return self.steps.run(input_ids, positions, batch, logits_index, head)
+        if taps and self.model.tp_group is not None:
+            raise SSDError("the hidden states of chosen layers (an EAGLE-3 head's features) are not read from a "
+                           "tensor-parallel target yet")
         if self.model.tp_group is not None:  # the other ranks run this pass on their shards
             self.model.tp_group.send_pass(input_ids, positions, batch, logits_index, head)
         dev = self.device
         batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
         return self.model(input_ids.to(dev), positions.to(dev), batch, self.cache.kv,
-                          None if logits_index is None else logits_index.to(dev), head)
+                          None if logits_index is None else logits_index.to(dev), head, taps)

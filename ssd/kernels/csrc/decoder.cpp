@@ -12,12 +12,15 @@
 //   x = x + o                                        [Gemma: x + rms_norm(o, w_post_attn)]
 //   g, u = chunk(qlinear(rms_norm(x, w_mlp), Wgate_up));  m = qlinear(act(g) * u, Wdown)
 //   x = x + m                                        [Gemma: x + rms_norm(m, w_post_ffw)]
+// taps: the layers (ascending, 0..L) whose entering stream x is returned too (L: the stream after
+// the last layer), the features an EAGLE-3 head reads.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -138,7 +141,7 @@ at::Tensor experts(const at::Tensor& x, const at::Tensor& weights, const at::Ten
 // layer, or none; qk_norms: per layer the q and the k norm's weights (Qwen3), or none. sliding:
 // per layer 1 for a sliding-window layer, which reads rows_w / q_row_w / q_len_w (the windowed
 // batch) and cos_w / sin_w (its RoPE).
-at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& rows,
+std::tuple<at::Tensor, std::vector<at::Tensor>> layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& slots, const at::Tensor& rows,
                   const at::Tensor& q_row, const at::Tensor& q_len, const at::Tensor& kv, const at::Tensor& cos,
                   const at::Tensor& sin, at::TensorList norms, at::TensorList parts, at::IntArrayRef types,
                   at::IntArrayRef part_rows, at::IntArrayRef nparts, at::TensorList qkv_bias,
@@ -146,8 +149,8 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
                   const at::Tensor& q_row_w, const at::Tensor& q_len_w, const at::Tensor& cos_w,
                   const at::Tensor& sin_w, at::IntArrayRef moe, at::TensorList routers, at::TensorList expert_gate_up,
                   at::IntArrayRef expert_gate_up_types, at::TensorList expert_down, at::IntArrayRef expert_down_types,
-                  double eps, double scale, double softcap, std::string quant_ns, std::string fused_ns,
-                  std::string attention_ns, std::string linear_ns) {
+                  double eps, double scale, double softcap, at::IntArrayRef taps, std::string quant_ns,
+                  std::string fused_ns, std::string attention_ns, std::string linear_ns) {
   const int64_t L = kv.size(0), hq = dims[0], hk = dims[1], d = dims[2], inter = dims[3], nn = dims[4];
   const bool gelu = dims[5] == 1, gemma = nn == 4;
   const int64_t top_k = dims[6], normalize = dims[7], expert_inter = dims[8];
@@ -180,7 +183,13 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
     return y;
   };
   const int64_t T = x.size(0);
+  std::vector<at::Tensor> tapped;
+  size_t next_tap = 0;
   for (int64_t l = 0; l < L; ++l) {
+    if (next_tap < taps.size() && taps[next_tap] == l) {
+      tapped.push_back(x);  // x is never written in place: a later layer makes a new tensor
+      ++next_tap;
+    }
     at::Tensor k_cache = kv[l][0], v_cache = kv[l][1];
     const std::optional<at::Tensor> bias = qkv_bias.empty() ? none : std::optional<at::Tensor>(qkv_bias[l]);
     at::Tensor qkv = linear(l, 0, rms_norm.call(x, norms[nn * l], eps), hidden, bias);
@@ -220,7 +229,12 @@ at::Tensor layers(at::Tensor x, const at::Tensor& positions, const at::Tensor& s
     x = x + (gemma ? rms_norm.call(m, norms[nn * l + 3], eps) : m);
   }
   TORCH_CHECK(p == parts.size(), "ssd layers: weight parts left over");
-  return x;
+  if (next_tap < taps.size() && taps[next_tap] == L) {
+    tapped.push_back(x);
+    ++next_tap;
+  }
+  TORCH_CHECK(next_tap == taps.size(), "ssd layers: taps must be ascending layer ids in 0..", L);
+  return {x, tapped};
 }
 
 }  // namespace
@@ -230,8 +244,8 @@ TORCH_LIBRARY(SSD_NS, m) {
         "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] parts, int[] types, int[] part_rows, int[] nparts, "
         "Tensor[] qkv_bias, Tensor[] qk_norms, int[] dims, int[] sliding, Tensor rows_w, Tensor q_row_w, Tensor q_len_w, "
         "Tensor cos_w, Tensor sin_w, int[] moe, Tensor[] routers, Tensor[] expert_gate_up, int[] expert_gate_up_types, "
-        "Tensor[] expert_down, int[] expert_down_types, float eps, float scale, float softcap, str quant_ns, "
-        "str fused_ns, str attention_ns, str linear_ns) -> Tensor");
+        "Tensor[] expert_down, int[] expert_down_types, float eps, float scale, float softcap, int[] taps, "
+        "str quant_ns, str fused_ns, str attention_ns, str linear_ns) -> (Tensor, Tensor[])");
   m.impl("layers", c10::DispatchKey::CPU, &layers);
   m.def("experts(Tensor x, Tensor weights, Tensor chosen, Tensor[] gate_up, int[] gate_up_types, Tensor[] down, "
         "int[] down_types, int inter, int act, str quant_ns) -> Tensor");

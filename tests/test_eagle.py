@@ -12,7 +12,8 @@ from ssd.models.config import ModelConfig
 from ssd.models.loader import load_model
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
-from ssd.speculative.draft.eagle import EagleConfig, expected_shapes, load_eagle
+from ssd.layers.attention import AttentionBatch
+from ssd.speculative.draft.eagle import EagleConfig, EagleHead, expected_shapes, load_eagle
 
 QWEN = ModelConfig.from_dict({"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 896,
                               "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
@@ -35,7 +36,7 @@ def head_tensors(target: ModelConfig) -> dict[str, torch.Tensor]:
     """A head's tensors in the authors' names, random, with its d2t / t2d."""
     cfg = EagleConfig._layer(layer_config(target), {"draft_vocab_size": VD}, "eagle3", None, None, False, None)
     g = torch.Generator().manual_seed(1)
-    tensors = {n: torch.randn(shape, generator=g) for n, shape in expected_shapes(cfg).items()}
+    tensors = {n: 0.1 * torch.randn(shape, generator=g) for n, shape in expected_shapes(cfg).items()}
     ids = used_tokens(target)
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[ids] = True
@@ -173,3 +174,61 @@ def test_a_pass_returns_the_states_entering_the_layers_a_head_reads(smollm_dir):
     cache.reserve(0, 4)
     with pytest.raises(SSDError, match="ascending layer ids"):
         ModelRunner(model, cache, torch.device("cpu")).forward([Chunk(0, ids[:4], 0, 1)], taps=(5, 2))
+
+
+def reference_step(w: dict, cfg: EagleConfig, embed: torch.Tensor, tokens: torch.Tensor, h: torch.Tensor):
+    """The authors' layer in plain torch (eagle/model/cnets.py, written apart from the engine):
+    h [T, H], each row's input state (the target's through fc, or the head's own); causal
+    attention over the rows, rotate-half RoPE at positions 0..T-1 with the config's base."""
+    def rms(x, g):
+        return g * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps))
+    t, hd = len(tokens), cfg.head_dim
+    x = torch.cat([rms(embed[tokens], w["midlayer.input_layernorm.weight"]),
+                   rms(h, w["midlayer.hidden_norm.weight"])], dim=-1)
+    q, k, v = (x @ w[f"midlayer.self_attn.{p}_proj.weight"].T for p in "qkv")
+    q, k, v = q.view(t, -1, hd), k.view(t, -1, hd), v.view(t, -1, hd)
+    inv = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
+    freqs = torch.arange(t).float()[:, None] * inv[None]
+    cos, sin = torch.cat([freqs, freqs], -1).cos()[:, None], torch.cat([freqs, freqs], -1).sin()[:, None]
+    rotate = lambda y: torch.cat([-y[..., hd // 2:], y[..., :hd // 2]], -1)  # noqa: E731
+    q, k = q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+    group = cfg.num_heads // cfg.num_kv_heads
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5
+    scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    o = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(t, -1) @ w["midlayer.self_attn.o_proj.weight"].T
+    h = h + o
+    m = rms(h, w["midlayer.post_attention_layernorm.weight"])
+    gate, up = m @ w["midlayer.mlp.gate_proj.weight"].T, m @ w["midlayer.mlp.up_proj.weight"].T
+    h = h + (torch.nn.functional.silu(gate) * up) @ w["midlayer.mlp.down_proj.weight"].T
+    return rms(h, w["norm.weight"]) @ w["lm_head.weight"].T, h
+
+
+def test_the_head_computes_the_authors_layer(tmp_path, smollm_config):
+    """A random head in the engine's layers (paged KV cache, batch-invariant kernels) against the
+    authors' arithmetic written out in plain torch: the target's states through fc, then the
+    head's own output state fed back as the next step's input, from the cache."""
+    written = write_authors(tmp_path / "head", smollm_config)
+    weights = load_eagle(tmp_path / "head", smollm_config)
+    cfg = weights.config
+    table = torch.randn(smollm_config.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    head = EagleHead(weights, torch.nn.Embedding.from_pretrained(table), max_positions=64)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, smollm_config.vocab_size, (6,), generator=g)
+    states = torch.randn(6, 3 * cfg.target_hidden_size, generator=g)
+    kv = torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim)
+    rows = torch.arange(16)[None]
+
+    def batch(positions):
+        return AttentionBatch(positions.clone(), rows, torch.zeros(len(positions), dtype=torch.long), positions + 1)
+    first = torch.arange(5)
+    logits, out = head(tokens[:5], states[:5], first, batch(first), kv)
+    fed = states[:5] @ written["fc.weight"].T
+    want_logits, want_out = reference_step(written, cfg, table, tokens[:5], fed)
+    assert torch.allclose(logits, want_logits, atol=1e-3, rtol=1e-4) and torch.allclose(out, want_out, atol=1e-4)
+    # The next step reads the head's own last state (width H, no fc) at position 5, and the
+    # cached keys of rows 0..4: the reference's sixth row over all six.
+    step_logits, _ = head(tokens[5:], out[-1:], torch.tensor([5]), batch(torch.tensor([5])), kv)
+    want_logits, _ = reference_step(written, cfg, table, tokens, torch.cat([fed, want_out[-1:]]))
+    assert torch.allclose(step_logits[0], want_logits[5], atol=1e-3, rtol=1e-4)
+    assert set(head.draft_to_target[logits.argmax(-1)].tolist()) <= set(used_tokens(smollm_config).tolist())

@@ -69,15 +69,18 @@ class AttentionBatch:
 class Attention(nn.Module):
     def __init__(self, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool, eps: float, *,
-                 scale: float | None = None, softcap: float | None = None, window: int | None = None):
+                 scale: float | None = None, softcap: float | None = None, window: int | None = None,
+                 in_features: int | None = None):
         """scale: of the scores (None: head_dim ** -0.5); softcap: scores -> cap * tanh(scores /
-        cap) before the softmax (Gemma 2); window: a sliding-window layer's keys per token."""
+        cap) before the softmax (Gemma 2); window: a sliding-window layer's keys per token;
+        in_features: the width q, k and v are projected from (None: hidden; an EAGLE-3 head's
+        layer reads an embedding and a hidden state side by side, 2 x hidden)."""
         super().__init__()
         self.scale = head_dim ** -0.5 if scale is None else scale
         self.softcap, self.window = softcap, window
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.qkv_proj = Linear(in_features or hidden, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=False)
         self.q_norm = RMSNorm(head_dim, eps) if qk_norm else None
         self.k_norm = RMSNorm(head_dim, eps) if qk_norm else None

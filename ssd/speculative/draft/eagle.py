@@ -20,8 +20,14 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+from torch import nn
 
 from ssd.errors import ModelFileError, UnsupportedModelError
+from ssd.layers.attention import Attention, AttentionBatch
+from ssd.layers.linear import Linear
+from ssd.layers.mlp import MLP
+from ssd.layers.norm import RMSNorm
+from ssd.layers.rotary import RotaryEmbedding
 from ssd.models.config import ModelConfig
 
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # the authors' loader tries the .bin first; either is read
@@ -200,3 +206,68 @@ def _token_map(cfg: EagleConfig, d2t: torch.Tensor | None, t2d: torch.Tensor | N
         if tuple(t2d.shape) != (vt,) or not torch.equal(t2d.bool(), marked):
             raise ModelFileError(f"{folder}: t2d does not mark exactly the target tokens d2t maps to")
     return ids
+
+
+class EagleHead(nn.Module):
+    """An EAGLE-3 head of the engine's layers (batch-invariant on the CPU), its attention over a
+    paged KV cache of its own ([2, slots, kv_heads, head_dim]). One step reads, per row, a
+    token's embedding and the hidden state before it: the target's three states joined (width
+    3 x Ht, brought to H by fc) or the head's own last output (width H), and gives the draft
+    vocabulary's logits and its output state, which the next step reads."""
+
+    def __init__(self, weights: EagleWeights, embed: nn.Module, max_positions: int):
+        """embed: the head's embedding where the file has one, else the target's (the caller's)."""
+        super().__init__()
+        cfg, w = weights.config, weights.tensors
+        h = cfg.hidden_size
+        self.config, self.embed = cfg, embed
+        self.fc = _linear(w["fc.weight"])
+        self.hidden_norm, self.input_layernorm, self.post_attention_layernorm, self.norm = (
+            _norm(w[f"{n}.weight"], cfg.rms_norm_eps) for n in ("midlayer.hidden_norm", "midlayer.input_layernorm",
+                                                                 "midlayer.post_attention_layernorm", "norm"))
+        rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        with torch.device("meta"):
+            self.self_attn = Attention(h, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, rotary, cfg.attention_bias,
+                                       cfg.qk_norm, cfg.rms_norm_eps, in_features=2 * h)
+            self.mlp = MLP(h, cfg.intermediate_size)
+        self.self_attn.rotary = rotary  # its tables are real (built on the CPU whatever the device)
+        attn = "midlayer.self_attn."
+        self.self_attn.qkv_proj = _linear(torch.cat([w[f"{attn}{p}_proj.weight"] for p in "qkv"]),
+                                          torch.cat([w[f"{attn}{p}_proj.bias"] for p in "qkv"])
+                                          if cfg.attention_bias else None)
+        self.self_attn.o_proj = _linear(w[f"{attn}o_proj.weight"])
+        if cfg.qk_norm:
+            self.self_attn.q_norm = _norm(w[f"{attn}q_norm.weight"], cfg.rms_norm_eps)
+            self.self_attn.k_norm = _norm(w[f"{attn}k_norm.weight"], cfg.rms_norm_eps)
+        mlp = "midlayer.mlp."
+        self.mlp.gate_up_proj = _linear(torch.cat([w[f"{mlp}gate_proj.weight"], w[f"{mlp}up_proj.weight"]]))
+        self.mlp.down_proj = _linear(w[f"{mlp}down_proj.weight"])
+        self.lm_head = _linear(w["lm_head.weight"])
+        self.register_buffer("draft_to_target", weights.draft_to_target)
+
+    def forward(self, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [T]; states [T, 3 x Ht] (the target's, joined low to high) or [T, H] (the
+        head's own); returns logits [T, Vd] over the draft vocabulary and the output states
+        [T, H] (before the final norm: what the next step reads)."""
+        h = self.fc(states) if states.shape[-1] != self.config.hidden_size else states
+        normed = self.hidden_norm(h)
+        residual = normed if self.config.norm_before_residual else h
+        x = torch.cat([self.input_layernorm(self.embed(tokens)), normed], dim=-1)
+        h = residual + self.self_attn(x, positions, batch, kv)
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return self.lm_head(self.norm(h)), h
+
+
+def _linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    layer = Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    layer.weight = nn.Parameter(weight.float().contiguous(), requires_grad=False)
+    if bias is not None:
+        layer.bias = nn.Parameter(bias.float(), requires_grad=False)
+    return layer
+
+
+def _norm(weight: torch.Tensor, eps: float) -> RMSNorm:
+    norm = RMSNorm(weight.shape[0], eps)
+    norm.weight = nn.Parameter(weight.float(), requires_grad=False)
+    return norm

@@ -15,6 +15,7 @@ from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
 from ssd.models.shard import plan
+from ssd.speculative.draft.eagle import is_eagle_head
 from ssd.speculative.options import SpecOptions
 from ssd.speculative.sources.named import NAMED
 from ssd.store import resolve_model
@@ -84,7 +85,8 @@ class EngineConfig:
             raise SSDError(f"mode {self.mode!r} needs a draft model" if self.draft is None
                            else f"a draft model needs mode 'sd' or 'ssd', not {self.mode!r}")
         if self.draft in NAMED and self.mode != "sd":
-            raise SSDError(f"draft='{self.draft}' (a draft source without a model) runs in mode 'sd', not {self.mode!r}")
+            raise SSDError(f"draft='{self.draft}' (a draft source without a model) runs in mode 'sd', "
+                           f"not {self.mode!r}")
         if self.threads is not None:
             check_int("threads", self.threads, 1)
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -108,6 +110,8 @@ class EngineConfig:
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.model = resolve_model(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
+        if self.feature_head and (self.mode != "sd" or self.device.type != "cpu" or self.tensor_parallel_size > 1):
+            raise SSDError("an EAGLE-3 head drafts in mode 'sd' on the CPU, without tensor parallelism, so far")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         self.weights = resolve_weights(self.model, self.device, self.weights)  # fail now, before a worker starts
@@ -133,9 +137,17 @@ class EngineConfig:
         self.threads = max(1, self.threads // n)
 
     @property
+    def feature_head(self) -> bool:
+        """Whether the draft is an EAGLE-3 head (ssd/speculative/draft/eagle.py), not a model."""
+        return self.draft is not None and self.draft not in NAMED and is_eagle_head(resolve_model(self.draft))
+
+    @property
     def prefix_salt(self) -> str | None:
-        """What names the target's cached blocks besides their tokens (None: no prefix caching)."""
-        return f"{self.model}|{self.dtype}|{self.weights}" if self.enable_prefix_caching else None
+        """What names the target's cached blocks besides their tokens (None: no prefix caching;
+        a feature head reads the target's states of every position, so a cached prefix, which
+        the target does not run, would leave it without them)."""
+        return f"{self.model}|{self.dtype}|{self.weights}" if self.enable_prefix_caching and not self.feature_head \
+            else None
 
     @classmethod
     def from_options(cls, model: str | os.PathLike, options: dict) -> "EngineConfig":

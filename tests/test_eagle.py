@@ -28,19 +28,19 @@ def layer_config(target: ModelConfig) -> dict:
             "rms_norm_eps": 1e-5, "vocab_size": target.vocab_size, "max_position_embeddings": 2048}
 
 
-def used_tokens(target: ModelConfig) -> torch.Tensor:
-    return torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:VD].sort().values
+def used_tokens(target: ModelConfig, vd: int = VD) -> torch.Tensor:
+    return torch.randperm(target.vocab_size, generator=torch.Generator().manual_seed(0))[:vd].sort().values
 
 
-def head_tensors(target: ModelConfig) -> dict[str, torch.Tensor]:
+def head_tensors(target: ModelConfig, vd: int = VD) -> dict[str, torch.Tensor]:
     """A head's tensors in the authors' names, random, with its d2t / t2d."""
-    cfg = EagleConfig._layer(layer_config(target), {"draft_vocab_size": VD}, "eagle3", None, None, False, None)
+    cfg = EagleConfig._layer(layer_config(target), {"draft_vocab_size": vd}, "eagle3", None, None, False, None)
     g = torch.Generator().manual_seed(1)
     tensors = {n: 0.1 * torch.randn(shape, generator=g) for n, shape in expected_shapes(cfg).items()}
-    ids = used_tokens(target)
+    ids = used_tokens(target, vd)
     t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
     t2d[ids] = True
-    return {**tensors, "d2t": ids - torch.arange(VD), "t2d": t2d}
+    return {**tensors, "d2t": ids - torch.arange(vd), "t2d": t2d}
 
 
 def write_authors(folder, target: ModelConfig, weights: str = "pytorch_model.bin", **config) -> dict:
@@ -56,9 +56,10 @@ def write_authors(folder, target: ModelConfig, weights: str = "pytorch_model.bin
     return tensors
 
 
-def write_speculators(folder, target: ModelConfig, layer_ids=None, embed: bool = False, **flags) -> dict:
+def write_speculators(folder, target: ModelConfig, layer_ids=None, embed: bool = False, vd: int = VD,
+                      **flags) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
-    tensors = head_tensors(target)
+    tensors = head_tensors(target, vd)
     renamed = {n.replace("midlayer.", "layers.0."): t for n, t in tensors.items()}
     if embed:
         renamed["embed_tokens.weight"] = torch.randn(target.vocab_size, target.hidden_size)
@@ -67,7 +68,7 @@ def write_speculators(folder, target: ModelConfig, layer_ids=None, embed: bool =
         "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3}],
                                "verifier": {"name_or_path": "target", "architectures": ["Qwen2ForCausalLM"]}},
-        "transformer_layer_config": {"model_type": "llama", **layer_config(target)}, "draft_vocab_size": VD,
+        "transformer_layer_config": {"model_type": "llama", **layer_config(target)}, "draft_vocab_size": vd,
         "norm_before_residual": False, "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": layer_ids,
         "norm_before_fc": False, "fc_norm": False, "norm_output": False, **flags}))
     save_file(renamed, folder / "model.safetensors")
@@ -162,7 +163,7 @@ def test_a_pass_returns_the_states_entering_the_layers_a_head_reads(smollm_dir):
             out[fused, tapped] = [runner.forward([Chunk(0, ids[:20], 0, 20)], **kw),
                                   runner.forward([Chunk(0, ids[20:26], 20, 3)], **kw)]  # a verify pass's last rows
     (logits, states), (verify, verify_states) = out[True, True]
-    assert states.shape == (len(taps), 20, model.config.hidden_size) and verify_states.shape[1] == 3
+    assert states.shape == (len(taps), 20, model.config.hidden_size) and verify_states.shape[1] == 6  # every row
     for fused in (True, False):
         assert torch.equal(out[fused, True][0][0], out[fused, False][0]) and torch.equal(out[fused, True][1][0],
                                                                                           out[fused, False][1])

@@ -14,6 +14,8 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from torch import nn
+
 from ssd.checks import check_int
 from ssd.config import EngineConfig
 from ssd.distributed.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fingerprint, local_config
@@ -22,6 +24,7 @@ from ssd.engine.registry import Registry
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.config import ModelConfig
+from ssd.models.decoder import DecoderLM
 from ssd.models.loader import load_tokenizer, shared_model
 from ssd.request.constraint import Grammars
 from ssd.request.logits_process import LogitsProcessor
@@ -31,6 +34,7 @@ from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.draft_engine import DraftEngine
+from ssd.speculative.draft.eagle import EagleHead, load_eagle
 from ssd.speculative.draft.fanout import FanOut
 from ssd.speculative.draft.vocab import check_same_vocabulary, head_tokens
 from ssd.speculative.options import AUTO_K, DraftConfig
@@ -40,6 +44,7 @@ from ssd.speculative.records import Proposal, Round
 from ssd.speculative.round import speculative_round
 from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.draft_model import DraftModel
+from ssd.speculative.sources.feature_head import FeatureHead
 from ssd.speculative.sources.named import NAMED
 from ssd.speculative.sources.ngram import PromptLookup
 from ssd.speculative.sources.ssd_worker import SSDWorker
@@ -55,7 +60,9 @@ class LLMEngine:
         self.config = config
         self.eos_ids = config.model_config.end_ids(tokenizer)
         self.grammars = Grammars(tokenizer, config.model_config.vocab_size, self.eos_ids)
-        self.source: DraftSource | None = None if config.draft is None else start_source(config, tokenizer)
+        # A feature head needs the target's embedding: it starts once the target has loaded.
+        self.source: DraftSource | None = None if config.draft is None or config.feature_head \
+            else start_source(config, tokenizer)
         # The target loads while an SSD worker loads the draft (and tensor-parallel ranks their shares).
         self.ranks = None
         if config.tensor_parallel_size > 1:
@@ -68,6 +75,8 @@ class LLMEngine:
             self.ranks.ready()
         else:
             model = shared_model(config.model, config.device, config.dtype, config.weights)
+        if config.feature_head:
+            self.source = start_feature_head(config, model)
         if self.source:
             self.source.wait_ready()
         self.cache = PagedKVCache(local_config(model), config.kv_cache_tokens, config.block_size, config.device,
@@ -155,8 +164,16 @@ class LLMEngine:
         """Prompt chunks and plain decoding steps in one pass; a token is drawn for each chunk
         that ends at its sequence's newest token, from the request's processed logits. Returns
         (sequence, token, its logprobs or None)."""
-        logits = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start,
-                                            int(w.samples)) for w in work])
+        taps = self.source.taps if self.source else ()
+        out = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start,
+                                         int(w.samples)) for w in work], taps=taps)
+        logits = out[0] if taps else out
+        if taps:  # the draft source reads the target's states of every position it ran
+            states = out[1].permute(1, 0, 2).reshape(out[1].shape[1], -1)
+            at = 0
+            for w in work:
+                self.source.states(w.seq, w.start, states[at:at + w.num_new])
+                at += w.num_new
         out = []
         for row, seq in enumerate(w.seq for w in work if w.samples):
             rows = logits[row:row + 1]
@@ -212,6 +229,19 @@ class LLMEngine:
                 self.finish(seq)
                 return seq, tokens[:i + 1], from_draft[:i + 1]
         return seq, tokens, from_draft
+
+
+def start_feature_head(config: EngineConfig, target: DecoderLM) -> FeatureHead:
+    """SD with an EAGLE-3 head (the draft folder holds one), checked against the target, its
+    embedding the target's unless the head brings its own."""
+    weights = load_eagle(resolve_model(config.draft), config.model_config)
+    own = weights.embedding
+    embed = target.embed_tokens if own is None else nn.Embedding.from_pretrained(own.float())
+    k = config.speculation.k_max
+    head = EagleHead(weights, embed, config.max_model_len + k + 2)
+    return FeatureHead(head, config.model_config.num_layers,
+                       config.kv_cache_tokens + config.max_num_seqs * (k + 2 * config.block_size), config.block_size,
+                       config.device, config.max_model_len, config.seed)
 
 
 def start_source(config: EngineConfig, tokenizer) -> DraftSource:

@@ -90,8 +90,9 @@ class DecoderLM(nn.Module):
         Returns logits for the rows in logits_index (all rows if None); with head=False their
         final hidden states instead (a draft applies its own head, ssd/speculative/draft/vocab.py).
         taps: ascending layer ids in 0..layers whose entering residual stream (layers: the
-        stream after the last layer) is returned too, [len(taps), rows, hidden], the features
-        an EAGLE-3 head reads (ssd/speculative/draft/eagle.py); the same bits on either path."""
+        stream after the last layer) is returned too, for every input row (not only those of
+        logits_index), [len(taps), T, hidden]: the features an EAGLE-3 head reads
+        (ssd/speculative/draft/eagle.py); the same bits on either path."""
         if taps and not (list(taps) == sorted(set(taps)) and 0 <= taps[0] and taps[-1] <= len(self.layers)):
             raise SSDError(f"taps must be ascending layer ids in 0..{len(self.layers)}, got {list(taps)}")
         x = self.embed_tokens(input_ids)
@@ -116,8 +117,7 @@ class DecoderLM(nn.Module):
         out = self.logits(x) if head else x
         if not taps:
             return out
-        states = torch.stack(tapped)
-        return out, states if logits_index is None else states[:, logits_index]
+        return out, torch.stack(tapped)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The output layer on final (normed) hidden states, soft-capped where the model says."""

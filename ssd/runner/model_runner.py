@@ -74,8 +74,8 @@ class ModelRunner:
     def forward(self, chunks: list[Chunk], head: bool = True, taps: tuple[int, ...] = ()
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [sum of num_logits, vocab] in chunk order (head=False: final hidden states);
-        with taps, also the residual stream entering those layers at the same rows
-        (DecoderLM.forward; an eager pass)."""
+        with taps, also the residual stream entering those layers at every token of the pass,
+        [len(taps), tokens, hidden] in chunk order (DecoderLM.forward; an eager pass)."""
         lengths = [len(c.tokens) for c in chunks]
         ends = [c.start + n for c, n in zip(chunks, lengths)]
         if self.steps is not None and not taps and not any(c.forks for c in chunks) and \

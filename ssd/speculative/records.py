@@ -100,6 +100,10 @@ class Round:
     # The tokens before the round and the accepted drafts: what the draft source holds of the
     # sequence that is right (None: the source was not asked this round).
     kept: int | None = None
+    # Where the source reads the target's hidden states (DraftSource.taps): those of the rows
+    # that stand, the sequence's newest token before the round, the accepted drafts (and a
+    # taken sibling), [rows, taps x hidden]; else None.
+    states: torch.Tensor | None = None
 
     @property
     def drafted(self) -> int:

@@ -50,15 +50,18 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
     leaves = _siblings(plan, seqs, proposals, cache)
     t1 = time.perf_counter()
     # 2. score every proposal, and its siblings, in one pass of the target.
-    logits = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens + [b.token for b in sib], s.num_tokens - 1,
-                                   len(p.tokens) + 1 + len(sib), [1 + b.depth for b in sib])
-                             for s, p, sib in zip(seqs, proposals, leaves)])
+    out = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens + [b.token for b in sib], s.num_tokens - 1,
+                                len(p.tokens) + 1 + len(sib), [1 + b.depth for b in sib])
+                          for s, p, sib in zip(seqs, proposals, leaves)], taps=source.taps)
+    logits, states = out if source.taps else (out, None)
+    if states is not None:  # [taps, rows, hidden] -> [rows, taps x hidden]
+        states = states.permute(1, 0, 2).reshape(states.shape[1], -1)
     t2 = time.perf_counter()
     # The source's timings of its drafting (the batch's, on each of its proposals).
     timed = next((p for p in proposals if not p.lookup), Proposal([]))
     rounds, row = [], 0
     for seq, k, prop, sib in zip(seqs, plan.ks, proposals, leaves):
-        n = len(prop.tokens)
+        n, first = len(prop.tokens), row
         tree = logits[row:row + n + 1 + len(sib)]
         row += n + 1 + len(sib)
         rows = tree[:n + 1]
@@ -73,10 +76,13 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
             tokens.append(taken[1])
         cache.truncate(seq.seq_id, kept + (taken is not None))
         lps = None if seq.params.logprobs is None else token_logprobs(rows, tokens, seq.params.logprobs)
+        stand = None if states is None else torch.cat(
+            [states[first:first + verdict.accepted + 1]]
+            + ([states[first + n + 1 + taken[0]:first + n + 2 + taken[0]]] if taken is not None else []))
         # Where the draft stopped by its own rule, K was only a cap: the round asked for what it drafted.
         asked_k = k if prop.confidences is None else n
         rounds.append(Round(seq, asked_k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, timed.step_s,
-                            timed.catchup, lps, sib, taken is not None, None if prop.lookup else kept))
+                            timed.catchup, lps, sib, taken is not None, None if prop.lookup else kept, stand))
     return rounds
 
 

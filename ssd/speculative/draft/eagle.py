@@ -109,13 +109,24 @@ class EagleConfig:
         if self.vocab_size != target.vocab_size:
             wrong.append(f"its tokens map into a vocabulary of {self.vocab_size}, the target's has {target.vocab_size}")
         layers = self.target_layers(target.num_layers)
-        if len(layers) != 3 or not all(0 <= i < target.num_layers for i in layers):
-            wrong.append(f"it reads target layers {list(layers)}, the target has {target.num_layers} (three wanted)")
+        rising = list(layers) == sorted(set(layers))
+        if len(layers) != 3 or not rising or not 0 <= layers[0] <= layers[-1] <= target.num_layers:
+            wrong.append(f"it reads target layers {list(layers)}, the target has {target.num_layers} (three rising "
+                         f"ids wanted, {target.num_layers} the stream after the last layer)")
         if not has_embedding and self.hidden_size != target.hidden_size:
             wrong.append(f"it has no embedding of its own and its width {self.hidden_size} is not the target's "
                          f"{target.hidden_size}")
         if wrong:
             raise UnsupportedModelError(f"this EAGLE-3 head does not fit the target: {'; '.join(wrong)}")
+
+
+def is_eagle_head(folder: Path) -> bool:
+    """Whether a model folder holds an EAGLE-3 head (either layout) rather than a model."""
+    try:
+        d = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and ("draft_vocab_size" in d or d.get("speculators_model_type") == "eagle3")
 
 
 def expected_shapes(cfg: EagleConfig) -> dict[str, tuple[int, ...]]:

@@ -225,8 +225,8 @@ class AutoK(KPolicy):
         rule = self._stop_rule(seqs, ks, gains, lookups) if self.stop is not None else None
         alternatives = self.sibling_policy is not None
         offer = self.sibling_policy.offer(seqs, rates, self.draft_step, self.verify) if alternatives else None
-        return Plan([SeqPlan(k, lookups.get(s.seq_id), alternatives, rule if rule is not None and argmax_chain(s) else None)
-                     for s, k in zip(seqs, ks)], offer)
+        return Plan([SeqPlan(k, lookups.get(s.seq_id), alternatives,
+                             rule if rule is not None and argmax_chain(s) else None) for s, k in zip(seqs, ks)], offer)
 
     def _stop_rule(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]],
                    lookups: dict[int, list[int]]) -> StopRule | None:

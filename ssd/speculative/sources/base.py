@@ -9,6 +9,8 @@ prompt the first time). DraftModel (SD, draft_model.py) drafts in this process; 
 """
 from contextlib import AbstractContextManager, nullcontext
 
+import torch
+
 from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.plan import SeqPlan
@@ -23,6 +25,9 @@ class DraftSource:
     # adaptive_k.py takes a round's wait per draft token).
     measures_steps = False
     weights: str | None = None  # how a draft model's weights are held, "auto" resolved (None: no model)
+    # The target layers whose entering hidden states it reads (a feature head): the target's
+    # passes then give them, to `states` and in each round's record.
+    taps: tuple[int, ...] = ()
 
     def __init__(self, context: int | None = None):
         """context: the positions a draft model holds (None: no model, no limit)."""
@@ -40,6 +45,11 @@ class DraftSource:
         for r in rounds:
             if r.kept is not None:
                 self.known[r.seq.seq_id] = r.kept
+
+    def states(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        """The target's hidden states (its `taps` layers joined, [n, taps x hidden]) at the
+        sequence's positions start..start + n - 1, from a pass outside a round (prompt chunks,
+        plain steps); a round's come in its record (Round.states)."""
 
     def wait_ready(self) -> None:
         """Return once the draft can answer (SSD: its worker has loaded the model)."""

@@ -1,0 +1,172 @@
+"""A draft source that reads the target: an EAGLE-3 head (ssd/speculative/draft/eagle.py) in
+the target's process, drafting a chain from the target's own hidden states (docs/algorithm.md,
+"EAGLE-3 heads").
+
+The head's row at position t reads the token at t + 1 and the state before it: the target's
+(its layers' states at t, joined) where the target has run position t, else the head's own
+output of the row before. The target's states reach it from every pass the target runs:
+prompt chunks and plain steps (`states`), and a round's verify pass, whose rows up to the
+accepted drafts stand (`learn`, from the round's record). So a round feeds the head the rows
+it has not read with the target's states (one pass), drafts K tokens with its own, and then
+drops those draft rows from its KV cache: the next round reads those positions again with
+the target's states. Proposals for a sampled request carry the head's distribution (over the
+target's vocabulary, 0 outside the head's), so verification stays exact.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+from ssd.layers.attention import AttentionBatch
+from ssd.models.config import ModelConfig
+from ssd.request.sampler import probs_from_logits, sample
+from ssd.request.sequence import Sequence
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.sampling_params import SamplingParams
+from ssd.speculative.draft.eagle import EagleHead
+from ssd.speculative.plan import SeqPlan
+from ssd.speculative.records import Proposal, Round
+from ssd.speculative.sources.base import DraftSource
+
+
+@dataclass
+class HeadSeq:
+    """What the head holds of one sequence: its rows in the head's KV cache that read the
+    target's states (positions < fed), and the target's states of the positions after them."""
+
+    generator: torch.Generator | None
+    fed: int = 0
+    pending: list[torch.Tensor] = field(default_factory=list)  # [rows, 3 x Ht] pieces, positions fed.. in order
+
+    @property
+    def known(self) -> int:
+        """Positions whose target states the head has or holds."""
+        return self.fed + sum(len(p) for p in self.pending)
+
+
+class FeatureHead(DraftSource):
+    def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
+                 device: torch.device, context: int, seed: int | None = None):
+        super().__init__(context)
+        cfg = head.config
+        self.head, self.device = head, device
+        self.taps = cfg.target_layers(target_layers)
+        shape = ModelConfig("eagle3", cfg.draft_vocab_size, cfg.hidden_size, cfg.intermediate_size, 1,
+                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta,
+                            context, False, cfg.attention_bias, cfg.qk_norm)
+        self.kv = PagedKVCache(shape, cache_tokens, block_size, device, torch.float32)
+        self.seqs: dict[int, HeadSeq] = {}
+        self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
+        if seed is None:
+            self._seeds.seed()
+
+    def states(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
+        s = self._seq(seq)
+        if start != s.known:  # a sequence prefilled again after preemption: start over
+            self._forget(seq.seq_id)
+            s = self._seq(seq)
+            if start != 0:
+                return
+        s.pending.append(rows)
+
+    def learn(self, rounds: list[Round]) -> None:
+        for r in rounds:
+            if r.states is not None and r.seq.seq_id in self.seqs:
+                self.states(r.seq, r.seq.num_tokens - 1, r.states)
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
+        """Each sequence's unread rows with the target's states, then K draft steps with the
+        head's own, all sequences in one head pass a step."""
+        ks = [p.k if self._ready(s) else 0 for s, p in zip(seqs, plans)]
+        drafting = [b for b, k in enumerate(ks) if k]
+        tokens: list[list[int]] = [[] for _ in seqs]
+        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        if drafting:
+            # First pass: rows fed..N - 2 of each drafting sequence (N tokens), with the target's
+            # states; the last row (the newest token beside the state before it) drafts d_1.
+            rows = []
+            for b in drafting:
+                seq = seqs[b]
+                s = self.seqs[seq.seq_id]
+                rows.append((seq.seq_id, s.fed, seq.token_ids[s.fed + 1:], torch.cat(s.pending)))
+                s.fed, s.pending = seq.num_tokens - 1, []
+            last = dict(zip(drafting, self._pass(rows)))
+            for step in range(max(ks)):
+                picked = {b: self._pick(seqs[b], logits, tokens[b], qs[b]) for b, (logits, _) in last.items()}
+                going = [b for b in last if step + 1 < ks[b]]
+                if not going:
+                    break
+                # Draft row at position N - 1 + step: the token just drafted beside the head's own state.
+                last = dict(zip(going, self._pass([(seqs[b].seq_id, seqs[b].num_tokens - 1 + step, [picked[b]],
+                                                    last[b][1]) for b in going])))
+            for b in drafting:  # the draft rows go: the next round reads them with the target's states
+                self.kv.truncate(seqs[b].seq_id, self.seqs[seqs[b].seq_id].fed)
+        return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+
+    def _ready(self, seq: Sequence) -> bool:
+        """Whether the head has the target's states of every position before the newest token."""
+        s = self.seqs.get(seq.seq_id)
+        return s is not None and s.known == seq.num_tokens - 1 and seq.num_tokens >= 2
+
+    def _pass(self, rows: list[tuple[int, int, list[int], torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One head pass over (owner, first position, tokens, input states) per sequence;
+        returns each one's last row's logits and output state."""
+        tokens = torch.tensor([t for _, _, ids, _ in rows for t in ids], dtype=torch.long)
+        positions = torch.cat([torch.arange(start, start + len(ids)) for _, start, ids, _ in rows])
+        for owner, start, ids, _ in rows:
+            self.kv.reserve(owner, start + len(ids))
+        slots = torch.cat([self.kv.writable(owner, start, start + len(ids)) for owner, start, ids, _ in rows])
+        keys = [self.kv.slots(owner, 0, start + len(ids)) for owner, start, ids, _ in rows]
+        table = torch.zeros(len(keys), max(len(k) for k in keys), dtype=torch.long)
+        for i, k in enumerate(keys):
+            table[i, :len(k)] = k
+        q_row = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, (_, _, ids, _) in enumerate(rows)])
+        batch = AttentionBatch(slots, table, q_row, positions + 1)
+        logits, out = self.head(tokens, torch.cat([states for *_, states in rows]), positions, batch, self.kv.kv[0])
+        for owner, start, ids, _ in rows:
+            self.kv.written(owner, start + len(ids))
+        ends = torch.tensor([len(ids) for _, _, ids, _ in rows]).cumsum(0) - 1
+        return [(logits[e:e + 1], out[e:e + 1]) for e in ends.tolist()]
+
+    def _pick(self, seq: Sequence, logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor]) -> int:
+        """The head's next token for seq (argmax, or drawn from its distribution), as a target id."""
+        ids = self.head.draft_to_target
+        if seq.params.greedy_decoding:
+            token = int(ids[logits.argmax(-1)])
+        else:
+            q = probs_from_logits(logits, seq.params)
+            token = int(ids[sample(q, self.seqs[seq.seq_id].generator)])
+            whole = torch.zeros(self.head.config.vocab_size)
+            whole[ids] = q[0]
+            qs.append(whole)
+        tokens.append(token)
+        return token
+
+    def _seq(self, seq: Sequence) -> HeadSeq:
+        s = self.seqs.get(seq.seq_id)
+        if s is None:
+            s = self.seqs[seq.seq_id] = HeadSeq(self._generator(seq.params))
+        return s
+
+    def _generator(self, params: SamplingParams) -> torch.Generator | None:
+        if params.greedy_decoding:
+            return None
+        gen = torch.Generator(self.device)
+        gen.manual_seed(params.seed ^ 0x5D5D if params.seed is not None else
+                        int(torch.randint(2**62, (1,), generator=self._seeds)))
+        return gen
+
+    def _forget(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)
+        self.kv.release(seq_id)
+
+    def release(self, seq_id: int) -> None:
+        super().release(seq_id)
+        self._forget(seq_id)
+
+    def held(self) -> dict[str, int]:
+        return {**super().held(), "head sequences": len(self.seqs),
+                **{f"head KV {k}": n for k, n in self.kv.held().items()}}
+
+    def kv_blocks_in_use(self) -> int | None:
+        return self.kv.blocks_in_use

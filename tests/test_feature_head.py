@@ -1,0 +1,61 @@
+"""SD with an EAGLE-3 head (ssd/speculative/sources/feature_head.py): a random head, written in
+the authors' layout, drafts from the target's own hidden states; greedy output is AR's token
+for token, every row the head reads holds the target's states of its position, and sampled
+output follows the target's distribution."""
+import torch
+
+from ssd import LLM, SamplingParams
+from ssd.models.config import ModelConfig
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
+from ssd.speculative.sources.feature_head import FeatureHead
+from test_eagle import write_authors, write_speculators
+from test_ngram import REPEATING
+from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values
+
+
+def test_sd_with_a_head_is_exact_and_reads_the_targets_states(smollm_dir, tmp_path, ar_outputs, monkeypatch):
+    target = ModelConfig.from_folder(smollm_dir)
+    write_authors(tmp_path / "head", target)
+    fed = []  # the rows of target states of every head pass: (first position, rows)
+    real = FeatureHead._pass
+
+    def spy(self, rows):
+        fed.extend((start, states) for _, start, _, states in rows if states.shape[-1] != target.hidden_size)
+        return real(self, rows)
+    monkeypatch.setattr(FeatureHead, "_pass", spy)
+    params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
+    prompts = [REPEATING, "The capital of France is"]
+    with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3) as llm:
+        assert isinstance(llm.engine.source, FeatureHead) and llm.engine.cache.prefix is None
+        model, taps = llm.engine.runner.model, llm.engine.source.taps
+        for prompt, want in zip(prompts, ar_outputs(prompts, params)):
+            fed.clear()
+            out = llm.generate(prompt, params)[0]
+            assert out.token_ids == want and out.metrics.drafted > 0
+            # One fresh pass over the whole sequence (batch-invariant kernels: the same bits).
+            tokens = llm.encode(prompt) + out.token_ids
+            cache = PagedKVCache(model.config, 512, 16, torch.device("cpu"), torch.float32)
+            cache.reserve(0, len(tokens))
+            _, states = ModelRunner(model, cache, torch.device("cpu")).forward([Chunk(0, tokens, 0, 1)], taps=taps)
+            whole = states.permute(1, 0, 2).reshape(len(tokens), -1)
+            assert fed and fed[0][0] == 0
+            for (start, rows), (after, _) in zip(fed, fed[1:] + [(None, None)]):  # each position once, in order
+                assert torch.equal(rows, whole[start:start + len(rows)]), start
+                assert after is None or after == start + len(rows)
+
+
+def test_sd_with_a_head_samples_the_target(tiny_pair, tmp_path):
+    """A speculators-layout head over the tiny target's whole vocabulary, reading its layers
+    0, 1 and the stream after the last: 4000 samples of the first tokens against the exact
+    marginals."""
+    target, _ = tiny_pair
+    write_speculators(tmp_path / "head", ModelConfig.from_folder(target), layer_ids=[0, 1, 2], vd=8)
+    n, temperature = 4000, 1.0
+    params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
+    with LLM(target, draft=str(tmp_path / "head"), mode="sd", speculate_k=2, max_num_seqs=500, seed=11) as llm:
+        outs = llm.generate([PROMPT] * n, params)
+        prompt_ids = llm.encode(PROMPT)
+    tokens = torch.tensor([o.token_ids for o in outs])
+    assert sum(o.metrics.accepted for o in outs) > 100  # the head's proposals are really verified
+    assert min(marginal_p_values(tokens, exact_joint(target, prompt_ids, temperature))) > 1e-3

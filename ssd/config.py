@@ -78,6 +78,8 @@ class EngineConfig:
     tensor_parallel_timeout: float = 60.0  # seconds a rank may keep the others waiting before it counts as hung
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
+    # Whether the draft is an EAGLE-3 head (ssd/speculative/draft/eagle.py), not a model; read once.
+    feature_head: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         spec = self.speculation = self.speculation.resolved(self.mode, self.draft in NAMED)
@@ -110,6 +112,8 @@ class EngineConfig:
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.model = resolve_model(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
+        named = self.draft is None or self.draft in NAMED
+        self.feature_head = not named and is_eagle_head(resolve_model(self.draft))
         if self.feature_head and (self.mode != "sd" or self.device.type != "cpu" or self.tensor_parallel_size > 1):
             raise SSDError("an EAGLE-3 head drafts in mode 'sd' on the CPU, without tensor parallelism, so far")
         if self.tensor_parallel_size > 1:
@@ -135,11 +139,6 @@ class EngineConfig:
                 raise SSDError(f"ranks started by hand need a shared secret: set {RANK_SECRET_ENV} to the same value "
                                "on every host")
         self.threads = max(1, self.threads // n)
-
-    @property
-    def feature_head(self) -> bool:
-        """Whether the draft is an EAGLE-3 head (ssd/speculative/draft/eagle.py), not a model."""
-        return self.draft is not None and self.draft not in NAMED and is_eagle_head(resolve_model(self.draft))
 
     @property
     def prefix_salt(self) -> str | None:

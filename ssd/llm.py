@@ -87,7 +87,8 @@ class LLM:
             self.add_request(seq)
         try:
             while self.unfinished():
-                bar.update(sum(chunk.finish_reason is not None for _, chunk in self.step()))
+                # The engine's step: outputs are read whole at the end, so no step becomes a chunk.
+                bar.update(sum(seq.finished for seq, _, _ in self.engine.step()))
         finally:
             bar.close()
             self.abort(seqs)

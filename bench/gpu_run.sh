@@ -1,71 +1,105 @@
 #!/usr/bin/env bash
-# Issue 34's GPU measurements in one device call (the machine is lent for minutes at a time):
-#   [OLD=DIR] bash bench/gpu_run.sh LIKE PROMPTS OUT [profile] [steps] [e2e] [e2e8b]
-# LIKE holds target/ and draft/: config and tokenizer files of a real pair (no weights; e.g.
-# qwen2.5-coder-1.5b-instruct and -0.5b-instruct), PROMPTS a JSONL of {"prompt": ...}.
-# OLD: a folder holding another commit's ssd/ package (`git archive REV ssd | tar -x -C DIR`):
-#      profile, e2e and e2e8b then run it too, in the same call (before/after on one machine).
-# profile: bench/gpu_profile.py, captured steps of the pairs' shapes: replay, step wall, kernels.
-# steps: bench/gpu_steps.py, Llama-3.1-8B-shaped steps, eager vs captured, invariance, exactness.
-# e2e: a random-weight pair of LIKE's shapes with a planted acceptance of 0.8
-#      (synthetic_models.py), then `ssd bench` AR / SD / SSD at batch 1 (BATCHES="1 4": and 4),
-#      256 tokens, greedy (=AR checked).
-# e2e8b: the same with Llama-3.1-8B's and Llama-3.2-1B's shapes (LIKE's vocabulary), batch 1,
-#      K = 4 and auto.
-# Every part runs when none is named.
+# Every GPU measurement the open GPU work asks for, in one device call (a session is lent a
+# machine for minutes): random weights of real shapes (bench/synthetic_models.py), a planted
+# acceptance of 0.8, greedy, every row checked token-identical to AR.
+#
+#   [OLD=DIR] bash bench/gpu_run.sh LIKE PROMPTS OUT [PART ...]
+#
+# LIKE holds target/ and draft/: the config and tokenizer files of a real pair (no weights;
+# e.g. qwen2.5-coder-1.5b-instruct and -0.5b-instruct), PROMPTS a JSONL of {"prompt": ...}.
+# OLD: a folder holding an earlier commit's ssd/ package (`git archive REV ssd | tar -x -C DIR`),
+# run beside this one's in the part `owed` (before/after on one machine, in one call).
+# OUT gets run.log (everything printed) and results.tgz (each run's results.json and table.md).
+# Parts, in the order they run (all when none is named; each under its own time limit):
+#   cpudraft  SSD with the draft on the host's CPU cores (--draft-device cpu: all but the
+#             first) beside the target on the GPU, against SD and SSD with the draft on the GPU;
+#             Llama-3.1-8B's shapes, a draft of Qwen2.5-0.5B's shapes; and the CPU draft's pass
+#             cost on the host (bench/pass_cost.py), the kernels' parallel build time
+#   owed      AR, SD and SSD at K = 4 and auto (auto-K after the start-up captures); 8B / 1B shapes
+#   thread    SSD's worker as a thread of the target's process against a process, one GPU
+#   batches   64, 16 and 4 concurrent requests, AR / SD / SSD with K = auto, 128 tokens each
+#   profile   captured steps of Qwen2.5-32B's shapes (no files: 65 GB built on the GPU):
+#             a verify pass's time V for the SSD bound 1 + K*d/V
 set -uo pipefail
 LIKE=$1 PROMPTS=$2 OUT=$3
 PARTS=" ${*:4} "
-[ "$PARTS" = "  " ] && PARTS=" profile steps e2e e2e8b "
+[ "$PARTS" = "  " ] && PARTS=" cpudraft owed thread batches profile "
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
+START=$SECONDS BUDGET=${BUDGET:-540}  # seconds; a part that might not end within it is skipped
+RES=/tmp/gpu-results SYN=/tmp/synth8b
 SSD=(python3 -c "import sys; from ssd.cli import main; sys.argv[0] = 'ssd'; sys.exit(main())")
-CODES="new"
-[ -n "${OLD:-}" ] && CODES="old new"
+mkdir -p "$OUT" "$RES"
+exec > >(tee "$OUT/run.log") 2>&1
 use() {  # the ssd package of this commit (new) or OLD's (old)
     if [ "$1" = old ]; then export PYTHONPATH=$OLD:$PWD:$BASE; else export PYTHONPATH=$PWD:$BASE; fi
 }
-bench() {  # bench NAME MODELS_DIR [batches] [ssd bench options]
-    for b in ${3:-1}; do
-        timeout 240 "${SSD[@]}" bench --model "$2/target" --draft "$2/draft" --prompts "$PROMPTS" \
-            --max-tokens 256 --ignore-eos --modes ar,sd,ssd --f 2 --batch-size $b --no-progress \
-            --out "$OUT/$1-b$b" ${4:---k 4} 2>&1 | grep -v "incorrect regex" | tail -8
-        rm -f "$OUT"/$1-b$b/*.png
-    done
+part() {  # part NAME LIMIT_S: whether NAME was asked for and fits in what is left of BUDGET
+    [[ $PARTS == *" $1 "* ]] || return 1
+    tar czf "$OUT/results.tgz" -C "$RES" .  # what is done so far comes back whatever happens next
+    if [ $((SECONDS - START + $2)) -gt "$BUDGET" ]; then
+        echo "== $1 skipped: $((SECONDS - START)) s gone, it may take $2 s of the $BUDGET s budget"
+        return 1
+    fi
+    echo "== $1 (at $((SECONDS - START)) s)"
 }
-mkdir -p "$OUT"
+bench() {  # bench NAME LIMIT_S [ssd bench options]: target $SYN/target, greedy, 128 or 256 tokens
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" "${SSD[@]}" bench --model $SYN/target --prompts "$PROMPTS" --ignore-eos --no-progress \
+        --out "$RES/$name" "$@" >"$RES/$name.log" 2>&1
+    local rc=$?
+    sed -n '/^set /,/^$/p' "$RES/$name.log"
+    [ $rc = 0 ] || { echo "($name: exit $rc)"; grep -v "incorrect regex" "$RES/$name.log" | tail -6; }
+    rm -f "$RES/$name"/*.png
+}
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --format=csv
+lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node0|L3"
 use new
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-if [[ $PARTS == *" profile "* ]]; then
-    for c in $CODES; do
-        use $c
-        echo "== profile ($c)"
-        timeout 200 python3 bench/gpu_profile.py --out "$OUT/profile-$c" ${PROFILE_SHAPES:+--shapes $PROFILE_SHAPES} \
-            2>&1 | tee "$OUT/profile-$c.log" | tail -7
+# The CPU kernels build side by side (ssd/kernels/prebuild.py) while the models are written.
+( t=$SECONDS; python3 -c "from ssd.kernels.prebuild import prebuild; prebuild()" 2>&1 | tail -3
+  echo "CPU kernels built in $((SECONDS - t)) s" ) &
+BUILD=$!
+timeout 150 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
+    --target-shape llama3.1-8b --draft-shape llama3.2-1b --cpu-draft-shape qwen2.5-0.5b --out $SYN --accept 0.8 \
+    2>&1 | tail -2
+wait $BUILD
+python3 - "$PROMPTS" <<'EOF'  # 64 prompts for the batches: the given ones, numbered
+import json, sys
+base = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
+with open("/tmp/prompts64.jsonl", "w") as f:
+    for i in range(64):
+        f.write(json.dumps({"prompt": f"({i + 1}) " + base[i % len(base)]["prompt"]}) + "\n")
+EOF
+
+if part cpudraft 200; then
+    timeout 60 python3 bench/pass_cost.py --model $SYN/draft-cpu --weights int8 --m 1,4,8,16 --threads 15,8 \
+        --repeats 3 2>&1 | tail -6
+    bench cpudraft 150 --draft $SYN/draft-cpu --modes ar,sd,ssd --k 4 --max-tokens 256 --sweep ddev=cuda:0,cpu
+fi
+if part owed 100; then
+    bench owed-new 100 --draft $SYN/draft --modes ar,sd,ssd --max-tokens 256 --sweep k=4,auto
+fi
+if part thread 90; then
+    bench thread 90 --draft $SYN/draft --modes ar,ssd --k 4 --max-tokens 256 --sweep thread=on,off
+fi
+if part batches 180; then
+    for b in 64 16 4; do
+        PROMPTS=/tmp/prompts64.jsonl bench batch$b 60 --draft $SYN/draft --modes ar,sd,ssd --k auto \
+            --max-tokens 128 --batch-size $b --num-prompts $b
     done
 fi
-use new
-if [[ $PARTS == *" e2e8b "* ]]; then
-    timeout 180 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
-        --target-shape llama3.1-8b --draft-shape llama3.2-1b --out /tmp/synth8b --accept 0.8 2>&1 | tail -3
-    for c in $CODES; do
-        use $c
-        echo "== e2e8b ($c)"
-        bench e2e8b-$c /tmp/synth8b 1 "--sweep k=4,auto"
-    done
+if part profile 90; then
+    timeout 90 python3 bench/gpu_profile.py --shapes qwen2.5-32b --repeat 10 --out "$RES/profile" \
+        2>&1 | grep -v Warning | tail -5
+fi
+if [ -n "${OLD:-}" ] && part owed 100; then
+    use old
+    echo "(old: $OLD)"
+    bench owed-old 100 --draft $SYN/draft --modes ar,sd,ssd --max-tokens 256 --sweep k=4,auto
     use new
-    rm -rf /tmp/synth8b
 fi
-if [[ $PARTS == *" steps "* ]]; then
-    timeout 180 python3 bench/gpu_steps.py --out "$OUT/steps" 2>&1 | tee "$OUT/steps.log" | tail -6
-fi
-if [[ $PARTS == *" e2e "* ]]; then
-    timeout 100 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
-        --out /tmp/synth --accept 0.8 2>&1 | tail -3
-    for c in $CODES; do
-        use $c
-        echo "== e2e ($c)"
-        bench e2e-$c /tmp/synth "${BATCHES:-1}"
-    done
-fi
+rm -rf $SYN
+tar czf "$OUT/results.tgz" -C "$RES" .
+echo "== done at $((SECONDS - START)) s"

@@ -12,7 +12,7 @@ probability `accept` per token, and after a rejection the target's token is the 
 second choice, so SSD's speculation cache can hit it with a fan-out of 1 or more.
 
     python bench/synthetic_models.py --target-like DIR --draft-like DIR --out DIR [--accept 0.8]
-        [--target-shape llama3.1-8b --draft-shape llama3.2-1b]
+        [--target-shape llama3.1-8b --draft-shape llama3.2-1b] [--cpu-draft-shape qwen2.5-0.5b]
 
 DIR: a model folder whose config.json and tokenizer files are copied (the weights are not
 read), e.g. ~/.cache/ssd-engine/models/qwen2.5-coder-1.5b-instruct. A shape (bench/shapes.py)
@@ -84,6 +84,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True, help="writes OUT/target and OUT/draft")
     ap.add_argument("--target-shape", choices=sorted(SHAPES), help="the target's layers (default: like's)")
     ap.add_argument("--draft-shape", choices=sorted(SHAPES), help="the draft's layers (default: like's)")
+    ap.add_argument("--cpu-draft-shape", choices=sorted(SHAPES),
+                    help="also OUT/draft-cpu: a draft of this shape with the same planted map, for a draft on the "
+                         "host's CPU beside a GPU target")
     ap.add_argument("--accept", type=float, default=0.8, help="per-token greedy agreement (default: 0.8)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -99,6 +102,9 @@ def main() -> None:
           args.target_shape)
     build(args.draft_like, args.out / "draft", f.to(args.device), disagree.to(args.device), g.to(args.device),
           dtype, args.device, args.seed + 2, args.draft_shape)
+    if args.cpu_draft_shape:
+        build(args.draft_like, args.out / "draft-cpu", f.to(args.device), disagree.to(args.device),
+              g.to(args.device), dtype, args.device, args.seed + 3, args.cpu_draft_shape)
     print(f"wrote {args.out}/target and {args.out}/draft: {len(disagree)} of {vocab} tokens "
           f"({len(disagree) / vocab:.1%}) where the draft's first choice differs")
 

@@ -9,7 +9,7 @@ import torch
 
 from ssd.checks import check_int, is_int, is_number
 from ssd.distributed.link import parse_address
-from ssd.distributed.placement import engine_threads, parse_placement
+from ssd.distributed.placement import default_dtype, engine_threads, parse_placement
 from ssd.distributed.tensor_parallel import RANK_SECRET_ENV
 from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
@@ -36,7 +36,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if dtype is None:
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return default_dtype(device)
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in DTYPES:

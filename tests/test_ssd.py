@@ -352,6 +352,27 @@ def test_bad_ssd_options(smollm_dir, kwargs, match):
         LLM(smollm_dir, draft=smollm_dir, mode="ssd", speculate_k=4, **kwargs)
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the draft takes every core but the first")
+def test_a_cpu_draft_beside_a_gpu_target(smollm_dir):
+    """draft_device="cpu" beside a CUDA target: the worker gets every host core but the first
+    (the target's host thread keeps it) and computes as the CPU does, fp32 activations over
+    int8 or GGUF blocks, whatever the target's dtype; the draft's numerics change only the
+    acceptance rate. A CPU target keeps the whole machine's split as before."""
+    from ssd.distributed.placement import available_cores
+    from ssd.speculative.options import SpecOptions
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    beside = SpecOptions(draft_device="cpu")
+    assert beside.draft_placement(gpu).cores == tuple(available_cores()[1:])
+    assert beside.draft_on(gpu) == cpu
+    assert beside.draft_dtype(gpu, torch.bfloat16) == torch.float32
+    assert beside.draft_weights(smollm_dir, gpu) == "q4_0"  # the GGUF file's blocks, requantised
+    assert beside.draft_placement(cpu).cores is None  # on a CPU target "cpu" is every core, as named
+    named = SpecOptions(draft_device="cpu:1")
+    assert named.draft_placement(gpu).cores == (1,)
+    on_gpu = SpecOptions()
+    assert on_gpu.draft_on(gpu) == gpu and on_gpu.draft_dtype(gpu, torch.bfloat16) == torch.bfloat16
+
+
 def test_ssd_options_need_ssd_mode(smollm_dir):
     with pytest.raises(SSDError, match="backup applies to mode 'ssd' only"):
         LLM(smollm_dir, draft=smollm_dir, mode="sd", backup="fast")

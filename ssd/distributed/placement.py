@@ -24,6 +24,12 @@ class Placement:
         return f"cpu:{','.join(map(str, self.cores))}"
 
 
+def default_dtype(device: torch.device) -> torch.dtype:
+    """What a device computes in unless told otherwise: bf16 on a GPU, fp32 on the CPU (whose
+    kernels take fp32 activations)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def available_cores() -> list[int]:
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
@@ -70,6 +76,16 @@ def default_pair(device: torch.device) -> tuple[Placement, Placement]:
         return Placement(device), Placement(device)
     half = len(cores) // 2
     return Placement(device, tuple(cores[:half])), Placement(device, tuple(cores[half:]))
+
+
+def beside_gpu(draft: Placement, target: torch.device) -> Placement:
+    """A draft on "cpu" (no cores named) beside a target on a GPU: every core but the first,
+    which the target's host thread keeps (it launches the GPU's work and reads its results;
+    a parallel region of the draft's that shared its core would wait on its slowest thread)."""
+    cores = available_cores()
+    if draft.device.type != "cpu" or draft.cores is not None or target.type != "cuda" or len(cores) < 2:
+        return draft
+    return Placement(draft.device, tuple(cores[1:]))
 
 
 def engine_threads(threads: int | None = None, cores: tuple[int, ...] | None = None) -> int:

@@ -276,7 +276,8 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
     per_seq = k + 2 * config.block_size + branches * k
     return DraftConfig(
         model=str(folder) if opts.draft_address is None else str(config.draft),
-        dtype=str(config.dtype).removeprefix("torch."), weights=opts.draft_weights(folder, config.device), k_max=k,
+        dtype=str(opts.draft_dtype(config.device, config.dtype)).removeprefix("torch."),
+        weights=opts.draft_weights(folder, config.device), k_max=k,
         cache_tokens=config.kv_cache_tokens + config.max_num_seqs * per_seq, block_size=config.block_size,
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
         fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,

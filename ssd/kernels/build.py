@@ -95,6 +95,9 @@ SOURCES = Path(__file__).with_name("csrc")
 _LOCAL_INCLUDE = re.compile(r'^\s*#\s*include\s*"([^"]+)"', re.MULTILINE)
 
 
+KERNELS: list["CppKernel"] = []  # every kernel, as its module creates it
+
+
 class CppKernel:
     """One C++ source, ``csrc/<name>.cpp``, defining ops in the torch library namespace
     ``SSD_NS`` (a macro set per variant), built lazily per variant; ``op(name)`` returns the
@@ -103,6 +106,7 @@ class CppKernel:
     def __init__(self, name: str, requires: dict[str, tuple[set[str], list[str]]] | None = None):
         """requires: per variant, the CPU flags this kernel needs beyond the variant's own and
         the compiler flags that enable them (a machine without them runs a lower variant)."""
+        KERNELS.append(self)
         self.name = name
         self.requires = requires or {}
         self._locks = {v: threading.Lock() for v in VARIANTS}  # variants may build concurrently
@@ -180,8 +184,10 @@ class CppKernel:
             fcntl.flock(held, fcntl.LOCK_EX)
             (d / "lock").unlink(missing_ok=True)
             if not (d / f"{ns}.so").exists():
-                print(f"ssd-engine: compiling the CPU {self.name} kernel ({variant}) into {d} "
-                      "(once per machine, 10-20 s)", file=sys.stderr, flush=True)
+                # one write: kernels build side by side (prebuild.py) and their lines must not mix
+                sys.stderr.write(f"ssd-engine: compiling the CPU {self.name} kernel ({variant}) into {d} "
+                                 "(once per machine and version)\n")
+                sys.stderr.flush()
             cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
                                extra_ldflags=["-fopenmp"], build_directory=str(d),
                                is_python_module=False, verbose=False)
@@ -220,6 +226,12 @@ class CppKernel:
                         self._warn(variant, e)
             ns = self._built[variant]
         return ns
+
+    def build(self) -> None:
+        """Build (or load) this machine's variant now rather than at first use."""
+        variant = self.variant()
+        if variant is not None:
+            self.op_namespace(variant)
 
     def _warn(self, variant: str, e: Exception) -> None:
         if not self._warned:

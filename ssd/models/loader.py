@@ -18,6 +18,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from ssd.errors import ModelFileError, SSDError, UnsupportedModelError
 from ssd.kernels import quant_cpu
+from ssd.kernels.prebuild import prebuild
 from ssd.layers.linear import Linear, QuantEmbedding, QuantLinear
 from ssd.layers.moe import DenseExperts, QuantExperts, SparseMoE
 from ssd.layers.norm import RMSNorm
@@ -204,6 +205,8 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     none to read (an untied safetensors head)."""
     weights = resolve_weights(folder, device, weights)
     cfg = ModelConfig.from_folder(folder)
+    if device.type == "cpu":
+        prebuild()  # every kernel the first pass needs, compiled side by side on a fresh machine
     rows = None if head_rows is None else torch.tensor(head_rows, dtype=torch.long)
     if rows is not None and not (rows.numel() and 0 <= int(rows.min()) and int(rows.max()) < cfg.vocab_size):
         raise SSDError(f"head rows must be token ids in 0..{cfg.vocab_size - 1}")

@@ -17,7 +17,7 @@ import torch
 
 from ssd.checks import check_int, is_int
 from ssd.distributed.link import parse_address
-from ssd.distributed.placement import Placement, default_pair, parse_placement
+from ssd.distributed.placement import Placement, beside_gpu, default_dtype, default_pair, parse_placement
 from ssd.errors import SSDError
 from ssd.models.loader import QUANTIZATIONS, resolve_weights
 from ssd.speculative.draft.fanout import check_fan_out
@@ -247,8 +247,9 @@ class SpecOptions:
         flag="--target-device", metavar="DEV", modes=("ssd",), model_only=True,
         check=lambda name, v: v is None or parse_placement(v))
     draft_device: str | None = _option(
-        None, "the draft worker's device, e.g. cpu:1 or cuda:1 (default: the other CPU cores / cuda:1)",
-        flag="--draft-device", metavar="DEV", modes=("ssd",), model_only=True,
+        None, "the draft worker's device, e.g. cpu:1 or cuda:1 (default: the other CPU cores / cuda:1); cpu beside "
+        "a GPU target: every host core but the first", flag="--draft-device", metavar="DEV", modes=("ssd",),
+        model_only=True, sweep="ddev",
         check=lambda name, v: v is None or parse_placement(v))
     draft_address: str | None = _option(
         None, "wait at HOST:PORT for a worker started by hand (`ssd worker --connect HOST:PORT`, with the same "
@@ -258,7 +259,7 @@ class SpecOptions:
         None, "run the draft worker as a thread of this process (on a CUDA stream of its own) instead of a process: "
         "two processes on one GPU take turns, two streams of one process can overlap. Default: on where the target and "
         "the draft share one CUDA device", flag="--draft-thread", parse=parse_on_off, metavar="on|off",
-        check=_switch, modes=("ssd",), model_only=True)
+        check=_switch, modes=("ssd",), model_only=True, sweep="thread")
     draft_timeout: float = _option(
         60.0, "seconds without an answer before the draft worker counts as hung", flag="--draft-timeout",
         parse=float, metavar="S", modes=("ssd",), model_only=True,
@@ -306,7 +307,7 @@ class SpecOptions:
 
     def draft_weights(self, folder: Path, target_device: torch.device) -> str:
         """How the draft's weights are held (ssd/models/loader.py WEIGHTS), "auto" decided."""
-        device = self.draft_placement(target_device).device if self.draft_device else target_device
+        device = self.draft_on(target_device)
         if self.draft_quantization in QUANTIZATIONS and device.type == "cuda":
             raise SSDError(f"draft_quantization={self.draft_quantization!r} is for a draft on a CPU; on CUDA it "
                            "would dequantise every weight on every forward pass: use 'auto' or None")
@@ -325,7 +326,21 @@ class SpecOptions:
         return parse_placement(self.target_device) if self.target_device else default_pair(device)[0]
 
     def draft_placement(self, device: torch.device) -> Placement:
-        return parse_placement(self.draft_device) if self.draft_device else default_pair(device)[1]
+        if not self.draft_device:
+            return default_pair(device)[1]
+        return beside_gpu(parse_placement(self.draft_device), self.target_placement(device).device)
+
+    def draft_on(self, target_device: torch.device) -> torch.device:
+        """The device the draft computes on: its worker's where draft_device names one, else
+        the target's (SD's draft runs in the target's process)."""
+        return self.draft_placement(target_device).device if self.draft_device else target_device
+
+    def draft_dtype(self, target_device: torch.device, target_dtype: torch.dtype) -> torch.dtype:
+        """The draft's activations: the target's dtype on the target's kind of device; a draft
+        on the CPU beside a GPU target computes as the CPU does best (its numerics change only
+        the acceptance rate, never the output)."""
+        device = self.draft_on(target_device)
+        return target_dtype if device.type == target_device.type else default_dtype(device)
 
     def worker_in_thread(self, device: torch.device) -> bool:
         """draft_thread resolved: by default a thread where target and draft share a CUDA device."""

@@ -57,14 +57,17 @@ nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem,driver_version --f
 lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node0|L3"
 use new
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-# The CPU kernels build side by side (ssd/kernels/prebuild.py) while the models are written.
-( t=$SECONDS; python3 -c "from ssd.kernels.prebuild import prebuild; prebuild()" 2>&1 | tail -3
-  echo "CPU kernels built in $((SECONDS - t)) s" ) &
-BUILD=$!
+# The CPU draft's kernels build side by side (ssd/kernels/prebuild.py) while the models are written.
+BUILD=
+if [[ $PARTS == *" cpudraft "* ]]; then
+    ( t=$SECONDS; python3 -c "from ssd.kernels.prebuild import prebuild; prebuild()" 2>&1 | tail -3
+      echo "CPU kernels built in $((SECONDS - t)) s" ) &
+    BUILD=$!
+fi
 timeout 150 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
     --target-shape llama3.1-8b --draft-shape llama3.2-1b --cpu-draft-shape qwen2.5-0.5b --out $SYN --accept 0.8 \
     2>&1 | tail -2
-wait $BUILD
+[ -z "$BUILD" ] || wait $BUILD
 python3 - "$PROMPTS" <<'EOF'  # 64 prompts for the batches: the given ones, numbered
 import json, sys
 base = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]

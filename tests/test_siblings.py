@@ -78,6 +78,7 @@ def test_copy_position_moves_every_layers_kv(runner):
 def test_rescue_takes_a_sibling_only_at_the_first_rejected_depth_and_only_if_right():
     logits = torch.zeros(4 + 2, 10)  # K = 3 chain rows + the bonus row, then 2 siblings
     logits[4, 7] = logits[5, 8] = 1.0  # the siblings' own rows' argmax
+    logits = logits.argmax(-1).tolist()  # what the round reads of them
     drafts, siblings = [1, 2, 3], [Sibling(1, 5), Sibling(2, 6)]
     assert rescue(logits, drafts, siblings, accepted=1, token=5) == (0, 7)
     assert rescue(logits, drafts, siblings, accepted=2, token=6) == (1, 8)

@@ -34,7 +34,7 @@ from ssd.speculative.plan import Plan
 from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, keep_sibling
 from ssd.speculative.records import Proposal, Round, Sibling
 from ssd.speculative.sources.base import DraftSource
-from ssd.speculative.verifier import Verdict, rescue, verify, verify_greedy, verify_with_siblings
+from ssd.speculative.verifier import Verdict, greedy_verdict, rescue, verify, verify_with_siblings
 
 
 def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cache: PagedKVCache,
@@ -56,6 +56,13 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
     logits, states = out if source.taps else (out, None)
     if states is not None:  # [taps, rows, hidden] -> [rows, taps x hidden]
         states = states.permute(1, 0, 2).reshape(states.shape[1], -1)
+    # Every row's argmax read at once (greedy verdicts need nothing else: one read for the
+    # batch, not one per sequence). The read waits for the pass, so t2 - t1 is the pass's time
+    # on a GPU too, where the launch returns at once: auto-K's V (on an H200 the launch alone
+    # read 0.3 ms for a 5 ms pass, and auto-K never drafted).
+    best = logits.argmax(-1).tolist() if any(_greedy(s) for s in seqs) else None
+    if best is None and logits.is_cuda:
+        torch.cuda.current_stream(logits.device).synchronize()
     t2 = time.perf_counter()
     # The source's timings of its drafting (the batch's, on each of its proposals).
     timed = next((p for p in proposals if not p.lookup), Proposal([]))
@@ -68,7 +75,8 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
         if seq.processor is not None:  # row i after the draft tokens before it, as AR would have it
             rows = seq.processor.process(rows, seq.token_ids, prop.tokens)
         # 3. verify, then 4. accept: the target's cache keeps what stands.
-        verdict, taken = _verify(seq, prop, sib, rows, tree)
+        greedy = best[first:row] if _greedy(seq) else None
+        verdict, taken = _verify(seq, prop, sib, rows, tree, greedy)
         kept = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
         tokens = prop.tokens[:verdict.accepted] + [verdict.token]
         if taken is not None:  # the sibling at the rejected depth, then its row's token
@@ -102,15 +110,23 @@ def _siblings(plan: Plan, seqs: list[Sequence], proposals: list[Proposal], cache
     return plan.siblings.choose(proposals, room)
 
 
-def _verify(seq: Sequence, prop: Proposal, sib: list[Sibling], rows: torch.Tensor, tree: torch.Tensor
-            ) -> tuple[Verdict, tuple[int, int] | None]:
+def _greedy(seq: Sequence) -> bool:
+    """Verified from the target's argmax alone: greedy, the logits as the model gives them."""
+    return seq.params.greedy_decoding and seq.processor is None
+
+
+def _verify(seq: Sequence, prop: Proposal, sib: list[Sibling], rows: torch.Tensor, tree: torch.Tensor,
+            best: list[int] | None) -> tuple[Verdict, tuple[int, int] | None]:
     """The verdict on one sequence's proposal (verifier.py) from its chain's K + 1 rows as the
     request changes them and the whole tree's logits (the siblings' rows after the chain's),
-    and where a sibling was taken, (its index, the token its row gives)."""
+    or for a request verified from the argmax alone (_greedy) the tree's argmax `best`; and
+    where a sibling was taken, (its index, the token its row gives)."""
     n = len(prop.tokens)
     if seq.params.greedy_decoding:
-        verdict = verify_greedy(rows, prop.tokens)
-        return verdict, rescue(tree, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
+        if best is None:
+            best = rows.argmax(-1).tolist() + tree[n + 1:].argmax(-1).tolist()
+        verdict = greedy_verdict(best, prop.tokens)
+        return verdict, rescue(best, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
     p = probs_from_logits(rows, seq.params)
     # The target's head may be padded past the draft's vocabulary: q is 0 there.
     q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))

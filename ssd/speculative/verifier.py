@@ -39,25 +39,24 @@ def verify(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
     return Verdict(accepted=int(k[0]), token=int(t[0]))
 
 
-def verify_greedy(logits: torch.Tensor, draft: list[int]) -> Verdict:
-    """verify() for a greedy request, from the target's logits [K+1, V] alone: p is one-hot on
-    each row's argmax, so the rule accepts the prefix where d_i == argmax p_i and t is the
-    argmax of the first other row. The same Verdict as verify(), without building K+1 one-hot
-    rows and drawing V exponentials (whose draw has no effect here)."""
-    best = logits.argmax(-1).tolist()
+def greedy_verdict(best: list[int], draft: list[int]) -> Verdict:
+    """verify() for a greedy request, from the argmax of the target's K+1 rows alone: p is
+    one-hot on each row's argmax, so the rule accepts the prefix where d_i == argmax p_i and t
+    is the argmax of the first other row. The same Verdict as verify(), without building K+1
+    one-hot rows and drawing V exponentials (whose draw has no effect here)."""
     k = next((i for i, d in enumerate(draft) if d != best[i]), len(draft))
     return Verdict(accepted=k, token=best[k])
 
 
-def rescue(logits: torch.Tensor, drafts: list[int], siblings: list[Sibling], accepted: int, token: int
+def rescue(best: list[int], drafts: list[int], siblings: list[Sibling], accepted: int, token: int
            ) -> tuple[int, int] | None:
-    """Greedy verification's step into a sibling: logits [K + 1 + S, V] (the chain's rows, then
-    one per sibling), the chain's verdict (`accepted` drafts, then the target's `token`). Where
-    the first rejected depth has a sibling that is that token: (its index, the token its own
-    row gives); else None."""
+    """Greedy verification's step into a sibling, from the argmax of the tree's rows `best`
+    (the chain's K + 1, then one per sibling) and the chain's verdict (`accepted` drafts, then
+    the target's `token`). Where the first rejected depth has a sibling that is that token:
+    (its index, the token its own row gives); else None."""
     for i, s in enumerate(siblings):
         if s.depth == accepted < len(drafts) and s.token == token:
-            return i, int(logits[len(drafts) + 1 + i].argmax())
+            return i, best[len(drafts) + 1 + i]
     return None
 
 

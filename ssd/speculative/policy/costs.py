@@ -89,14 +89,21 @@ class Timings:
     def __init__(self, initial: dict[int, float]):
         self.values = dict(initial)
         self.measured: set[int] = set()
+        # Readings since the last observation: a batch's plan reads thousands (adaptive_k.py's
+        # _best), which at 64 sequences cost more than the GPU's decode step.
+        self.read: dict[int, float] = {}
 
     def observe(self, size: int, seconds: float) -> None:
         old = self.values.get(size)
         self.values[size] = old + TIME_EMA * (seconds - old) if size in self.measured else seconds
         self.measured.add(size)
+        self.read.clear()
 
     def __call__(self, size: int) -> float:
-        return min([self._read(size)] + [v for s, v in self.values.items() if s > size])
+        value = self.read.get(size)
+        if value is None:
+            value = self.read[size] = min([self._read(size)] + [v for s, v in self.values.items() if s > size])
+        return value
 
     def _read(self, size: int) -> float:
         if size in self.values:

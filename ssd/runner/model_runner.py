@@ -52,6 +52,12 @@ class ModelRunner:
         graphs were captured in its first rounds: docs/kernels.md, "GPU")."""
         for rows in self.steps.buckets if self.steps is not None else [1]:
             self.timed_pass(rows, head=head)
+        if self.steps is not None:
+            # And one eager pass past them (a prompt's chunk, a draft's catch-up), whose kernels
+            # Triton may build on first use: a first catch-up that built them, read by auto-K as
+            # what every catch-up costs, is the likely reason SD with auto K drafted nothing for
+            # its first requests on an H200 (bench/results/gpu-h200-c).
+            self.timed_pass(self.steps.buckets[-1] + 1, head=head)
 
     @torch.inference_mode()
     def timed_pass(self, rows: int, repeat: int = 1, head: bool = True) -> float:

@@ -338,6 +338,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=_serve)
 
+    t = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a model on this machine",
+                       description="Train an EAGLE-3 head (one decoder layer reading the target's hidden states) "
+                                   "for MODEL on this machine's CPU, from the model's own answers to held-out "
+                                   "prompts and your files. The run is kept in the store (train/<model>/) and "
+                                   "goes on where it stopped when run again; OUT gets the head, usable as "
+                                   "`--draft OUT`, at every checkpoint.")
+    t.add_argument("--model", required=True, help="the target: store name, model folder or .gguf file")
+    t.add_argument("--out", required=True, type=Path, help="where the head is written")
+    t.add_argument("--hours", type=float, default=1.0, help="time budget of this call (default: 1)")
+    t.add_argument("--data", type=Path, nargs="*", default=[], metavar="FILE",
+                   help="your prompts: JSONL files, one {\"prompt\": ...} a line (answered by the model first)")
+    t.add_argument("--answer-share", type=float, default=0.5,
+                   help="share of the budget spent answering prompts before training (default: 0.5)")
+    t.add_argument("--answer-draft", help="a draft model to answer with SD: the same answers, sooner (default: "
+                   f"{DEFAULT_DRAFT} for {DEFAULT_TARGET}, else none)")
+    t.add_argument("--draft-vocab", type=int, default=16384, help="the head's vocabulary (default: 16384)")
+    t.add_argument("--intermediate", type=int, help="the head's MLP width (default: 2x the model's width)")
+    t.add_argument("--steps", type=int, default=3, help="training-time-test depth (default: 3)")
+    t.add_argument("--restart", action="store_true", help="drop the stored run and start over")
+    t.set_defaults(func=_train_draft)
+
     from ssd.speculative.link import worker
     w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",
                        description="Run an SSD draft worker that connects to a target waiting at HOST:PORT "
@@ -355,6 +376,19 @@ def build_parser() -> argparse.ArgumentParser:
     rank.add_arguments(r)
     r.set_defaults(func=lambda args: rank.exit_now(rank.run(args)))
     return parser
+
+
+def _train_draft(args: argparse.Namespace) -> None:
+    from ssd.train.trainer import TrainSettings, run
+    if args.hours <= 0 or not 0 <= args.answer_share <= 1 or args.draft_vocab < 1 or args.steps < 1:
+        raise SSDError("--hours must be > 0, --answer-share in 0..1, --draft-vocab and --steps >= 1")
+    answer_draft = args.answer_draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
+    state = run(TrainSettings(args.model, args.out, args.hours, args.data, args.answer_share, answer_draft,
+                              draft_vocab=args.draft_vocab, intermediate=args.intermediate, steps=args.steps,
+                              restart=args.restart))
+    last = state["curve"][-1]
+    print(f"ssd train-draft: {state['tokens']} tokens trained in {last['trained_s']:.0f} s; validation: "
+          f"{last['acc_len']} tokens a target pass at K = {args.steps}; the head is in {args.out}")
 
 
 def _chat(args: argparse.Namespace) -> None:

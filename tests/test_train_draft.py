@@ -1,0 +1,136 @@
+"""`ssd train-draft` (ssd/train/): the trained head is the engine's EAGLE-3 head in the authors'
+layout, its training-time test computes what the engine computes when it drafts, a run goes on
+from its checkpoint, and SD with the trained head equals AR."""
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from ssd import LLM, SamplingParams
+from ssd.errors import SSDError
+from ssd.layers.attention import AttentionBatch
+from ssd.models.config import ModelConfig
+from ssd.speculative.draft.eagle import EagleHead, load_eagle
+from ssd.train import data
+from ssd.train.head import HeadShape, TrainHead
+from ssd.train.trainer import TrainSettings, Trainer, accepted_length, draft_ids, train
+
+PROMPTS = ["def add(a, b):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
+           "Explain recursion in one sentence."]
+
+
+@pytest.fixture(scope="module")
+def smollm_config(smollm_dir):
+    return ModelConfig.from_folder(smollm_dir)
+
+
+def _shape(cfg: ModelConfig, vd: int) -> HeadShape:
+    return HeadShape(cfg.hidden_size, 64, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, vd,
+                     cfg.rms_norm_eps, cfg.rope_theta)
+
+
+def _random_head(cfg: ModelConfig, vd: int = 48) -> TrainHead:
+    ids = torch.randperm(cfg.vocab_size, generator=torch.Generator().manual_seed(0))[:vd].sort().values
+    head = TrainHead(_shape(cfg, vd), ids, 64)
+    with torch.no_grad():  # norms away from 1, so a swapped one shows
+        for p in head.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
+    return head
+
+
+def test_the_trained_layer_is_the_engines_head(tmp_path, smollm_config):
+    """Saved in the authors' layout, the head loads as any head people bring, and the engine's
+    EagleHead gives the training's logits: step 0 from the target's states, and step 1 (a
+    drafted row reading the head's own state, attending to the target rows before it)."""
+    cfg = smollm_config
+    trained = _random_head(cfg)
+    trained.save(tmp_path / "head")
+    weights = load_eagle(tmp_path / "head", cfg)
+    assert torch.equal(weights.draft_to_target, trained.draft_to_target)
+    table = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    engine = EagleHead(weights, torch.nn.Embedding.from_pretrained(table), max_positions=64)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, cfg.vocab_size, (6,), generator=g)
+    states = torch.randn(6, 3 * cfg.hidden_size, generator=g)
+    with torch.no_grad():
+        out = trained(table[tokens], states, steps=2)
+        kv = torch.zeros(2, 16, cfg.num_kv_heads, cfg.head_dim)
+        rows = torch.arange(16)[None]
+
+        def batch(positions):
+            return AttentionBatch(positions.clone(), rows, torch.zeros(len(positions), dtype=torch.long),
+                                  positions + 1)
+        # step 0, bases 0..3: row t reads token t + 1 and the target's states at t
+        first = torch.arange(4)
+        logits, own = engine(tokens[1:5], states[:4], first, batch(first), kv)
+        assert torch.allclose(logits, out[0][:4], atol=1e-4, rtol=1e-4)
+        # step 1 for base 3: position 4, token 5, the head's own state of base 3
+        step, _ = engine(tokens[5:6], own[3:4], torch.tensor([4]), batch(torch.tensor([4])), kv)
+        assert torch.allclose(step[0], out[1][3], atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def features(smollm_dir, tmp_path_factory):
+    """The target's answers to a few prompts and their feature shards, as a run makes them."""
+    home = tmp_path_factory.mktemp("train")
+    with LLM(smollm_dir) as llm:
+        data.answer(llm, PROMPTS, home / "answers.jsonl", max_tokens=24, budget_s=600, batch=2)
+        model = llm.engine.runner.model
+        taps = (2, model.config.num_layers // 2, model.config.num_layers - 3)
+        assert data.extract(model, taps, home / "answers.jsonl", home / "features", max_len=64) == len(PROMPTS)
+        data.answer(llm, PROMPTS, home / "answers.jsonl", max_tokens=24, budget_s=600)  # all there: nothing new
+        yield home, model, llm.engine.eos_ids
+    assert len((home / "answers.jsonl").read_text().splitlines()) == len(PROMPTS)
+
+
+def test_a_shard_holds_the_targets_states_and_choices(features):
+    home, model, _ = features
+    seq = data.load(data.shards(home / "features")[0])
+    rec = json.loads((home / "answers.jsonl").read_text().splitlines()[0])
+    assert seq.tokens.tolist() == (rec["prompt_ids"] + rec["answer_ids"])[:64]
+    assert seq.states.shape == (len(seq.tokens), 3 * model.config.hidden_size)
+    # greedy answers: the target's choice after each answer token but the last is the next token
+    n = len(rec["prompt_ids"])
+    assert seq.choice[n - 1:len(seq.tokens) - 1].tolist() == seq.tokens[n:].tolist()
+
+
+def test_training_goes_on_from_its_checkpoint(features, tmp_path, smollm_dir):
+    home, model, eos = features
+    paths = data.shards(home / "features")
+    ids = draft_ids(smollm_dir, paths, 256, model.config.vocab_size, eos)
+    assert len(ids) == 256 and set(eos) <= set(ids.tolist()) and ids.tolist() == sorted(ids.tolist())
+    cfg = model.config
+    shape = HeadShape(cfg.hidden_size, 128, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, len(ids),
+                      cfg.rms_norm_eps, cfg.rope_theta)
+    s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64, accumulate=2, lr=1e-3)
+    checkpoint = tmp_path / "checkpoint.pt"
+    first = train(model.embed_tokens, shape, ids, paths, checkpoint, s, budget_s=2.0, progress=False)
+    steps, tokens = first["step"], first["tokens"]
+    assert steps >= 1 and len(first["curve"]) == 1 and (tmp_path / "head" / "model.safetensors").exists()
+    again = Trainer(model.embed_tokens, shape, ids, paths, checkpoint, s)
+    assert again.state["step"] == steps and again.state["tokens"] == tokens
+    before = accepted_length(again.head, model.embed_tokens, again.fit, again.to_draft, 3)
+    for _ in range(30):  # the training sequences themselves: their loss falls, their chains grow
+        again.step(total_s=1e9)
+    assert again.state["step"] == steps + 30
+    assert accepted_length(again.head, model.embed_tokens, again.fit, again.to_draft, 3) > before
+    again.save()
+    assert len(json.loads((tmp_path / "head" / "train.json").read_text())["curve"]) == 2
+    # SD with the trained head as the draft: every token AR's
+    params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
+    with LLM(smollm_dir) as ar, LLM(smollm_dir, draft=tmp_path / "head", mode="sd", speculate_k=3) as sd:
+        assert [o.token_ids for o in sd.generate(PROMPTS[:2], params)] == \
+            [o.token_ids for o in ar.generate(PROMPTS[:2], params)]
+
+
+def test_a_checkpoint_of_another_shape_is_refused(features, tmp_path, smollm_dir):
+    home, model, eos = features
+    paths = data.shards(home / "features")
+    cfg = model.config
+    s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64)
+    ids = draft_ids(smollm_dir, paths, 128, cfg.vocab_size, eos)
+    train(model.embed_tokens, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s, budget_s=0.0, progress=False)
+    with pytest.raises(SSDError, match="--restart"):
+        Trainer(model.embed_tokens, replace(_shape(cfg, len(ids)), intermediate_size=32), ids, paths,
+                tmp_path / "c.pt", s)

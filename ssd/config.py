@@ -46,7 +46,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
 
 @dataclass
 class EngineConfig:
-    """LLM(...)'s options (README.md, "Python API"). As given, then resolved in place: `model`
+    """LLM(...)'s options (docs/usage.md, "Python API"). As given, then resolved in place: `model`
     becomes the model's folder, `device`, `dtype` and `weights` what they are here,
     `max_model_len`, `threads` and `kv_cache_tokens` numbers, and `speculation` the checked
     options of the mode (its K filled in)."""

@@ -156,7 +156,7 @@ def parse_quantization(text: str) -> str | None:
 
 @dataclass(frozen=True)
 class SpecOptions:
-    """How SD and SSD speculate (README.md, "Speculative decoding"; every option's declaration:
+    """How SD and SSD speculate (docs/usage.md, "Speculative decoding (SD and SSD)"; every option's declaration:
     docs/options.md, made from these fields). Checked, once, by `resolved(mode)` (ssd/config.py)
     before any model loads or worker starts."""
 

@@ -2,9 +2,11 @@
 the authors' layout, drafts from the target's own hidden states; greedy output is AR's token
 for token, every row the head reads holds the target's states of its position, and sampled
 output follows the target's distribution."""
+import pytest
 import torch
 
 from ssd import LLM, SamplingParams
+from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
@@ -59,3 +61,14 @@ def test_sd_with_a_head_samples_the_target(tiny_pair, tmp_path):
     tokens = torch.tensor([o.token_ids for o in outs])
     assert sum(o.metrics.accepted for o in outs) > 100  # the head's proposals are really verified
     assert min(marginal_p_values(tokens, exact_joint(target, prompt_ids, temperature))) > 1e-3
+
+
+def test_a_heads_matrices_are_int8_on_the_cpu_unless_asked_otherwise(smollm_dir, tmp_path):
+    write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
+    head = str(tmp_path / "head")
+    with LLM(smollm_dir, draft=head, mode="sd") as llm:
+        assert all(m.quantized for m in (llm.engine.source.head.fc, llm.engine.source.head.lm_head))
+    with LLM(smollm_dir, draft=head, mode="sd", draft_quantization=None) as llm:
+        assert not llm.engine.source.head.fc.quantized
+    with pytest.raises(SSDError, match="an EAGLE-3 head's weights are int8"):
+        LLM(smollm_dir, draft=head, mode="sd", draft_quantization="q4_0")

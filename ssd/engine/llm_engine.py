@@ -239,6 +239,8 @@ def start_feature_head(config: EngineConfig, target: DecoderLM) -> FeatureHead:
     embed = target.embed_tokens if own is None else nn.Embedding.from_pretrained(own.float())
     k = config.speculation.k_max
     head = EagleHead(weights, embed, config.max_model_len + k + 2)
+    if config.speculation.draft_quantization in ("auto", "int8"):  # a quarter of the bytes a step reads
+        head.quantize_int8()
     return FeatureHead(head, config.model_config.num_layers,
                        config.kv_cache_tokens + config.max_num_seqs * (k + 2 * config.block_size), config.block_size,
                        config.device, config.max_model_len, config.seed)

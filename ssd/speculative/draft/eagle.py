@@ -256,6 +256,13 @@ class EagleHead(nn.Module):
         self.lm_head = _linear(w["lm_head.weight"])
         self.register_buffer("draft_to_target", weights.draft_to_target)
 
+    def quantize_int8(self) -> None:
+        """Weight-only int8 for every matrix (the embedding, the target's or its own, stays):
+        a draft's numerics change only how often its tokens are accepted."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.quantize_int8()
+
     def forward(self, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                 kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens [T]; states [T, 3 x Ht] (the target's, joined low to high) or [T, H] (the

@@ -11,7 +11,7 @@ sibling costs one more verify row and no draft pass (its token comes from the sa
 step). With a draft step of d seconds and a verify pass of T(M) seconds over M rows (measured
 here, as bench/pass_cost.py does), the estimate per policy is tokens / (rounds' K d + T(rows)).
 
-    python bench/tree_headroom.py --sets humaneval,gsm8k,mtbench --num-prompts 4 --max-tokens 128
+    python bench/studies/tree_headroom.py --sets humaneval,gsm8k,mtbench --num-prompts 4 --max-tokens 128
 """
 import argparse
 import time

@@ -5,7 +5,7 @@ compiling it (the tokenizer's preprocessing is timed apart, once), the mask at e
 position of a valid answer (mean, p50, max), consuming a token, and rolling 4 tokens back.
 
     pip install xgrammar   # or: pip install -e '.[grammar-bench]'
-    python bench/grammar_mask.py --model qwen2.5-coder-1.5b-instruct --threads 1
+    python bench/studies/grammar_mask.py --model qwen2.5-coder-1.5b-instruct --threads 1
 
 Both compute masks on the CPU; the engine's step on the default target is ~30-60 ms here,
 so a mask's share of it is mean / step.

@@ -13,7 +13,7 @@ K costs D(tokens it has not read) + (K - 1) D(1): after lookup rounds, and the f
 draft catches up on what it missed, the whole prompt included). Decode time only: the
 target's prefill is the same for every policy and left out; the draft's is counted.
 
-    python bench/lookup_headroom.py --sets humaneval,gsm8k,mtbench,aclsum --num-prompts 4 --max-tokens 128
+    python bench/studies/lookup_headroom.py --sets humaneval,gsm8k,mtbench,aclsum --num-prompts 4 --max-tokens 128
 """
 import itertools
 from types import SimpleNamespace

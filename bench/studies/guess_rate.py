@@ -3,7 +3,7 @@ tokens, fed in the same draft pass) take each draft pass: SD's defaults on the b
 greedy, counting the draft's passes (catch-up passes over a prompt included), the tokens
 they drafted (prompt lookup's rounds beside the draft draw none), and the guessed rows fed.
 
-    python bench/guess_rate.py humaneval gsm8k mtbench --num-prompts 4 --max-tokens 128 --threads 2
+    python bench/studies/guess_rate.py humaneval gsm8k mtbench --num-prompts 4 --max-tokens 128 --threads 2
 
 Draft tokens per pass is 1.0 without guesses; each right guess adds to it, each guessed row
 costs a few per cent of a pass (bench/pass_cost.py --model qwen2.5-coder-0.5b-instruct).

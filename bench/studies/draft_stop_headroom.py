@@ -12,7 +12,7 @@ wrong token); the teacher-forced one stands in for it, which only moves where a 
 With a draft step of d seconds and a verify pass of T(M) seconds over M rows (measured here),
 the estimate is tokens / sum of the rounds' (n d + T(n + 1)).
 
-    python bench/draft_stop_headroom.py --sets humaneval,gsm8k,mtbench --num-prompts 8
+    python bench/studies/draft_stop_headroom.py --sets humaneval,gsm8k,mtbench --num-prompts 8
 """
 from tree_headroom import Chunk, replay_costs
 

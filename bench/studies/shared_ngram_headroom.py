@@ -12,7 +12,7 @@ token (the draft agrees with it most of the time; this is an estimate, not the d
 The last column is a table filled as the engine runs instead: from the answers before each one
 in a `ssd bench` of these sets (the earlier sets' bench prompts, then this set's earlier ones).
 
-    python bench/shared_ngram_headroom.py humaneval gsm8k mtbench --num-prompts 4 --held-out 40 --threads 2
+    python bench/studies/shared_ngram_headroom.py humaneval gsm8k mtbench --num-prompts 4 --held-out 40 --threads 2
 """
 import argparse
 import collections

@@ -2,7 +2,7 @@
 speed (AR) and the cost of a verify pass, T(5)/T(1) and T(9)/T(1), beside llama.cpp's own
 pp5 / tg ratio (what scoring 5 tokens costs it against one).
 
-    python bench/models_vs_llamacpp.py --model gemma3-270m --llama-bin DIR --out bench/results/models-amd/gemma3-270m.json
+    python bench/models_vs_llamacpp.py --model gemma3-270m --llama-bin DIR --out bench-out/models/gemma3-270m.json
     python bench/models_vs_llamacpp.py --model /tmp/qwen3-30b-a3b-shapes.gguf --llama-bin DIR --tokens 32
 
 Each side runs in a process of its own (its peak RSS is its own); ours decodes --tokens tokens

@@ -2,7 +2,7 @@
 each with prefix caching on and off (same outputs: the cache changes no bit), in AR and SD
 on the default pair; and llama-server (its prompt cache, slot reuse) on the same chat.
 
-    python bench/prefix_cache.py --threads 2 --out bench/results/prefix-amd \\
+    python bench/prefix_cache.py --threads 2 --out bench-out/prefix \\
         --llama-bin "$(bash ../shared/tools/build-llamacpp.sh)"
 
 Chat: the same 10 user turns; each turn's prompt is the whole conversation so far (the

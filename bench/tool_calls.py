@@ -4,7 +4,7 @@ whether the arguments validate against the function's parameter schema, with too
 call format and the parameter schemas enforces one call or more) and "required-one" (the
 same with parallel_tool_calls false: one call), in AR and SD, greedy.
 
-    python bench/tool_calls.py --modes ar,sd --threads 2 --out bench/results/tools-amd
+    python bench/tool_calls.py --modes ar,sd --threads 2 --out bench-out/tools
 
 Per mode and choice: prompts, calls emitted (the call marker or a bare {"name", "arguments"}
 answer in the raw output), calls parsed, arguments valid, the expected function called,

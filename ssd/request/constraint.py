@@ -1,5 +1,5 @@
 """A request's constraint on its output: a JSON schema, a regex or a grammar, followed token
-by token with llguidance (bench/grammar_mask.py measured it against xgrammar on the Qwen
+by token with llguidance (bench/studies/grammar_mask.py measured it against xgrammar on the Qwen
 vocabulary: both compute a mask in well under 1 % of a decode step; llguidance needs no
 compiler run per schema, reads Lark and regexes as well as JSON schemas, names what is
 wrong with a bad one, and installs as one small wheel where xgrammar brings triton along).

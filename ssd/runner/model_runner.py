@@ -56,7 +56,7 @@ class ModelRunner:
             # And one eager pass past them (a prompt's chunk, a draft's catch-up), whose kernels
             # Triton may build on first use: a first catch-up that built them, read by auto-K as
             # what every catch-up costs, is the likely reason SD with auto K drafted nothing for
-            # its first requests on an H200 (bench/results/gpu-h200-c).
+            # its first requests on an H200 (docs/kernels.md, "GPU").
             self.timed_pass(self.steps.buckets[-1] + 1, head=head)
 
     @torch.inference_mode()

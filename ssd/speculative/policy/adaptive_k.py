@@ -80,7 +80,7 @@ CATCHUP_GUESS = 0.05  # a catch-up token's cost in draft steps, until one is mea
 EXPLORE_GAP = 4  # a drafting sequence tries one token deeper than chosen every this many rounds ...
 EXPLORE_EVIDENCE = 1.0  # ... while its own (decayed) rounds that reached that position are fewer
 # Prompt lookup's acceptance assumed before any is measured, by match length 1, 2, 3, 4+
-# (replayed on the bench sets, bench/lookup_headroom.py: a 1-token match is rarely a copy).
+# (replayed on the bench sets, bench/studies/lookup_headroom.py: a 1-token match is rarely a copy).
 LOOKUP_PRIOR = (0.2, 0.4, 0.6, 0.75)
 
 

@@ -22,7 +22,7 @@ one sequence drafts alone: in a batch, one sequence's deeper draft holds up ever
 pass and adds rows to a larger verify pass, which this rule does not price, and with it on,
 batches of 4 ran 0.84-0.88x (docs/algorithm.md, "The draft's stopping rule"); auto-K's K,
 which weighs the batch's costs, stands there. Replayed on the bench sets' greedy outputs
-(bench/draft_stop_headroom.py), the rule gained 4-9 % over the best fixed K.
+(bench/studies/draft_stop_headroom.py), the rule gained 4-9 % over the best fixed K.
 """
 from collections.abc import Callable
 from dataclasses import dataclass

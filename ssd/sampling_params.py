@@ -17,6 +17,7 @@ def _list(value, kind: type, name: str, allowed: str) -> list:
 
 
 MAX_LOGPROBS = 20  # OpenAI's ceiling for top_logprobs
+MAX_SALT = 1024  # characters of a cache_salt
 MAX_BIAS = 100.0  # OpenAI's range for logit_bias values: -100..100
 
 
@@ -33,7 +34,10 @@ class SamplingParams:
     json_schema (a JSON schema as a dict or JSON text; {"type": "object"} for any JSON
     object), regex, or grammar (Lark as llguidance reads it, or GBNF as llama.cpp writes it).
     logprobs: the emitted token's log-probability and that many top alternatives (0..20),
-    from the logits after those changes (RequestOutput.logprobs)."""
+    from the logits after those changes (RequestOutput.logprobs).
+    cache_salt: the request's tenant: it shares cached prompt blocks only with requests of the
+    same salt (None: with the other unsalted ones), so no caller learns from a fast answer
+    that another caller's text was there (docs/algorithm.md, "KV caches")."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -53,6 +57,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     logprobs: int | None = None
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self.stop = _list(self.stop, str, "stop", "a string or a list of strings")
@@ -84,6 +89,10 @@ class SamplingParams:
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, also="(alternatives to each token) or None",
                       error=SamplingParamsError)
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
+                                            or len(self.cache_salt) > MAX_SALT):
+            raise SamplingParamsError(f"cache_salt must be a non-empty string of at most {MAX_SALT} characters, "
+                                      f"got {self.cache_salt!r:.80}")
         given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
             raise SamplingParamsError(f"at most one of json_schema, regex and grammar, got {' and '.join(given)}")

@@ -60,6 +60,13 @@ def test_a_shared_system_prompt_is_read_from_the_cache(client):
     assert u.cache_read_input_tokens >= 64 and u.input_tokens > 0 and u.cache_creation_input_tokens == 0
 
 
+def test_a_tenant_reads_only_its_own_cached_prompts(client):
+    ask = lambda q, salt: client.messages.create(  # noqa: E731
+        model="m", max_tokens=2, system=SYSTEM, messages=[{"role": "user", "content": q}],
+        extra_body={**GREEDY["extra_body"], "cache_salt": salt}).usage.cache_read_input_tokens
+    assert ask("Do cats swim?", "t1") == 0 and ask("Do cows swim?", "t2") == 0 and ask("Do bats swim?", "t1") >= 64
+
+
 def test_a_stream_assembles_to_the_message(client):
     kw = dict(model="m", max_tokens=30, **GREEDY, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Name two birds.", "cache_control": {"type": "ephemeral"}}]}])

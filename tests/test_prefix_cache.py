@@ -127,3 +127,35 @@ def test_n_choices_share_their_prompt(smollm):
     outs = smollm.generate([CHATS[2]] * 3, SamplingParams(temperature=1.0, seed=3, max_tokens=4))
     cached = [o.metrics.cached_tokens for o in outs]
     assert cached[0] in (0, cached[1]) and cached[1] == cached[2] >= (outs[1].metrics.prompt_tokens - 1) // 16 * 16
+
+
+def test_tenants_share_no_block():
+    """Blocks are named per cache_salt: another tenant's identical text is never found, the
+    same tenant's is, and unsalted requests share only among themselves."""
+    kv = cache(32)
+    tokens = list(range(10))
+    fill(kv, 1, tokens)  # unsalted
+    kv.match(2, tokens + [99], "alice")
+    assert kv.cached(2) == 0
+    fill(kv, 2, tokens)  # alice's own blocks now
+    assert kv.match(3, tokens + [99], "bob") == 0
+    assert kv.match(4, tokens + [99], "alice") == 8 and kv.tables[4][:2] == kv.tables[2][:2]
+    assert kv.match(5, tokens + [99]) == 8 and kv.tables[5][:2] == kv.tables[1][:2]
+    assert kv.first_block(tokens, "alice") != kv.first_block(tokens, "bob") != kv.first_block(tokens)
+    kv.release(4)
+    assert 4 not in kv.tenants
+
+
+def test_a_salted_request_is_not_served_from_another_tenants_prompt(smollm_dir, truncated_draft):
+    """Through the engine, on the target and on SD's draft: the same chat under another
+    cache_salt computes its whole prompt again, under its own salt it reads the cache."""
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=3) as llm:
+        draft = llm.engine.source.engine
+        ask = lambda salt: llm.generate([CHATS[0]], SamplingParams.greedy(max_tokens=4, cache_salt=salt))[0]  # noqa: E731
+        first, other, same, plain = ask("tenant-a"), ask("tenant-b"), ask("tenant-a"), ask(None)
+        hits = draft.kv.prefix.hits
+        assert first.metrics.cached_tokens == other.metrics.cached_tokens == plain.metrics.cached_tokens == 0
+        assert same.metrics.cached_tokens >= 64 and same.token_ids == first.token_ids == other.token_ids
+        assert ask("tenant-b").metrics.cached_tokens >= 64 and draft.kv.prefix.hits > hits
+    with pytest.raises(Exception, match="cache_salt"):
+        SamplingParams(cache_salt="")

@@ -389,6 +389,20 @@ def test_a_shared_prefix_is_read_from_the_cache(server, client):
     assert m["ssd_prefix_cache_queries_total"] >= m["ssd_prefix_cache_hits_total"] and m["ssd_prefix_cache_blocks"] > 0
 
 
+def test_tenants_do_not_share_the_prefix_cache(client):
+    """vLLM's `cache_salt`: a request reads cached blocks of its own tenant's prompts only."""
+    system = "You answer questions about rivers of Europe, briefly and accurately. " * 6
+
+    def cached(question: str, salt: str) -> int:
+        r = client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, extra_body={"cache_salt": salt},
+                                           messages=[{"role": "system", "content": system},
+                                                     {"role": "user", "content": question}])
+        return r.usage.prompt_tokens_details.cached_tokens
+    assert cached("Rhine?", "tenant-a") == 0
+    assert cached("Danube?", "tenant-b") == 0  # the same system prompt, another tenant's
+    assert cached("Elbe?", "tenant-a") >= 64
+
+
 def disconnect_mid_stream(server, headers: dict) -> None:
     before = server.metrics().get('ssd_request_finish_total{reason="cancelled"}', 0)
     body = {"model": MODEL, "messages": chat("Write a long essay about the ocean."), "max_tokens": 2000,

@@ -51,7 +51,7 @@ class Scheduler:
                and self.cache.can_reserve(self.waiting[0].seq_id, self.waiting[0].num_tokens + 1)
                and not self._shares_a_prefill(self.waiting[0])):
             seq = self.waiting.popleft()
-            cached = self.cache.match(seq.seq_id, seq.token_ids)
+            cached = self.cache.match(seq.seq_id, seq.token_ids, seq.params.cache_salt)
             if not seq.output_ids:
                 seq.stats.cached_tokens = cached
             self.running.append(seq)
@@ -94,9 +94,10 @@ class Scheduler:
 
     def _shares_a_prefill(self, seq: Sequence) -> bool:
         """Whether a running sequence is prefilling the first block of seq's tokens."""
-        first = self.cache.first_block(seq.token_ids)
+        first = self.cache.first_block(seq.token_ids, seq.params.cache_salt)
         return first is not None and any(
-            self.cache.cached(s.seq_id) < s.num_tokens - 1 and self.cache.first_block(s.token_ids) == first
+            self.cache.cached(s.seq_id) < s.num_tokens - 1
+            and self.cache.first_block(s.token_ids, s.params.cache_salt) == first
             for s in self.running)
 
     def preempt(self, seq: Sequence) -> None:

@@ -40,6 +40,7 @@ class PagedKVCache:
         self.lengths: dict[int, int] = {}  # owner -> leading positions whose K/V are written
         self.prefix = None if prefix_salt is None else PrefixCache(block_size, prefix_salt)
         self.names: dict[int, list[bytes]] = {}  # owner -> names of its leading full blocks
+        self.tenants: dict[int, str] = {}  # owner -> its cache_salt, where it has one
         self._scratch: int | None = None
 
     def cached(self, owner: int) -> int:
@@ -95,6 +96,7 @@ class PagedKVCache:
             self._drop(block)
         self.lengths.pop(owner, None)
         self.names.pop(owner, None)
+        self.tenants.pop(owner, None)
 
     def held(self) -> dict[str, int]:
         """Owners with blocks or written positions, and the blocks they hold."""
@@ -149,13 +151,15 @@ class PagedKVCache:
             del self.names[owner][start // bs:]
 
     # ---- prefix caching --------------------------------------------------------------------
-    def match(self, owner: int, tokens: list[int]) -> int:
-        """Start a new owner from the cached blocks its tokens begin with; returns how many
-        leading positions it got (whole blocks, and never the last token, whose logits the
-        caller needs)."""
+    def match(self, owner: int, tokens: list[int], tenant: str | None = None) -> int:
+        """Start a new owner from the cached blocks its tokens begin with, among its tenant's
+        (its request's cache_salt; prefix_cache.py); returns how many leading positions it got
+        (whole blocks, and never the last token, whose logits the caller needs)."""
         if self.prefix is None or owner in self.tables:
             return self.cached(owner)
-        names = self.prefix.names(tokens[:len(tokens) - 1])
+        if tenant is not None:
+            self.tenants[owner] = tenant
+        names = self.prefix.names(tokens[:len(tokens) - 1], tenant=tenant)
         blocks = self.prefix.lookup(names)
         for block in blocks:
             if self.refs[block] == 0:
@@ -168,12 +172,12 @@ class PagedKVCache:
         self.prefix.hits += len(blocks) * self.block_size
         return len(blocks) * self.block_size
 
-    def first_block(self, tokens: list[int]) -> bytes | None:
-        """The name of the first full block of `tokens` (None: no prefix caching, or shorter
-        than a block)."""
+    def first_block(self, tokens: list[int], tenant: str | None = None) -> bytes | None:
+        """The name of the first full block of `tokens` for `tenant` (None: no prefix caching,
+        or shorter than a block)."""
         if self.prefix is None or len(tokens) <= self.block_size:
             return None
-        return self.prefix.names(tokens[:self.block_size])[0]
+        return self.prefix.names(tokens[:self.block_size], tenant=tenant)[0]
 
     def commit(self, owner: int, tokens: list[int]) -> None:
         """`tokens` are the owner's confirmed tokens: name its full blocks among them whose
@@ -184,7 +188,7 @@ class PagedKVCache:
         known = self.names.setdefault(owner, [])
         if len(known) >= n:
             return
-        names = self.prefix.names(tokens[:n * self.block_size], known)
+        names = self.prefix.names(tokens[:n * self.block_size], known, self.tenants.get(owner))
         table = self.tables[owner]
         for i in range(len(known), n):
             self.prefix.add(names[i], table[i])

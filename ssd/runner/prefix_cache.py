@@ -4,7 +4,9 @@ kv_cache.py, holds the blocks and their reference counts; this holds their names
 
 A full block is named by a hash of its tokens and of the name of the block before it, the
 first block's by the cache's salt (the model, its dtype and weights: what else changes a
-block's K/V). The same name means the same tokens at the same positions after the same
+block's K/V) and the request's tenant (its cache_salt: requests of different tenants never
+share a block, so a fast first token tells no caller that another's text is cached). The
+same name means the same tokens at the same positions after the same
 prefix, hence the same K/V bits: the kernels compute each position's K/V alone, whatever
 chunk of a prompt it came in. A named block no sequence holds stays until its slot is
 needed, and then the least recently used goes first.
@@ -23,11 +25,18 @@ class PrefixCache:
         self.unused: OrderedDict[int, None] = OrderedDict()  # named blocks no owner holds, oldest first
         self.queries = self.hits = 0  # tokens asked for and found, since start
 
-    def names(self, tokens: list[int], known: list[bytes] = ()) -> list[bytes]:
-        """The names of the full blocks of `tokens`; `known` are those of its first blocks."""
+    def root(self, tenant: str | None) -> bytes:
+        """What the first block's name starts from: the cache's salt, and the tenant's."""
+        if tenant is None:
+            return self.salt
+        return hashlib.blake2b(self.salt + b"\0" + tenant.encode(), digest_size=16).digest()
+
+    def names(self, tokens: list[int], known: list[bytes] = (), tenant: str | None = None) -> list[bytes]:
+        """The names of the full blocks of `tokens` for `tenant`; `known` are those of its
+        first blocks."""
         bs, out = self.block_size, list(known)
         for i in range(len(out), len(tokens) // bs):
-            h = hashlib.blake2b(out[-1] if out else self.salt, digest_size=16)
+            h = hashlib.blake2b(out[-1] if out else self.root(tenant), digest_size=16)
             h.update(array("q", tokens[i * bs:(i + 1) * bs]).tobytes())
             out.append(h.digest())
         return out

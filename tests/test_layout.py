@@ -7,8 +7,8 @@ from pathlib import Path
 
 import ssd
 
-ORDER = ["kernels", "layers", "models", "store", "runner", "distributed", "request", "speculative", "config", "engine",
-         "tools", "llm", "serving", "exactness", "bench", "train", "cli"]
+ORDER = ["kernels", "layers", "models", "hub", "store", "runner", "distributed", "request", "speculative", "config",
+         "engine", "tools", "llm", "serving", "exactness", "bench", "train", "cli"]
 SHARED = {"errors", "checks", "outputs", "sampling_params"}  # plain data, checks and exceptions: no imports of the engine
 
 

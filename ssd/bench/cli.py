@@ -12,7 +12,7 @@ from ssd.bench.runner import (ENGINE_MODES, OPTIONS, PEERS, SWEEPS, BenchSpec, F
                               sweep_modes)
 from ssd.errors import SSDError
 from ssd.speculative.options import AUTO_K, declared, parse_k
-from ssd.store import resolve_model
+from ssd.store import MODEL_FORMS, resolve_model
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
 DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
@@ -44,7 +44,7 @@ def add_bench_parser(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--chat-template", choices=("on", "off"), default="on",
                    help="send each prompt as a user message in the chat template, or as plain text (default: on)")
     b.add_argument("--model", default=DEFAULT_TARGET,
-                   help=f"target: store name, model folder or .gguf file (default: {DEFAULT_TARGET})")
+                   help=f"target: {MODEL_FORMS} (default: {DEFAULT_TARGET})")
     b.add_argument("--draft", help=f"draft model, same forms (default: {DEFAULT_DRAFT} with the default target; "
                                    "needed with any other target)")
     b.add_argument("--modes", default="ar,sd,ssd", help="comma-separated modes among ar, sd, ssd, ngram (sd drafted "

@@ -23,7 +23,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--connect", required=True, metavar="HOST:PORT", help="where rank 0 waits")
     ap.add_argument("--rank", type=int, required=True, help="this rank, 1..N-1")
     ap.add_argument("--world", type=int, required=True, help="N, the engine's tensor_parallel_size")
-    ap.add_argument("--model", required=True, help="the same model as rank 0's: store name or folder")
+    ap.add_argument("--model", required=True, help="the same model as rank 0's: store name, hub id (org/name) or folder")
     ap.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for rank 0 (default: 600)")
     ap.add_argument("--parent-pid", type=int, help=argparse.SUPPRESS)

@@ -16,7 +16,8 @@ import time
 import torch
 
 from ssd.layers.linear import QuantLinear
-from ssd.models.loader import WEIGHTS, load_model
+from ssd.models.loader import load_model
+from ssd.models.names import WEIGHTS
 from ssd.store import resolve_model
 
 

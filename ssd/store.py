@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from ssd import hub
 from ssd.errors import ModelFileError, ModelNotFoundError
-from ssd.models.gguf_file import GGUF_LINK, prepare_folder
+from ssd.models.names import GGUF_LINK
 
 CHUNK = 16 << 20
 # The forms resolve_model takes, as help texts list them (docs/models.md).
@@ -196,7 +196,7 @@ def pull(name: str, force: bool = False) -> Path:
             (store_root() / "tmp").mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=store_root() / "tmp") as tmp:
                 _assemble(entry, _download(entry, Path(tmp)), gguf)
-        return prepare_folder(gguf, folder)
+        return _prepare(gguf, folder)
 
 
 _pull = pull  # resolve_model's `pull` flag shadows the function
@@ -211,7 +211,13 @@ def _prepared(gguf: Path, stem: str) -> Path:
     if _is_complete(folder):
         return folder
     with _locked(folder.name):
-        return folder if _is_complete(folder) else prepare_folder(gguf, folder)
+        return folder if _is_complete(folder) else _prepare(gguf, folder)
+
+
+def _prepare(gguf: Path, folder: Path) -> Path:
+    # The GGUF reader (numpy, torch) only where a folder is made: `ssd models` stays quick.
+    from ssd.models.gguf_file import prepare_folder
+    return prepare_folder(gguf, folder)
 
 
 def _hub_folder(ref: hub.HubRef, force: bool = False) -> Path:

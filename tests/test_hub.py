@@ -13,7 +13,7 @@ import transformers
 
 from ssd import LLM, SamplingParams, cli, hub, store
 from ssd.errors import ModelNotFoundError
-from ssd.models.gguf_file import GGUF_LINK
+from ssd.models.names import GGUF_LINK
 from tiny_pair import NEW, PROMPT
 
 MAIN, DEV = "a" * 40, "b" * 40  # two commits of one repository

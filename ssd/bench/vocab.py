@@ -52,9 +52,9 @@ def count_outputs(model: str, sets: list[str], per_set: int, skip: int, max_toke
     return {**result, "path": str(path)}
 
 
-def add_vocab_parser(sub: argparse._SubParsersAction) -> None:
-    v = sub.add_parser("vocab", help="count the tokens a target writes, for a reduced-vocabulary draft head",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_vocab_arguments(v: argparse.ArgumentParser) -> None:
+    """`ssd vocab`'s arguments, on its subparser (ssd/cli.py, COMMANDS)."""
+    v.description = __doc__
     v.add_argument("--model", default=DEFAULT_TARGET, help=f"the target (default: {DEFAULT_TARGET})")
     v.add_argument("--sets", default=",".join(PROMPT_SETS), help="prompt sets (default: all four)")
     v.add_argument("--prompts-per-set", type=int, default=32, metavar="N", help="prompts per set (default: 32)")

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ssd.errors import ModelFileError, UnsupportedModelError
+from ssd.models.names import GGUF_LINK
 
-GGUF_LINK = "model.gguf"  # in a model folder: the GGUF file its weights are read from
 # (llama.cpp writes Mistral models as `llama`.)
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                  "phi3": "Phi3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",

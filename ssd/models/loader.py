@@ -24,19 +24,11 @@ from ssd.layers.moe import DenseExperts, QuantExperts, SparseMoE
 from ssd.layers.norm import RMSNorm
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
-from ssd.models.gguf_file import GGUF_LINK, GGUFTensor, dequantize, open_gguf, tensors
+from ssd.models.gguf_file import GGUFTensor, dequantize, open_gguf, tensors
 from ssd.models.pack_cache import PackCache
 from ssd.models.shard import Cut, plan
+from ssd.models.names import GGUF_LINK, WEIGHTS
 
-# How a model's weights are held:
-#   "gguf": its GGUF file's own blocks (CPU; ssd/kernels/quant_cpu.py), the default for a GGUF on a CPU;
-#   "dequantized": a copy in the compute dtype (fp32 on CPU: the values transformers loads);
-#   "q4_0": a GGUF model's blocks, each matrix stored with more than 5 bits a weight
-#           requantised to Q4_0 (4.5) at load (CPU; for a draft, whose numerics change only the
-#           acceptance: fewer bytes a token to read, so a cheaper draft step);
-#   "int8": weight-only int8 requantised from those values (for a draft: only acceptance changes).
-WEIGHTS = ("auto", "gguf", "q4_0", "dequantized", "int8")
-QUANTIZATIONS = ("gguf", "q4_0", "int8")  # what a draft may be requantised to (SpecOptions.draft_quantization)
 
 # The types "q4_0" requantises: those of more than 5 bits a weight (Q5_0, Q5_1, Q5_K, Q6_K,
 # Q8_0, F16, F32). Q4_1 (5.0) is kept: 10 % fewer bytes are not worth a second rounding
@@ -196,7 +188,7 @@ def gemma_norm(w: torch.Tensor) -> torch.Tensor:
 
 def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: str = "auto",
                head_rows: tuple[int, ...] | None = None) -> DecoderLM:
-    """weights: see WEIGHTS ("int8": every Linear (q/k/v/o, gate_up, down, lm_head) gets
+    """weights: see names.py ("int8": every Linear (q/k/v/o, gate_up, down, lm_head) gets
     weight-only int8, for a draft model, whose numerics change only the acceptance rate).
     head_rows: token ids the output layer keeps (its logits come in that order), for a
     reduced-vocabulary draft head; None keeps them all. A reduced head's model gets

@@ -8,19 +8,23 @@ configurations and sweeps (ssd/bench/runner.py) and docs/options.md are made fro
 the SSD worker, where it travels as a dict in the hello message
 (ssd/speculative/link/protocol.py).
 """
+from __future__ import annotations
+
 import os
-from pathlib import Path
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-
-import torch
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ssd.checks import check_int, is_int
-from ssd.distributed.link import parse_address
-from ssd.distributed.placement import Placement, beside_gpu, default_dtype, default_pair, parse_placement
 from ssd.errors import SSDError
-from ssd.models.loader import QUANTIZATIONS, resolve_weights
+from ssd.models.names import QUANTIZATIONS
 from ssd.speculative.draft.fanout import check_fan_out
+
+if TYPE_CHECKING:  # torch, and what imports it, load where a value is checked or used: not for `--help`
+    import torch
+
+    from ssd.distributed.placement import Placement
 
 MODES = ("ar", "sd", "ssd")
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup, no draft model (ssd/speculative/sources/ngram.py)
@@ -35,6 +39,16 @@ SSD_K = 4
 # the default pair it kept acceptance within a point of the full head on all four prompt sets
 # and made SD 1.10-1.15x faster; 16384 lost 5 points on MT-Bench (bench/README.md).
 AUTO_DRAFT_VOCAB = 32768
+
+
+def _placement(spec: str) -> Placement:
+    from ssd.distributed.placement import parse_placement
+    return parse_placement(spec)
+
+
+def _address(spec: str) -> tuple[str, int]:
+    from ssd.distributed.link import parse_address
+    return parse_address(spec)
 
 
 def check_ngram_sizes(ngram_min: int, ngram_max: int) -> None:
@@ -245,16 +259,16 @@ class SpecOptions:
     target_device: str | None = _option(
         None, "the target's device, e.g. cpu:0 or cuda:0 (default: the first half of the CPU cores / cuda:0)",
         flag="--target-device", metavar="DEV", modes=("ssd",), model_only=True,
-        check=lambda name, v: v is None or parse_placement(v))
+        check=lambda name, v: v is None or _placement(v))
     draft_device: str | None = _option(
         None, "the draft worker's device, e.g. cpu:1 or cuda:1 (default: the other CPU cores / cuda:1); cpu beside "
         "a GPU target: every host core but the first", flag="--draft-device", metavar="DEV", modes=("ssd",),
         model_only=True, sweep="ddev",
-        check=lambda name, v: v is None or parse_placement(v))
+        check=lambda name, v: v is None or _placement(v))
     draft_address: str | None = _option(
         None, "wait at HOST:PORT for a worker started by hand (`ssd worker --connect HOST:PORT`, with the same "
         f"{SECRET_ENV} in both environments) instead of starting one", flag="--draft-address", metavar="HOST:PORT",
-        modes=("ssd",), model_only=True, check=lambda name, v: v is None or parse_address(v))
+        modes=("ssd",), model_only=True, check=lambda name, v: v is None or _address(v))
     draft_thread: bool | None = _option(
         None, "run the draft worker as a thread of this process (on a CUDA stream of its own) instead of a process: "
         "two processes on one GPU take turns, two streams of one process can overlap. Default: on where the target and "
@@ -320,15 +334,18 @@ class SpecOptions:
         # q4_0: the default draft's file is mostly Q5_0/Q8_0 (its 896-wide rows rule out the K
         # types); at 4.5 bits a weight its step costs ~0.75x and SD ran 3-7 % faster on every
         # set (bench/README.md, "Draft weights").
+        from ssd.models.loader import resolve_weights
         return "q4_0" if resolve_weights(folder, device, "auto") == "gguf" else "int8"
 
     def target_placement(self, device: torch.device) -> Placement:
-        return parse_placement(self.target_device) if self.target_device else default_pair(device)[0]
+        from ssd.distributed.placement import default_pair
+        return _placement(self.target_device) if self.target_device else default_pair(device)[0]
 
     def draft_placement(self, device: torch.device) -> Placement:
+        from ssd.distributed.placement import beside_gpu, default_pair
         if not self.draft_device:
             return default_pair(device)[1]
-        return beside_gpu(parse_placement(self.draft_device), self.target_placement(device).device)
+        return beside_gpu(_placement(self.draft_device), self.target_placement(device).device)
 
     def draft_on(self, target_device: torch.device) -> torch.device:
         """The device the draft computes on: its worker's where draft_device names one, else
@@ -340,6 +357,7 @@ class SpecOptions:
         on the CPU beside a GPU target computes as the CPU does best (its numerics change only
         the acceptance rate, never the output)."""
         device = self.draft_on(target_device)
+        from ssd.distributed.placement import default_dtype
         return target_dtype if device.type == target_device.type else default_dtype(device)
 
     def worker_in_thread(self, device: torch.device) -> bool:

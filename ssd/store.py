@@ -12,6 +12,7 @@ Models named by Hugging Face hub id (org/name) stay in the hub's own cache (ssd/
 """
 
 import contextlib
+import difflib
 import fcntl
 import hashlib
 import os
@@ -252,6 +253,7 @@ def resolve_model(spec: str | os.PathLike, *, pull: bool = True) -> Path:
         return _prepared(path.resolve(), path.resolve().stem)
     if isinstance(spec, str) and not path.exists() and (ref := hub.parse(spec)) is not None:
         return _hub_folder(ref)
+    close = difflib.get_close_matches(str(spec), REGISTRY, n=1)
     raise ModelNotFoundError(
         f"no model {str(spec)!r}: not a known name, a model folder, a .gguf file or a Hugging Face hub id "
-        f"(org/name); known models: {', '.join(REGISTRY)}")
+        f"(org/name); " + (f"did you mean {close[0]!r}? " if close else "") + f"known models: {', '.join(REGISTRY)}")

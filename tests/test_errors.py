@@ -257,3 +257,8 @@ def test_cli_bad_input_exits_2_without_traceback(args, word):
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("ssd: error: ") and r.stderr.count("\n") == 1 and word in r.stderr
     assert r.stdout == ""
+
+
+def test_a_typo_in_a_model_name_is_answered_with_the_near_name():
+    with pytest.raises(ModelNotFoundError, match="did you mean 'smollm2-135m-instruct'"):
+        LLM("smollm2-135m-instuct")

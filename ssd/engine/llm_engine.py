@@ -37,7 +37,7 @@ from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.draft.eagle import EagleHead, load_eagle
 from ssd.speculative.draft.fanout import FanOut
 from ssd.speculative.draft.vocab import check_same_vocabulary, head_tokens
-from ssd.speculative.options import AUTO_K, DraftConfig
+from ssd.speculative.options import AUTO_K, SUFFIX, DraftConfig
 from ssd.speculative.policy.adaptive_k import AutoK, FixedK, KPolicy
 from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.records import Proposal, Round
@@ -48,6 +48,7 @@ from ssd.speculative.sources.feature_head import FeatureHead
 from ssd.speculative.sources.named import NAMED
 from ssd.speculative.sources.ngram import PromptLookup
 from ssd.speculative.sources.ssd_worker import SSDWorker
+from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup
 from ssd.store import resolve_model
 
 # What a step added to a sequence: its new tokens, and whether each was a draft's (LLM.step makes
@@ -91,6 +92,9 @@ class LLMEngine:
         self.runner.warm_up()
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: KPolicy | None = None
+        # Earlier requests' text for suffix decoding beside the draft (--lookup suffix), kept
+        # across K policies; draft="suffix" keeps its own in its source.
+        self.suffix_index = SuffixIndex(config.speculation.suffix_tokens)
         if self.source:
             self.set_speculate_k(config.speculation.speculate_k)
         # Drafts sit before the target's own token, and inside the draft model's context.
@@ -126,8 +130,11 @@ class LLMEngine:
             opts = self.config.speculation
             local = isinstance(self.source, DraftModel)  # a draft model in this process (SD)
             # Prompt lookup beside it (module doc of adaptive_k.py), and sibling leaves (siblings.py).
-            lookup = PromptLookup(opts.ngram_min, opts.ngram_max) if opts.prompt_lookup is not False and local \
-                else None
+            lookup = None
+            if local and opts.prompt_lookup == SUFFIX:  # its index outlives this policy: the engine's
+                lookup = SuffixLookup(self.suffix_index)
+            elif local and opts.prompt_lookup is not False:
+                lookup = PromptLookup(opts.ngram_min, opts.ngram_max)
             siblings = bool(opts.draft_siblings) and local
             # The draft's stopping rule (draft_stop.py), where the draft is a model in this process.
             stop = DraftStop() if opts.draft_stop is not False and local else None

@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # torch, and what imports it, load where a value is checked o
 
 MODES = ("ar", "sd", "ssd")
 NGRAM = "ngram"  # draft=NGRAM: prompt lookup, no draft model (ssd/speculative/sources/ngram.py)
+SUFFIX = "suffix"  # draft=SUFFIX: suffix decoding over earlier requests too (ssd/speculative/sources/suffix.py)
 BACKUPS = ("jit", "fast")
 SECRET_ENV = "SSD_DRAFT_SECRET"  # shared secret of a target and a draft worker started by hand
 MAX_K = 32
@@ -78,6 +79,16 @@ def parse_on_off(text: str) -> bool:
     if text.strip() not in ("on", "off"):
         raise SSDError(f"expected on or off, got {text!r}")
     return text.strip() == "on"
+
+
+def parse_lookup(text: str) -> bool | str:
+    """--lookup: on, off or suffix."""
+    return SUFFIX if text.strip() == SUFFIX else parse_on_off(text)
+
+
+def _lookup(name: str, value) -> None:
+    if value not in (None, True, False, SUFFIX):
+        raise SSDError(f"{name} must be True, False, None or '{SUFFIX}', got {value!r}")
 
 
 def parse_draft_vocab(text: str) -> int | str:
@@ -195,12 +206,13 @@ class SpecOptions:
         f"{AUTO_DRAFT_VOCAB} where the target's counts are known (the default target's ship with ssd-engine), "
         "else the full head; full (or None): the draft's whole output layer", flag="--draft-vocab",
         parse=parse_draft_vocab, metavar="V|auto|full", check=_draft_vocab, model_only=True, sweep="v")
-    prompt_lookup: bool | None = _option(
+    prompt_lookup: bool | str | None = _option(
         None, "SD with a draft model and K auto: prompt lookup beside the draft. Where a sequence's newest n-gram "
         "occurred before, a round may propose what followed it (no draft step) instead of the draft's tokens, "
         "chosen by their measured acceptance and costs; the output stays exact (for prompt lookup alone: "
-        "--draft ngram). Default: on there",
-        flag="--lookup", parse=parse_on_off, metavar="on|off", check=_switch, modes=("sd",), auto_only=True,
+        "--draft ngram). suffix: suffix decoding instead, over earlier requests' text too (--draft suffix alone). "
+        "Default: on there",
+        flag="--lookup", parse=parse_lookup, metavar="on|off|suffix", check=_lookup, modes=("sd",), auto_only=True,
         model_only=True, sweep="lookup")
     draft_siblings: bool | None = _option(
         None, "SD with a draft model and K auto: sibling leaves. Where the draft was unsure, its runner-up joins the "
@@ -230,6 +242,10 @@ class SpecOptions:
         "its whole context; the target still reads all, the output stays exact. all: all of it. Default: all",
         flag="--draft-window", parse=parse_window, metavar="W|all",
         check=lambda name, v: v is None or check_int(name, v, 16), model_only=True, sweep="w", none="all")
+    suffix_tokens: int = _option(
+        500_000, "suffix decoding (--draft suffix, or --lookup suffix): the most tokens of earlier requests its index "
+        "keeps, over all tenants (cache_salt), the oldest request's out first", flag="--suffix-tokens", parse=int,
+        metavar="N", modes=("sd",), check=lambda name, v: check_int(name, v, 0))
     ngram_min: int = _option(1, "prompt lookup (draft='ngram', or beside a draft): the shortest n-gram looked up",
                              flag="--ngram-min", parse=int, metavar="N")
     ngram_max: int = _option(4, "prompt lookup: the longest n-gram looked up (tried first)", flag="--ngram-max",

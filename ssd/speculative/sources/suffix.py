@@ -1,0 +1,172 @@
+"""Suffix decoding (SuffixDecoding, arXiv 2411.04975): draft-free speculation from an index of
+the request's own tokens and of earlier requests' text, proposing the continuation that most
+often followed the sequence's longest matched suffix.
+
+A match starts from the sequence's last ANCHOR tokens: every indexed occurrence of them (the
+request's own earlier tokens, then earlier requests' newest first, up to MAX_CANDIDATES) is
+extended backwards while it agrees with the sequence, up to MAX_MATCH tokens. The occurrences
+of the longest suffix matched (length p) vote on the continuation token by token: each step
+takes the token most of the still-agreeing occurrences continue with, and the chain stops
+where the product of those shares falls below MIN_PROB, or at SPEC_FACTOR x p tokens (a short
+match earns a short proposal), or at the round's K. Structured text that repeats (tool calls,
+code, agents' loops over the same schema) matches long and proposes long; a fresh engine has
+only the request's own tokens, as prompt lookup.
+
+Earlier requests' text joins the index when they end (their prompt and answer), per tenant:
+requests share it only with requests of the same cache_salt (docs/algorithm.md, "KV
+caches"). The index holds at most `limit` tokens over all tenants, the oldest request's out
+first. Proposals are one-hot (q = None), verified exactly like prompt lookup's.
+"""
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from ssd.request.sequence import Sequence
+from ssd.speculative.plan import SeqPlan
+from ssd.speculative.records import Proposal
+from ssd.speculative.sources.base import DraftSource
+
+ANCHOR = 2  # tokens a match starts from
+MAX_MATCH = 32  # the longest suffix compared
+MAX_CANDIDATES = 64  # occurrences of the anchor examined, newest first
+SPEC_FACTOR = 1.0  # a proposal's most tokens per token of matched suffix (vLLM's default)
+MIN_PROB = 0.1  # stop where the chain's estimated probability falls below this (vLLM's default)
+DEFAULT_LIMIT = 500_000  # tokens of earlier requests kept
+
+
+@dataclass
+class _Texts:
+    """One tenant's earlier texts and where each anchor occurs in them."""
+
+    texts: dict[int, list[int]] = field(default_factory=dict)  # text id -> tokens
+    where: dict[tuple[int, ...], list[tuple[int, int]]] = field(default_factory=dict)  # anchor -> (id, after)
+    dead: int = 0  # entries of `where` whose text is gone
+
+    def add(self, text_id: int, tokens: list[int]) -> None:
+        self.texts[text_id] = tokens
+        for i in range(ANCHOR, len(tokens)):
+            self.where.setdefault(tuple(tokens[i - ANCHOR:i]), []).append((text_id, i))
+
+    def drop(self, text_id: int) -> None:
+        self.dead += max(0, len(self.texts.pop(text_id)) - ANCHOR)
+        if self.dead > sum(map(len, self.where.values())) // 2:  # mostly dead: index the living again
+            self.where, self.dead = {}, 0
+            for i, tokens in self.texts.items():
+                for j in range(ANCHOR, len(tokens)):
+                    self.where.setdefault(tuple(tokens[j - ANCHOR:j]), []).append((i, j))
+
+    def occurrences(self, anchor: tuple[int, ...]):
+        for text_id, after in reversed(self.where.get(anchor, ())):
+            tokens = self.texts.get(text_id)
+            if tokens is not None:
+                yield tokens, after
+
+
+class SuffixIndex:
+    """Earlier requests' text, per tenant, bounded in tokens (oldest out first)."""
+
+    def __init__(self, limit: int = DEFAULT_LIMIT):
+        self.limit = limit
+        self.tenants: dict[str | None, _Texts] = {}
+        self.order: deque[tuple[str | None, int, int]] = deque()  # (tenant, text id, tokens), oldest first
+        self.tokens = 0
+        self.next_id = 0
+
+    def add(self, tenant: str | None, tokens: list[int]) -> None:
+        if len(tokens) <= ANCHOR or len(tokens) > self.limit:
+            return
+        self.tenants.setdefault(tenant, _Texts()).add(self.next_id, list(tokens))
+        self.order.append((tenant, self.next_id, len(tokens)))
+        self.next_id += 1
+        self.tokens += len(tokens)
+        while self.tokens > self.limit:
+            old, text_id, n = self.order.popleft()
+            self.tenants[old].drop(text_id)
+            self.tokens -= n
+            if not self.tenants[old].texts:
+                del self.tenants[old]
+
+    def occurrences(self, tenant: str | None, anchor: tuple[int, ...]):
+        texts = self.tenants.get(tenant)
+        return texts.occurrences(anchor) if texts is not None else iter(())
+
+
+@dataclass
+class _Own:
+    """A sequence's own tokens seen so far, and where each anchor occurs in them."""
+
+    seq: Sequence
+    seen: int = 0
+    where: dict[tuple[int, ...], list[int]] = field(default_factory=dict)
+
+    def extend(self) -> None:
+        """Index the anchors whose next token is known (all but the newest position)."""
+        tokens = self.seq.token_ids
+        for i in range(max(self.seen, ANCHOR), len(tokens)):
+            self.where.setdefault(tuple(tokens[i - ANCHOR:i]), []).append(i)
+        self.seen = max(self.seen, len(tokens))
+
+
+class SuffixLookup(DraftSource):
+    """draft="suffix"; beside a draft model, auto-K's lookup (adaptive_k.py) takes its `match`
+    as it takes prompt lookup's."""
+
+    def __init__(self, index: SuffixIndex | None = None):
+        super().__init__()
+        self.index = index if index is not None else SuffixIndex()
+        self.own: dict[int, _Own] = {}
+
+    def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
+        return [Proposal(self.match(seq, p.k)[0]) for seq, p in zip(seqs, plans)]
+
+    def match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing the sequence's longest matched suffix (module doc), and the
+        match's length class for auto-K's per-class acceptance (1..4: 4 for 4 or more)."""
+        own = self.own.get(seq.seq_id)
+        if own is None:
+            own = self.own[seq.seq_id] = _Own(seq)
+        own.seq = seq
+        tokens = seq.token_ids
+        if k <= 0 or len(tokens) <= ANCHOR:
+            return [], 0
+        own.extend()
+        anchor = tuple(tokens[-ANCHOR:])
+        mine = ((tokens, after) for after in reversed(own.where.get(anchor, ())) if after < len(tokens))
+        found = []
+        for source in (mine, self.index.occurrences(seq.params.cache_salt, anchor)):
+            for text, after in source:
+                found.append((_matched(tokens, text, after), text, after))
+                if len(found) >= MAX_CANDIDATES:
+                    break
+        if not found:
+            return [], 0
+        p = max(m for m, _, _ in found)
+        alive = [(text, after) for m, text, after in found if m == p]
+        chain, prob = [], 1.0
+        for step in range(min(k, max(1, int(SPEC_FACTOR * p)))):
+            votes = Counter(text[after + step] for text, after in alive if after + step < len(text))
+            if not votes:
+                break
+            token, count = votes.most_common(1)[0]
+            prob *= count / len(alive)
+            if prob < MIN_PROB:
+                break
+            chain.append(token)
+            alive = [(text, after) for text, after in alive if after + step < len(text) and text[after + step] == token]
+        return chain, min(p - ANCHOR + 1, 4) if chain else 0
+
+    def release(self, seq_id: int) -> None:
+        """A request that ended: its text joins the index for later requests of its tenant."""
+        own = self.own.pop(seq_id, None)
+        if own is not None:
+            self.index.add(own.seq.params.cache_salt, own.seq.token_ids)
+
+    def held(self) -> dict[str, int]:
+        return {"suffix sequences": len(self.own)}  # per sequence; the index's size: SuffixIndex.tokens
+
+
+def _matched(tokens: list[int], text: list[int], after: int) -> int:
+    """How many tokens before `after` in `text` agree with the end of `tokens` (at most MAX_MATCH)."""
+    n = 0
+    while n < MAX_MATCH and n < after and n < len(tokens) and text[after - 1 - n] == tokens[-1 - n]:
+        n += 1
+    return n

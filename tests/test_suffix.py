@@ -1,0 +1,105 @@
+"""Suffix decoding (ssd/speculative/sources/suffix.py): proposals from the request's own tokens
+and earlier requests' text, the longest matched suffix voting on the continuation; the index
+bounded, tenants apart; exact greedy and sampled output, alone and beside a draft model."""
+import torch
+
+from ssd import LLM, SamplingParams
+from ssd.exactness import pooled_p_value
+from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup
+from tiny_pair import NEW, PROMPT, V, exact_joint
+
+
+class _Seq:
+    def __init__(self, seq_id, tokens, salt=None):
+        self.seq_id, self.token_ids = seq_id, tokens
+        self.params = SamplingParams(cache_salt=salt)
+
+
+def test_the_longest_matched_suffix_votes_on_the_continuation():
+    index = SuffixIndex()
+    for tail in ([7, 8, 9], [7, 8, 9], [7, 5, 5], [6, 6, 6]):
+        index.add(None, [1, 2, 3] + tail)
+    index.add(None, [9, 2, 3, 4, 4, 4])  # "2 3" matches, but "1 2 3" matches longer elsewhere
+    lookup = SuffixLookup(index)
+    tokens, n = lookup.match(_Seq(0, [0, 1, 2, 3]), 8)
+    # p = 3 (1 2 3): 4 occurrences; 7 wins 3 of 4, then 8 wins 2 of 3 (0.5 in all), then 9 (0.5 >= MIN_PROB);
+    # SPEC_FACTOR x p = 3 tokens at most
+    assert tokens == [7, 8, 9] and n == 2
+    assert lookup.match(_Seq(1, [0, 1, 2, 3]), 2)[0] == [7, 8]  # the round's K caps it
+    assert lookup.match(_Seq(2, [5, 9, 2, 3]), 8)[0] == [4, 4, 4]  # "9 2 3" is the longest there
+    assert lookup.match(_Seq(3, [4, 6]), 8) == ([], 0)  # no occurrence of the anchor
+
+
+def test_the_requests_own_tokens_are_matched_and_its_text_joins_when_it_ends():
+    lookup = SuffixLookup(SuffixIndex())
+    own = _Seq(0, [1, 2, 3, 4, 1, 2])
+    assert lookup.match(own, 2)[0] == [3, 4]  # as prompt lookup
+    lookup.release(0)
+    assert lookup.index.tokens == 6 and lookup.match(_Seq(1, [9, 3, 4, 1]), 3)[0] == [2]  # "3 4 1" -> 2, the end
+
+
+def test_the_index_keeps_its_bound_oldest_out():
+    index = SuffixIndex(limit=50)
+    for i in range(30):
+        index.add(None, [100 + i] * 3 + [1, 2, i])
+        assert index.tokens <= 50
+    lookup = SuffixLookup(index)
+    assert lookup.match(_Seq(0, [7, 1, 2]), 1)[0] == [29]  # the newest texts only ...
+    assert not any(text[0] == 100 for t in index.tenants.values() for text in t.texts.values())
+    kept = sum(len(v) for t in index.tenants.values() for v in t.where.values())
+    assert kept <= 2 * 50  # ... and their anchors (dead entries are dropped as they pile up)
+
+
+def test_a_tenant_never_gets_another_tenants_text():
+    index = SuffixIndex()
+    index.add("alice", [1, 2, 3, 4, 5])
+    lookup = SuffixLookup(index)
+    assert lookup.match(_Seq(0, [0, 1, 2], "bob"), 3) == ([], 0)
+    assert lookup.match(_Seq(1, [0, 1, 2]), 3) == ([], 0)  # nor an unsalted request
+    assert lookup.match(_Seq(2, [0, 1, 2], "alice"), 3)[0] == [3, 4]  # SPEC_FACTOR x p = 2
+
+
+def test_suffix_greedy_equals_ar_and_reuses_earlier_answers(smollm_dir, ar_outputs):
+    params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
+    chat = [{"role": "user", "content": "List three primary colors as a JSON array."}]
+    want = ar_outputs([chat], params)
+    with LLM(smollm_dir, draft="suffix", mode="sd", speculate_k=8) as llm:
+        first = llm.generate([chat], params)[0]
+        again = llm.generate([chat], params)[0]
+        assert llm.engine.source.index.tokens > 0 and not llm.engine.source.own  # every request let go
+    assert first.token_ids == again.token_ids == want[0]
+    assert again.metrics.accepted >= 30 and again.metrics.rounds < first.metrics.rounds  # the first answer, reused
+
+
+def test_suffix_beside_a_draft_model_equals_ar(smollm_dir, truncated_draft, ar_outputs):
+    params = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", prompt_lookup="suffix") as llm:
+        for _ in range(2):
+            assert [o.token_ids for o in llm.generate(prompts, params)] == ar_outputs(prompts, params)
+        assert llm.engine.suffix_index.tokens > 0
+
+
+def test_suffix_sampling_follows_the_target(tiny_pair):
+    """The index seeded with one continuation of the prompt, many times: its proposals are
+    confident and wrong for most samples. Verified, the samples follow the exact marginals;
+    taken as they are (the foil: a rule that accepts what it is given), they would not."""
+    target, _ = tiny_pair
+    n, temperature = 3000, 1.0
+    params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
+    with LLM(target, draft="suffix", mode="sd", speculate_k=3, max_num_seqs=500, seed=5) as llm:
+        prompt_ids = llm.encode(PROMPT)
+        seeded = [int(t) for t in torch.randint(0, V, (NEW,), generator=torch.Generator().manual_seed(1))]
+        for _ in range(200):
+            llm.engine.source.index.add(None, prompt_ids + seeded)
+        outs = llm.generate([PROMPT] * n, params)
+    assert sum(o.metrics.accepted for o in outs) > 100  # the path is really taken
+    tokens = torch.tensor([o.token_ids for o in outs])
+    joint = exact_joint(target, prompt_ids, temperature)
+    marginal = joint.sum(dim=list(range(1, NEW)))
+    assert pooled_p_value(tokens[:, 0].bincount(minlength=V).double(), marginal) > 1e-3
+    for i in range(1, NEW):
+        m = joint.sum(dim=[d for d in range(NEW) if d != i])
+        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), m) > 1e-3, i
+    foil = torch.full((n,), seeded[0])  # every sample the seeded token
+    assert pooled_p_value(foil.bincount(minlength=V).double(), marginal) < 1e-6

@@ -15,6 +15,7 @@ from ssd.outputs import RequestOutput, StreamChunk
 from ssd.request.detokenizer import TextStream
 from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
+from ssd.speculative.sources.suffix import SuffixLookup
 from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, finish_reason, template_messages
 
 Prompt = str | list[dict]
@@ -239,6 +240,13 @@ class LLM:
         this process (AR, prompt lookup, an SSD worker's cache in its own process)."""
         source = self.engine.source
         return source.kv_blocks_in_use() if source else None
+
+    def suffix_index_tokens(self) -> int:
+        """Tokens of earlier requests held for suffix decoding (draft="suffix", or beside the
+        draft with prompt_lookup="suffix"): at most suffix_tokens."""
+        source = self.engine.source
+        index = source.index if isinstance(source, SuffixLookup) else self.engine.suffix_index
+        return index.tokens
 
     def set_speculate_k(self, k: int | str) -> None:
         """Change K for the next rounds: 0 (plain decoding, the draft idle) up to the K the

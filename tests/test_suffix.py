@@ -103,3 +103,11 @@ def test_suffix_sampling_follows_the_target(tiny_pair):
         assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), m) > 1e-3, i
     foil = torch.full((n,), seeded[0])  # every sample the seeded token
     assert pooled_p_value(foil.bincount(minlength=V).double(), marginal) < 1e-6
+
+
+def test_many_requests_leave_the_index_at_its_bound(smollm_dir):
+    params = SamplingParams(temperature=1.0, max_tokens=12, seed=0)
+    with LLM(smollm_dir, draft="suffix", mode="sd", suffix_tokens=300) as llm:
+        for i in range(6):
+            llm.generate([f"Story {i}: once upon a time"] * 8, params)
+            assert 0 < llm.suffix_index_tokens() <= 300

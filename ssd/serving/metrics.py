@@ -46,6 +46,8 @@ class ServerMetrics:
                                    "prefix, held by requests or kept for later ones", registry=r)
         self.draft_kv_used = Gauge("ssd_draft_kv_cache_blocks_used", "The SD draft's KV cache blocks held by "
                                    "requests (an SSD worker's are in its own process)", registry=r)
+        self.suffix_tokens = Gauge("ssd_suffix_index_tokens", "Tokens of earlier requests held for suffix decoding "
+                                   "(bounded by --suffix-tokens)", registry=r)
         self._totals = [0, 0, 0, 0, 0]  # rounds, drafted, accepted, hits, misses
 
     def engine_state(self, llm: LLM, queued: int) -> None:
@@ -56,6 +58,7 @@ class ServerMetrics:
         self.kv_total.set(llm.kv_blocks_total)
         self.prefix_blocks.set(llm.kv_blocks_cached())
         self.draft_kv_used.set(llm.draft_kv_blocks_in_use() or 0)
+        self.suffix_tokens.set(llm.suffix_index_tokens())
 
     def request_done(self, m: RequestMetrics, reason: str) -> None:
         self.finished.labels(reason).inc()

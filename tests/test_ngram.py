@@ -48,3 +48,41 @@ def test_ngram_sampling_follows_the_target(tiny_pair):
     for i in range(NEW):
         marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
         assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+
+
+def test_a_draft_with_another_tokenizer_samples_the_target(tiny_pair, tmp_path):
+    """The tiny draft with its token ids shuffled (its tokenizer and its weights alike): the
+    same text, another vocabulary, so SD drafts through text (sources/cross_vocab.py) and
+    verifies the re-encoded proposals one-hot. 4000 samples against the exact marginals."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from ssd.speculative.sources.cross_vocab import CrossVocab
+    target, draft = tiny_pair
+    perm = torch.randperm(V, generator=torch.Generator().manual_seed(4))  # word i has id perm[i] in the draft
+    other = tmp_path / "shuffled"
+    other.mkdir()
+    for f in draft.iterdir():
+        if f.name == "config.json":
+            (other / f.name).write_text(f.read_text().replace('"eos_token_id": 1', f'"eos_token_id": {int(perm[1])}'))
+    weights = load_file(draft / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        shuffled = torch.empty_like(weights[name])
+        shuffled[perm] = weights[name]
+        weights[name] = shuffled
+    save_file(weights, other / "model.safetensors")
+    tok = Tokenizer(models.WordLevel({f"w{i}": int(perm[i]) for i in range(V)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", eos_token="w1").save_pretrained(other)
+    n, temperature = 4000, 1.0
+    params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
+    with LLM(target, draft=other, mode="sd", speculate_k=3, max_num_seqs=500, seed=3) as llm:
+        assert isinstance(llm.engine.source, CrossVocab)
+        outs = llm.generate([PROMPT] * n, params)
+        prompt_ids = llm.encode(PROMPT)
+    tokens = torch.tensor([o.token_ids for o in outs])
+    assert sum(o.metrics.accepted for o in outs) > 100  # the path is really taken
+    joint = exact_joint(target, prompt_ids, temperature)
+    for i in range(NEW):
+        marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
+        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i

@@ -36,3 +36,12 @@ def test_qwen_pair_equals_ar(prompts, ar, mode, options):
         assert sum(o.metrics.tokens_on_hit for o in outs) / sum(o.metrics.hits for o in outs) > 2.5
     else:
         assert sum(o.metrics.accepted for o in outs) / sum(o.metrics.drafted for o in outs) > 0.4
+
+
+def test_smollm_drafts_for_the_qwen_target_through_text(prompts, ar):
+    """Any draft for any target: SmolLM2-135M (49k tokens) drafting for Qwen 1.5B (152k)."""
+    params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
+    with LLM(TARGET, draft="smollm2-135m-instruct", mode="sd", speculate_k=4, max_num_seqs=4) as llm:
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar
+    assert sum(o.metrics.accepted for o in outs) / sum(o.metrics.drafted for o in outs) > 0.2

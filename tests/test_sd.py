@@ -6,6 +6,7 @@ from transformers import AutoTokenizer
 
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError, VocabularyMismatchError
+from ssd.speculative.sources.cross_vocab import CrossVocab
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is",
            "Write a haiku about the sea.", "1, 2, 3, 4,"]
@@ -71,14 +72,23 @@ def test_sampled_sd_is_reproducible_with_a_seed(smollm_dir, truncated_draft):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
 
 
-def test_draft_with_another_vocabulary_is_refused(smollm_dir, tmp_path):
+def test_a_draft_with_another_vocabulary_drafts_through_text_in_sd_only(smollm_dir, tmp_path, ar_outputs):
+    """Another token table: SD drafts through text (sources/cross_vocab.py), exactly; SSD's
+    worker cannot yet, and says so."""
     other = tmp_path / "other-vocab"
     shutil.copytree(smollm_dir, other)
     tok = AutoTokenizer.from_pretrained(smollm_dir)
     tok.add_tokens(["<not-in-the-target>"])
     tok.save_pretrained(other)
-    with pytest.raises(VocabularyMismatchError, match="token tables differ"):
-        LLM(smollm_dir, draft=other, mode="sd")
+    params = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
+    prompts = ["def fibonacci(n):", "The capital of France is"]
+    with LLM(smollm_dir, draft=other, mode="sd", speculate_k=3) as llm:
+        assert isinstance(llm.engine.source, CrossVocab)
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
+    assert sum(o.metrics.accepted for o in outs) > 10  # the same model: most of its text is taken
+    with pytest.raises(VocabularyMismatchError, match="token tables differ.*mode 'sd' only"):
+        LLM(smollm_dir, draft=other, mode="ssd")
 
 
 def test_mode_and_draft_must_agree(smollm_dir):

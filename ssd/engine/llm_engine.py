@@ -22,7 +22,7 @@ from ssd.distributed.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fi
 from ssd.distributed.tensor_parallel import load as load_shard
 from ssd.engine.registry import Registry
 from ssd.engine.scheduler import Scheduler, Work
-from ssd.errors import SamplingParamsError, SSDError
+from ssd.errors import SamplingParamsError, SSDError, VocabularyMismatchError
 from ssd.models.config import ModelConfig
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import load_tokenizer, shared_model
@@ -43,6 +43,7 @@ from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.records import Proposal, Round
 from ssd.speculative.round import speculative_round
 from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.cross_vocab import CrossVocab
 from ssd.speculative.sources.draft_model import DraftModel
 from ssd.speculative.sources.feature_head import FeatureHead
 from ssd.speculative.sources.named import NAMED
@@ -262,11 +263,21 @@ def start_source(config: EngineConfig, tokenizer) -> DraftSource:
         return NAMED[config.draft](opts)
     folder = resolve_model(config.draft)
     draft_model = ModelConfig.from_folder(folder)
-    check_same_vocabulary(tokenizer, load_tokenizer(folder), config.model_config, draft_model)
+    draft_tokenizer = load_tokenizer(folder)
+    context = draft_model.max_position_embeddings
+    try:
+        check_same_vocabulary(tokenizer, draft_tokenizer, config.model_config, draft_model)
+    except VocabularyMismatchError as e:
+        if config.mode != "sd":
+            raise VocabularyMismatchError(f"{e}. A draft with another tokenizer drafts in mode 'sd' only, so far") \
+                from None
+        # Any draft for any target: text carries the proposals across (sources/cross_vocab.py).
+        cfg = draft_config(config, folder, draft_model, draft_model.end_ids(draft_tokenizer), same_vocabulary=False)
+        return CrossVocab(DraftEngine.from_config(cfg, config.device), tokenizer, draft_tokenizer, context,
+                          cfg.weights)
     cfg = draft_config(config, folder, draft_model, config.model_config.end_ids(tokenizer))
     # SD, and SSD's fallback should its worker fail: the draft in this process.
     in_process = lambda: DraftEngine.from_config(cfg, config.device)  # noqa: E731
-    context = draft_model.max_position_embeddings
     if config.mode == "sd":
         return DraftModel(in_process(), context, cfg.weights)
     return SSDWorker(cfg, opts.target_placement(config.device), opts.draft_placement(config.device), context,
@@ -274,10 +285,13 @@ def start_source(config: EngineConfig, tokenizer) -> DraftSource:
                      fallback=in_process, in_thread=opts.worker_in_thread(config.device))
 
 
-def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, eos_ids: set[int]) -> DraftConfig:
-    """What the draft side builds for the engine of `config`, its draft model in `folder`."""
+def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, eos_ids: set[int],
+                 same_vocabulary: bool = True) -> DraftConfig:
+    """What the draft side builds for the engine of `config`, its draft model in `folder`
+    (same_vocabulary False: a draft of another tokenizer, whose head the target's token
+    counts cannot reduce)."""
     opts, k = config.speculation, config.speculation.k_max
-    head = head_tokens(config.model, opts.draft_vocab, draft_model.vocab_size, eos_ids)
+    head = head_tokens(config.model, opts.draft_vocab, draft_model.vocab_size, eos_ids) if same_vocabulary else None
     fan = FanOut(k, opts.fan_out, opts.fan_out_miss, opts.tree_budget)
     # The target's tokens, K proposals and a partial block per sequence, and in SSD each
     # sequence's tree of up to fan.max_size branches per depth, K deep.
@@ -287,7 +301,9 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
         model=str(folder) if opts.draft_address is None else str(config.draft),
         dtype=str(opts.draft_dtype(config.device, config.dtype)).removeprefix("torch."),
         weights=opts.draft_weights(folder, config.device), k_max=k,
-        cache_tokens=config.kv_cache_tokens + config.max_num_seqs * per_seq, block_size=config.block_size,
+        # Another tokenizer may cut the same text into more tokens: room for twice as many.
+        cache_tokens=(1 if same_vocabulary else 2) * config.kv_cache_tokens + config.max_num_seqs * per_seq,
+        block_size=config.block_size,
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
         fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,
         backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head),

@@ -16,15 +16,14 @@ from ssd.request.sequence import Sequence
 from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.plan import SeqPlan
 from ssd.speculative.records import Proposal
-from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.draft_model import DraftModel
 
 
-class CrossVocab(DraftSource):
-    measures_steps = True
+class CrossVocab(DraftModel):
+    """SD with a draft model of another tokenizer: a DraftModel whose proposals cross through text."""
 
     def __init__(self, engine: DraftEngine, target_tokenizer, draft_tokenizer, context: int, weights: str):
-        super().__init__(context)
-        self.engine, self.weights = engine, weights
+        super().__init__(engine, context, weights)
         self.target_tok, self.draft_tok = target_tokenizer, draft_tokenizer
 
     def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
@@ -39,7 +38,7 @@ class CrossVocab(DraftSource):
                                            plan.k))
             texts.append(text)
             contexts.append(ids)
-        proposals = self.engine.draft(drafts, [p.k for p in plans])
+        proposals = self.engine.draft(drafts, [p.k for p in plans], stops=[p.stop for p in plans])
         return [Proposal(self._to_target(seq, text, ids, prop.tokens, plan.k), step_s=prop.step_s,
                          catchup=prop.catchup)
                 for seq, plan, text, ids, prop in zip(seqs, plans, texts, contexts, proposals)]
@@ -57,19 +56,6 @@ class CrossVocab(DraftSource):
         if tokens[:n] != seq.token_ids:
             return []
         return tokens[n:-1][:k]
-
-    def step_cost(self) -> float:
-        return self.engine.runner.timed_pass(1, repeat=2)
-
-    def release(self, seq_id: int) -> None:
-        super().release(seq_id)
-        self.engine.release(seq_id)
-
-    def held(self) -> dict[str, int]:
-        return {**super().held(), **self.engine.held()}
-
-    def kv_blocks_in_use(self) -> int | None:
-        return self.engine.kv.blocks_in_use
 
 
 def _agree(a: list[int], b: list[int]) -> int:

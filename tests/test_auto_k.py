@@ -449,8 +449,9 @@ def test_prompt_lookup_option():
     for mode, k in (("ssd", None), ("sd", 4)):
         with pytest.raises(SSDError, match="prompt_lookup applies to mode 'sd' with speculate_k='auto' only"):
             SpecOptions(prompt_lookup=True, speculate_k=k).resolved(mode)
-    with pytest.raises(SSDError, match="True, False or None"):
+    with pytest.raises(SSDError, match="True, False, None or 'suffix'"):
         SpecOptions(prompt_lookup="yes").resolved("sd")
+    assert SpecOptions(prompt_lookup="suffix").resolved("sd").prompt_lookup == "suffix"
     with pytest.raises(SSDError, match="prompt_lookup applies to a draft model, not a draft source without one"):
         LLM("smollm2-135m-instruct", draft="ngram", mode="sd", prompt_lookup=True)
 

@@ -1,0 +1,69 @@
+"""Drafts side by side on one target: AR and SD with each draft (a model, an EAGLE-3 head's
+folder, "ngram", "suffix"), one engine each, taking turns prompt by prompt in one run (the
+host's speed drifts), greedy, every output checked token-identical to AR. Prints decode tok/s
+over each set's prompts, the speed-up over AR and over the first draft, acceptance and tokens
+per target pass.
+
+    python bench/draft_compare.py --drafts qwen2.5-coder-0.5b-instruct,HEAD_DIR [--sets humaneval,gsm8k,mtbench]
+        [--num-prompts 4] [--max-tokens 128] [--model qwen2.5-coder-1.5b-instruct] [--out FILE.json]
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ssd import LLM, SamplingParams
+from ssd.bench.prompts import load_prompt_set
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap.add_argument("--drafts", required=True, help="comma-separated drafts, the first the reference")
+    ap.add_argument("--sets", default="humaneval,gsm8k,mtbench")
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    drafts = args.drafts.split(",")
+    engines = {"ar": LLM(args.model)} | {d: LLM(args.model, draft=d, mode="sd") for d in drafts}
+    params = SamplingParams.greedy(max_tokens=args.max_tokens)
+    for llm in engines.values():  # warm-up: first calls' allocations out of the timings
+        llm.generate(["Hello"], SamplingParams.greedy(max_tokens=8))
+    rows = []
+    for name in args.sets.split(","):
+        prompts = [[{"role": "user", "content": p.text}] for p in load_prompt_set(name, args.num_prompts)]
+        totals = {label: [0, 0.0, 0, 0, 0] for label in engines}  # tokens, seconds, drafted, accepted, rounds
+        for i, prompt in enumerate(prompts):
+            labels = list(engines)
+            outputs = {}
+            for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+                out = outputs[label] = engines[label].generate([prompt], params)[0]
+                m, t = out.metrics, totals[label]
+                t[0] += max(0, m.output_tokens - 1)
+                t[1] += m.decode_s
+                t[2] += m.drafted
+                t[3] += m.accepted
+                t[4] += m.rounds
+            wrong = [label for label, out in outputs.items() if out.token_ids != outputs["ar"].token_ids]
+            if wrong:
+                sys.exit(f"{', '.join(wrong)} differ from AR on {name} prompt {i}")
+        ar = totals["ar"][0] / totals["ar"][1]
+        ref = totals[drafts[0]][0] / totals[drafts[0]][1]
+        for label, (tokens, seconds, drafted, accepted, rounds) in totals.items():
+            speed = tokens / seconds
+            rows.append({"set": name, "config": label, "tok_s": round(speed, 1), "vs_ar": round(speed / ar, 2),
+                         "vs_first_draft": round(speed / ref, 2),
+                         "acceptance": round(accepted / drafted, 3) if drafted else None,
+                         "tokens_per_pass": round((tokens + len(prompts)) / rounds, 2) if rounds else None})
+    print(f"{'set':10} {'config':60} {'tok/s':>6} {'x AR':>6} {'x first':>7} {'accept':>7} {'tok/pass':>8}")
+    for r in rows:
+        print(f"{r['set']:10} {r['config'][-60:]:60} {r['tok_s']:6} {r['vs_ar']:6} {r['vs_first_draft']:7} "
+              f"{r['acceptance'] if r['acceptance'] is not None else '-':>7} "
+              f"{r['tokens_per_pass'] if r['tokens_per_pass'] is not None else '-':>8}")
+    if args.out:
+        args.out.write_text(json.dumps({"model": args.model, "drafts": drafts, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -77,17 +77,16 @@ class Sequence:
     choice: torch.Tensor
 
 
-def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: int) -> int:
+def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: int, progress: bool = False) -> int:
     """A shard in `folder` for each answer line without one (prompt + answer, cut to max_len
     tokens): one target pass reads the states and the choices. Returns the shards there."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = answers.read_text().splitlines() if answers.exists() else []
     device = torch.device("cpu")
-    for i, line in enumerate(lines):
+    todo = [i for i in range(len(lines)) if not (folder / f"{i:05d}.pt").exists()]
+    for i in tqdm(todo, unit="sequence", desc="target states", disable=not progress, dynamic_ncols=True):
         path = folder / f"{i:05d}.pt"
-        if path.exists():
-            continue
-        rec = json.loads(line)
+        rec = json.loads(lines[i])
         ids = (rec["prompt_ids"] + rec["answer_ids"])[:max_len]
         cache = PagedKVCache(model.config, len(ids) + 16, 16, device, torch.float32)
         cache.reserve(0, len(ids))

@@ -67,7 +67,7 @@ def run(s: TrainSettings, progress: bool = True) -> dict:
         model = llm.engine.runner.model
         cfg = model.config
         taps = (2, cfg.num_layers // 2, cfg.num_layers - 3)
-        data.extract(model, taps, home / "answers.jsonl", home / "features", s.max_len)
+        data.extract(model, taps, home / "answers.jsonl", home / "features", s.max_len, progress)
         paths = data.shards(home / "features")
         ids = draft_ids(folder, paths, s.draft_vocab, cfg.vocab_size, llm.engine.eos_ids)
         shape = HeadShape(cfg.hidden_size, s.intermediate or 2 * cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,

@@ -1,8 +1,9 @@
 """Drafts side by side on one target: AR and SD with each draft (a model, an EAGLE-3 head's
 folder, "ngram", "suffix"), one engine each, taking turns prompt by prompt in one run (the
 host's speed drifts), greedy, every output checked token-identical to AR. Prints decode tok/s
-over each set's prompts, the speed-up over AR and over the first draft, acceptance and tokens
-per target pass.
+over each set's prompts, the speed-up over AR and over the first draft, acceptance, tokens
+per target pass, and a drafted token's cost in plain decoding steps (the round's wait for
+proposals per drafted token, against AR's seconds a token).
 
     python bench/draft_compare.py --drafts qwen2.5-coder-0.5b-instruct,HEAD_DIR [--sets humaneval,gsm8k,mtbench]
         [--num-prompts 4] [--max-tokens 128] [--model qwen2.5-coder-1.5b-instruct] [--out FILE.json]
@@ -33,7 +34,7 @@ def main() -> None:
     rows = []
     for name in args.sets.split(","):
         prompts = [[{"role": "user", "content": p.text}] for p in load_prompt_set(name, args.num_prompts)]
-        totals = {label: [0, 0.0, 0, 0, 0] for label in engines}  # tokens, seconds, drafted, accepted, rounds
+        totals = {label: [0, 0.0, 0, 0, 0, 0.0] for label in engines}  # tokens, s, drafted, accepted, rounds, draft s
         for i, prompt in enumerate(prompts):
             labels = list(engines)
             outputs = {}
@@ -45,22 +46,27 @@ def main() -> None:
                 t[2] += m.drafted
                 t[3] += m.accepted
                 t[4] += m.rounds
+                t[5] += m.draft_s
             wrong = [label for label, out in outputs.items() if out.token_ids != outputs["ar"].token_ids]
             if wrong:
                 sys.exit(f"{', '.join(wrong)} differ from AR on {name} prompt {i}")
         ar = totals["ar"][0] / totals["ar"][1]
         ref = totals[drafts[0]][0] / totals[drafts[0]][1]
-        for label, (tokens, seconds, drafted, accepted, rounds) in totals.items():
+        for label, (tokens, seconds, drafted, accepted, rounds, draft_s) in totals.items():
             speed = tokens / seconds
             rows.append({"set": name, "config": label, "tok_s": round(speed, 1), "vs_ar": round(speed / ar, 2),
                          "vs_first_draft": round(speed / ref, 2),
                          "acceptance": round(accepted / drafted, 3) if drafted else None,
-                         "tokens_per_pass": round((tokens + len(prompts)) / rounds, 2) if rounds else None})
-    print(f"{'set':10} {'config':60} {'tok/s':>6} {'x AR':>6} {'x first':>7} {'accept':>7} {'tok/pass':>8}")
+                         "tokens_per_pass": round((tokens + len(prompts)) / rounds, 2) if rounds else None,
+                         # a drafted token's cost against a plain decoding step (AR's seconds a token)
+                         "draft_cost": round(draft_s / drafted * ar, 3) if drafted else None})
+    print(f"{'set':10} {'config':60} {'tok/s':>6} {'x AR':>6} {'x first':>7} {'accept':>7} {'tok/pass':>8} "
+          f"{'draft/step':>10}")
     for r in rows:
         print(f"{r['set']:10} {r['config'][-60:]:60} {r['tok_s']:6} {r['vs_ar']:6} {r['vs_first_draft']:7} "
               f"{r['acceptance'] if r['acceptance'] is not None else '-':>7} "
-              f"{r['tokens_per_pass'] if r['tokens_per_pass'] is not None else '-':>8}")
+              f"{r['tokens_per_pass'] if r['tokens_per_pass'] is not None else '-':>8} "
+              f"{r['draft_cost'] if r['draft_cost'] is not None else '-':>10}")
     if args.out:
         args.out.write_text(json.dumps({"model": args.model, "drafts": drafts, "rows": rows}, indent=2))
 

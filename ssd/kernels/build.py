@@ -227,6 +227,11 @@ class CppKernel:
             ns = self._built[variant]
         return ns
 
+    def is_built(self) -> bool:
+        """Whether this machine's variant is compiled already (or switched off)."""
+        variant = self.variant()
+        return variant is None or (self.build_dir(variant) / f"{self._ns(variant)}.so").exists()
+
     def build(self) -> None:
         """Build (or load) this machine's variant now rather than at first use."""
         variant = self.variant()

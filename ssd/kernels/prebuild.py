@@ -1,7 +1,13 @@
 """Every CPU kernel built at once: a model on the CPU needs most of them in its first pass,
 and one at a time their compilers ran for minutes on a fresh machine where side by side they
-take about as long as the slowest one (each build is a compiler process of its own)."""
-from concurrent.futures import ThreadPoolExecutor
+take about as long as the slowest one. Each kernel not yet built compiles in a process of its
+own (torch aborts when threads of one process load extensions at once); this process then
+loads them one by one.
+
+    python -m ssd.kernels.prebuild NAME   # build one kernel (what prebuild() starts)
+"""
+import subprocess
+import sys
 
 # Each module creates its kernel (build.KERNELS) on import; nothing compiles until build().
 from ssd.kernels import attention_cpu, decoder_cpu, fused_cpu, linear_cpu, linear_int8_cpu, quant_cpu  # noqa: F401
@@ -9,9 +15,17 @@ from ssd.kernels.build import KERNELS, default_variant
 
 
 def prebuild() -> None:
-    """Build or load this machine's variant of every kernel, in parallel; a kernel that cannot
-    build says so once and its callers fall back, as at first use."""
+    """Build or load this machine's variant of every kernel; a kernel that cannot build says
+    so once and its callers fall back, as at first use."""
     if default_variant() is None:
         return
-    with ThreadPoolExecutor(len(KERNELS), thread_name_prefix="ssd-kernel-build") as pool:
-        list(pool.map(lambda kernel: kernel.build(), KERNELS))
+    missing = [k for k in KERNELS if not k.is_built()]
+    if len(missing) > 1:
+        for p in [subprocess.Popen([sys.executable, "-m", "ssd.kernels.prebuild", k.name]) for k in missing]:
+            p.wait()
+    for kernel in KERNELS:
+        kernel.build()
+
+
+if __name__ == "__main__":
+    next(k for k in KERNELS if k.name == sys.argv[1]).build()

@@ -1,8 +1,8 @@
 """Every CPU kernel built at once: a model on the CPU needs most of them in its first pass,
 and one at a time their compilers ran for minutes on a fresh machine where side by side they
 take about as long as the slowest one. Each kernel not yet built compiles in a process of its
-own (torch aborts when threads of one process load extensions at once); this process then
-loads them one by one.
+own (torch aborts when threads of one process load extensions at once); this process loads
+each at its first use, as before (a library loaded twice under one namespace aborts too).
 
     python -m ssd.kernels.prebuild NAME   # build one kernel (what prebuild() starts)
 """
@@ -15,16 +15,14 @@ from ssd.kernels.build import KERNELS, default_variant
 
 
 def prebuild() -> None:
-    """Build or load this machine's variant of every kernel; a kernel that cannot build says
-    so once and its callers fall back, as at first use."""
+    """Compile this machine's variant of every kernel not yet built, side by side; a kernel
+    that cannot build says so at its first use and its callers fall back."""
     if default_variant() is None:
         return
-    missing = [k for k in KERNELS if not k.is_built()]
+    missing = {k.name for k in KERNELS if not k.is_built()}
     if len(missing) > 1:
-        for p in [subprocess.Popen([sys.executable, "-m", "ssd.kernels.prebuild", k.name]) for k in missing]:
+        for p in [subprocess.Popen([sys.executable, "-m", "ssd.kernels.prebuild", name]) for name in sorted(missing)]:
             p.wait()
-    for kernel in KERNELS:
-        kernel.build()
 
 
 if __name__ == "__main__":

@@ -124,7 +124,7 @@ def test_gguf_path_prepared_once(smol: Path, tmp_path: Path, monkeypatch: pytest
         calls.append(args)
         return prepare_folder(*args)
 
-    monkeypatch.setattr(store, "prepare_folder", counting_prepare)
+    monkeypatch.setattr(store, "_prepare", counting_prepare)
     first = store.resolve_model(gguf_file)
     # Named after the symlink's target: the key is the real file's path, size and mtime.
     assert first.parent == tmp_path / "home" / "prepared" and first.name.startswith(f"{SMOL}-")

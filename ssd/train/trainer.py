@@ -52,7 +52,6 @@ class TrainSettings:
 
 def run(s: TrainSettings, progress: bool = True) -> dict:
     from ssd import LLM
-    from ssd.models.loader import load_model
     folder = resolve_model(s.model)
     home = store_root() / "train" / folder.name
     if s.restart and home.exists():

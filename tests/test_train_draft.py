@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ssd import LLM, SamplingParams
+from ssd.bench.prompts import load_prompt_set
 from ssd.errors import SSDError
 from ssd.layers.attention import AttentionBatch
 from ssd.models.config import ModelConfig
@@ -105,10 +106,10 @@ def test_training_goes_on_from_its_checkpoint(features, tmp_path, smollm_dir):
                       cfg.rms_norm_eps, cfg.rope_theta)
     s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64, accumulate=2, lr=1e-3)
     checkpoint = tmp_path / "checkpoint.pt"
-    first = train(model.embed_tokens, shape, ids, paths, checkpoint, s, budget_s=2.0, progress=False)
+    first = train(model, shape, ids, paths, checkpoint, s, budget_s=2.0, progress=False)
     steps, tokens = first["step"], first["tokens"]
     assert steps >= 1 and len(first["curve"]) == 1 and (tmp_path / "head" / "model.safetensors").exists()
-    again = Trainer(model.embed_tokens, shape, ids, paths, checkpoint, s)
+    again = Trainer(model, shape, ids, paths, checkpoint, s)
     assert again.state["step"] == steps and again.state["tokens"] == tokens
     before = accepted_length(again.head, model.embed_tokens, again.fit, again.to_draft, 3)
     for _ in range(30):  # the training sequences themselves: their loss falls, their chains grow
@@ -124,13 +125,40 @@ def test_training_goes_on_from_its_checkpoint(features, tmp_path, smollm_dir):
             [o.token_ids for o in ar.generate(PROMPTS[:2], params)]
 
 
+def test_a_new_head_starts_from_the_targets_output_layer(features, tmp_path, smollm_dir):
+    """Its final norm is the target's and its logits are the target's on its vocabulary."""
+    home, model, eos = features
+    paths = data.shards(home / "features")
+    ids = draft_ids(smollm_dir, paths, 128, model.config.vocab_size, eos)
+    t = Trainer(model, _shape(model.config, len(ids)), ids, paths, tmp_path / "c.pt",
+                TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64))
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.equal(t.head.norm.weight, model.norm.weight.float())
+        a, b = t.head.lm_head(x), model.lm_head(x)[:, ids]
+        # the target's GGUF kernel rounds x to 8 bits, the head's plain matmul does not
+        assert torch.allclose(a, b, atol=0.01 * float(b.abs().max()))
+
+
+def test_training_prompts_take_each_family_in_turn_past_the_benchmarks():
+    """The user's prompts first; then code, math and science in turn; none of the prompts a
+    benchmark takes (each set's first HELD_BACK)."""
+    prompts = data.training_prompts([])
+    benchmark = {p.text for name in ("humaneval", "gsm8k", "aclsum") for p in load_prompt_set(name, data.HELD_BACK)}
+    assert not benchmark & set(prompts) and len(prompts) == len(set(prompts))
+    gsm8k = {p.text for p in load_prompt_set("gsm8k")}
+    code = {p.text for p in load_prompt_set("humaneval")} | set(data.stdlib_tasks())
+    assert prompts[0] in code and prompts[1] in gsm8k and prompts[2] not in code | gsm8k and prompts[3] in code
+    assert any(p.startswith("Write a Python function `") for p in prompts[:40])
+
+
 def test_a_checkpoint_of_another_shape_is_refused(features, tmp_path, smollm_dir):
     home, model, eos = features
     paths = data.shards(home / "features")
     cfg = model.config
     s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64)
     ids = draft_ids(smollm_dir, paths, 128, cfg.vocab_size, eos)
-    train(model.embed_tokens, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s, budget_s=0.0, progress=False)
+    train(model, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s, budget_s=0.0, progress=False)
     with pytest.raises(SSDError, match="--restart"):
-        Trainer(model.embed_tokens, replace(_shape(cfg, len(ids)), intermediate_size=32), ids, paths,
+        Trainer(model, replace(_shape(cfg, len(ids)), intermediate_size=32), ids, paths,
                 tmp_path / "c.pt", s)

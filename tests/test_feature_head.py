@@ -72,3 +72,22 @@ def test_a_heads_matrices_are_int8_on_the_cpu_unless_asked_otherwise(smollm_dir,
         assert not llm.engine.source.head.fc.quantized
     with pytest.raises(SSDError, match="an EAGLE-3 head's weights are int8"):
         LLM(smollm_dir, draft=head, mode="sd", draft_quantization="q4_0")
+
+
+def test_a_head_times_its_steps_apart_from_its_catch_up(smollm_dir, tmp_path, monkeypatch):
+    """As a draft model's do, a head's proposals carry its seconds per draft step and, for a
+    first pass over many rows (the prompt), a catch-up of that many rows: auto-K then prices a
+    drafted token by a step, not by a round's wait (docs/algorithm.md, "EAGLE-3 heads")."""
+    write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
+    seen = []
+    real = FeatureHead.propose
+    monkeypatch.setattr(FeatureHead, "propose", lambda self, seqs, plans: seen.append(real(self, seqs, plans))
+                        or seen[-1])
+    with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3) as llm:
+        prompt = llm.encode(REPEATING)
+        llm.generate(REPEATING, SamplingParams.greedy(max_tokens=16, ignore_eos=True))
+    drafted = [p[0] for p in seen if p[0].tokens]
+    assert drafted[0].catchup is not None and drafted[0].catchup[1] == len(prompt)  # rows 0..N - 2, N = prompt + 1
+    steps = [p.step_s for p in drafted if p.step_s is not None]
+    assert steps and all(0 < s < 1 for s in steps)
+    assert FeatureHead.measures_steps

@@ -12,6 +12,7 @@ drops those draft rows from its KV cache: the next round reads those positions a
 the target's states. Proposals for a sampled request carry the head's distribution (over the
 target's vocabulary, 0 outside the head's), so verification stays exact.
 """
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,8 @@ class HeadSeq:
 
 
 class FeatureHead(DraftSource):
+    measures_steps = True
+
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
                  device: torch.device, context: int, seed: int | None = None):
         super().__init__(context)
@@ -76,11 +79,14 @@ class FeatureHead(DraftSource):
     @torch.inference_mode()
     def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
         """Each sequence's unread rows with the target's states, then K draft steps with the
-        head's own, all sequences in one head pass a step."""
+        head's own, all sequences in one head pass a step. The proposals carry the passes'
+        timings as a draft model's do (Proposal.step_s, .catchup): a first pass that reads more
+        than two rows a sequence (rows missed while K was 0, or many accepted) is catch-up."""
         ks = [p.k if self._ready(s) else 0 for s, p in zip(seqs, plans)]
         drafting = [b for b, k in enumerate(ks) if k]
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        step_s, steps, catchup = 0.0, 0, None
         if drafting:
             # First pass: rows fed..N - 2 of each drafting sequence (N tokens), with the target's
             # states; the last row (the newest token beside the state before it) drafts d_1.
@@ -90,18 +96,28 @@ class FeatureHead(DraftSource):
                 s = self.seqs[seq.seq_id]
                 rows.append((seq.seq_id, s.fed, seq.token_ids[s.fed + 1:], torch.cat(s.pending)))
                 s.fed, s.pending = seq.num_tokens - 1, []
+            t0 = time.perf_counter()
             last = dict(zip(drafting, self._pass(rows)))
+            took = time.perf_counter() - t0
+            if max(len(ids) for _, _, ids, _ in rows) <= 2:
+                step_s, steps = took, 1
+            else:
+                catchup = (took, sum(len(ids) for _, _, ids, _ in rows),
+                           sum(len(ids) * (first + (len(ids) + 1) / 2) for _, first, ids, _ in rows))
             for step in range(max(ks)):
                 picked = {b: self._pick(seqs[b], logits, tokens[b], qs[b]) for b, (logits, _) in last.items()}
                 going = [b for b in last if step + 1 < ks[b]]
                 if not going:
                     break
                 # Draft row at position N - 1 + step: the token just drafted beside the head's own state.
+                t0 = time.perf_counter()
                 last = dict(zip(going, self._pass([(seqs[b].seq_id, seqs[b].num_tokens - 1 + step, [picked[b]],
                                                     last[b][1]) for b in going])))
+                step_s, steps = step_s + time.perf_counter() - t0, steps + 1
             for b in drafting:  # the draft rows go: the next round reads them with the target's states
                 self.kv.truncate(seqs[b].seq_id, self.seqs[seqs[b].seq_id].fed)
-        return [Proposal(t, torch.stack(q) if q else None) for t, q in zip(tokens, qs)]
+        step = step_s / steps if steps else None
+        return [Proposal(t, torch.stack(q) if q else None, step_s=step, catchup=catchup) for t, q in zip(tokens, qs)]
 
     def _ready(self, seq: Sequence) -> bool:
         """Whether the head has the target's states of every position before the newest token."""

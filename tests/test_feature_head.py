@@ -2,6 +2,8 @@
 the authors' layout, drafts from the target's own hidden states; greedy output is AR's token
 for token, every row the head reads holds the target's states of its position, and sampled
 output follows the target's distribution."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
+from ssd.speculative.policy.draft_stop import StopRule
 from ssd.speculative.sources.feature_head import FeatureHead
 from test_eagle import write_authors, write_speculators
 from test_ngram import REPEATING
@@ -91,3 +94,32 @@ def test_a_head_times_its_steps_apart_from_its_catch_up(smollm_dir, tmp_path, mo
     steps = [p.step_s for p in drafted if p.step_s is not None]
     assert steps and all(0 < s < 1 for s in steps)
     assert FeatureHead.measures_steps
+
+
+def test_a_head_answers_sibling_leaves_and_the_stopping_rule(smollm_dir, tmp_path, monkeypatch, ar_outputs):
+    """Asked for them by the plan, a head's proposals carry each token's runner-up (another
+    token, with its and the pick's probabilities) and each token's top-1 probability, and
+    its chain stops where the rule says; with auto-K (which offers all of these) greedy output
+    stays AR's."""
+    write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
+    seen = []
+    real = FeatureHead.propose
+    never = StopRule(tuple([0.5] * 10), (2.0,) * 4)  # no second token: S_1 <= 1 < 2
+
+    def asking(self, seqs, plans):
+        seen.append(real(self, seqs, [replace(p, alternatives=True, stop=never) for p in plans]))
+        return seen[-1]
+    params = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
+    with monkeypatch.context() as m:
+        m.setattr(FeatureHead, "propose", asking)
+        with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3) as llm:
+            assert llm.generate(REPEATING, params)[0].token_ids == ar_outputs([REPEATING], params)[0]
+    drafted = [p for props in seen for p in props if p.tokens]
+    assert drafted and all(len(p.tokens) == 1 == len(p.alternatives) == len(p.confidences) for p in drafted)
+    for p in drafted:
+        a = p.alternatives[0]
+        assert a.token != p.tokens[0] and 0 <= a.p2 <= a.p1 <= 1 and a.p1 == p.confidences[0]
+    prompts = [REPEATING, "The capital of France is"]
+    params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
+    with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k="auto") as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == ar_outputs(prompts, params)

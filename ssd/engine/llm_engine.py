@@ -129,7 +129,7 @@ class LLMEngine:
             self.k_policy = FixedK(k)
         else:
             opts = self.config.speculation
-            local = isinstance(self.source, DraftModel)  # a draft model in this process (SD)
+            local = self.source.in_process  # a draft model or a head in this process (SD)
             # Prompt lookup beside it (module doc of adaptive_k.py), and sibling leaves (siblings.py).
             lookup = None
             if local and opts.prompt_lookup == SUFFIX:  # its index outlives this policy: the engine's
@@ -137,7 +137,7 @@ class LLMEngine:
             elif local and opts.prompt_lookup is not False:
                 lookup = PromptLookup(opts.ngram_min, opts.ngram_max)
             siblings = bool(opts.draft_siblings) and local
-            # The draft's stopping rule (draft_stop.py), where the draft is a model in this process.
+            # The draft's stopping rule (draft_stop.py), where the draft is in this process.
             stop = DraftStop() if opts.draft_stop is not False and local else None
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
                                   self.source.step_cost(), self.source.measures_steps, lookup,

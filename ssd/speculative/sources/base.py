@@ -24,6 +24,10 @@ class DraftSource:
     # Whether its proposals carry step_s, its seconds per draft token without catch-up (else
     # adaptive_k.py takes a round's wait per draft token).
     measures_steps = False
+    # Whether it drafts in this process between the target's passes (SD's draft model, a
+    # feature head): auto-K then offers it prompt lookup beside it, sibling leaves and the
+    # draft's stopping rule (adaptive_k.py), and its proposals answer them.
+    in_process = False
     weights: str | None = None  # how a draft model's weights are held, "auto" resolved (None: no model)
     # The target layers whose entering hidden states it reads (a feature head): the target's
     # passes then give them, to `states` and in each round's record.

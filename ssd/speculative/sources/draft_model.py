@@ -12,6 +12,7 @@ class DraftModel(DraftSource):
     """SD: the draft model runs in the target's process, between the target's passes."""
 
     measures_steps = True
+    in_process = True
 
     def __init__(self, engine: DraftEngine, context: int, weights: str):
         super().__init__(context)

@@ -11,6 +11,12 @@ it has not read with the target's states (one pass), drafts K tokens with its ow
 drops those draft rows from its KV cache: the next round reads those positions again with
 the target's states. Proposals for a sampled request carry the head's distribution (over the
 target's vocabulary, 0 outside the head's), so verification stays exact.
+
+As a draft model in this process does, the head gives auto-K what its policies read: each
+drafted token's runner-up where the plan asks for sibling leaves (siblings.py), its top-1
+probability and a stop where the draft's stopping rule says the next token is not worth its
+step (draft_stop.py: depth by the head's confidence, as EAGLE-2 sizes its trees), and its
+steps' and catch-up's timings.
 """
 import time
 from dataclasses import dataclass, field
@@ -25,7 +31,7 @@ from ssd.runner.kv_cache import PagedKVCache
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.eagle import EagleHead
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.records import Proposal, Round
+from ssd.speculative.records import Alternative, Proposal, Round, argmax_chain
 from ssd.speculative.sources.base import DraftSource
 
 
@@ -46,6 +52,7 @@ class HeadSeq:
 
 class FeatureHead(DraftSource):
     measures_steps = True
+    in_process = True
 
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
                  device: torch.device, context: int, seed: int | None = None):
@@ -86,6 +93,10 @@ class FeatureHead(DraftSource):
         drafting = [b for b, k in enumerate(ks) if k]
         tokens: list[list[int]] = [[] for _ in seqs]
         qs: list[list[torch.Tensor]] = [[] for _ in seqs]
+        alts: list[list[Alternative]] = [[] for _ in seqs]
+        rules = [p.stop if p.stop is not None and argmax_chain(s) else None for s, p in zip(seqs, plans)]
+        confs: list[list[float]] = [[] for _ in seqs]
+        survival = [1.0] * len(seqs)
         step_s, steps, catchup = 0.0, 0, None
         if drafting:
             # First pass: rows fed..N - 2 of each drafting sequence (N tokens), with the target's
@@ -105,7 +116,14 @@ class FeatureHead(DraftSource):
                 catchup = (took, sum(len(ids) for _, _, ids, _ in rows),
                            sum(len(ids) * (first + (len(ids) + 1) / 2) for _, first, ids, _ in rows))
             for step in range(max(ks)):
-                picked = {b: self._pick(seqs[b], logits, tokens[b], qs[b]) for b, (logits, _) in last.items()}
+                picked = {}
+                for b, (logits, _) in last.items():
+                    picked[b] = self._pick(seqs[b], logits, tokens[b], qs[b], alts[b] if plans[b].alternatives
+                                           else None, confs[b] if rules[b] is not None else None)
+                    if rules[b] is not None:
+                        survival[b] *= rules[b].chance(confs[b][-1])
+                        if not rules[b].keep_going(survival[b], len(tokens[b])):
+                            ks[b] = len(tokens[b])
                 going = [b for b in last if step + 1 < ks[b]]
                 if not going:
                     break
@@ -117,7 +135,8 @@ class FeatureHead(DraftSource):
             for b in drafting:  # the draft rows go: the next round reads them with the target's states
                 self.kv.truncate(seqs[b].seq_id, self.seqs[seqs[b].seq_id].fed)
         step = step_s / steps if steps else None
-        return [Proposal(t, torch.stack(q) if q else None, step_s=step, catchup=catchup) for t, q in zip(tokens, qs)]
+        return [Proposal(t, torch.stack(q) if q else None, alternatives=a, confidences=c if rule is not None else None,
+                         step_s=step, catchup=catchup) for t, q, a, c, rule in zip(tokens, qs, alts, confs, rules)]
 
     def _ready(self, seq: Sequence) -> bool:
         """Whether the head has the target's states of every position before the newest token."""
@@ -144,17 +163,25 @@ class FeatureHead(DraftSource):
         ends = torch.tensor([len(ids) for _, _, ids, _ in rows]).cumsum(0) - 1
         return [(logits[e:e + 1], out[e:e + 1]) for e in ends.tolist()]
 
-    def _pick(self, seq: Sequence, logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor]) -> int:
-        """The head's next token for seq (argmax, or drawn from its distribution), as a target id."""
+    def _pick(self, seq: Sequence, logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor],
+              alts: list[Alternative] | None, confs: list[float] | None) -> int:
+        """The head's next token for seq (argmax, or drawn from its distribution), as a target
+        id; with `alts` its runner-up too (the likeliest other token of the distribution it was
+        picked from: a fair one-hot candidate, siblings.py), with `confs` its top-1 probability."""
         ids = self.head.draft_to_target
-        if seq.params.greedy_decoding:
-            token = int(ids[logits.argmax(-1)])
-        else:
-            q = probs_from_logits(logits, seq.params)
-            token = int(ids[sample(q, self.seqs[seq.seq_id].generator)])
+        greedy = seq.params.greedy_decoding
+        q = torch.softmax(logits, -1) if greedy else probs_from_logits(logits, seq.params)
+        picked = logits.argmax(-1) if greedy else sample(q, self.seqs[seq.seq_id].generator)
+        if not greedy:
             whole = torch.zeros(self.head.config.vocab_size)
             whole[ids] = q[0]
             qs.append(whole)
+        if alts is not None:
+            second = q.scatter(-1, picked.view(1, 1), -1.0).argmax(-1)
+            alts.append(Alternative(int(ids[second]), float(q[0, picked]), float(q[0, second])))
+        if confs is not None:
+            confs.append(float(q.amax()))
+        token = int(ids[picked])
         tokens.append(token)
         return token
 

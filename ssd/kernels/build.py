@@ -3,8 +3,12 @@
 Each kernel's source is compiled on first use (never at import) with
 ``torch.utils.cpp_extension`` into ``$SSD_HOME/kernels`` (default
 ``~/.cache/ssd-engine/kernels``), once per machine, source (with the csrc/ headers it
-includes), compiler flags and torch version, for the best ISA the CPU has: ``avx512``,
-``avx2`` (AVX2 + FMA) or ``portable`` (plain C++).
+includes), compiler flags and torch version, for the best ISA the CPU has: on x86-64
+``avx512`` or ``avx2`` (AVX2 + FMA), on aarch64 ``dotprod`` (NEON with the dot-product
+extension) or ``neon``, anywhere ``portable`` (plain C++, NEON off). Every build gives the
+same bits (docs/kernels.md). The aarch64 CPU's features come from the kernel's hardware
+capabilities (/proc/self/auxv, which qemu-user emulates too) on Linux and from ``sysctl`` on
+macOS, where Apple clang builds without ``-fopenmp`` (the kernels parallelise through torch).
 
 If no build is possible (no C++ compiler, ``SSD_CPU_KERNELS=off``) the kernel reports itself
 unavailable, after one line on stderr for a failed build, and callers compute in plain torch
@@ -12,7 +16,7 @@ one row at a time (ssd/kernels/fallback.py): slower, still batch-invariant, so S
 still equal AR. GGUF blocks have no such fallback: a model on them is loaded dequantised
 instead (ssd/models/loader.py).
 
-``SSD_CPU_KERNELS``: ``auto`` (default), ``avx512``, ``avx2``, ``portable``, or ``off``.
+``SSD_CPU_KERNELS``: ``auto`` (default), one of VARIANTS, or ``off``.
 """
 from __future__ import annotations
 
@@ -23,17 +27,23 @@ import os
 import platform
 import posixpath
 import re
+import struct
+import subprocess
 import sys
 import threading
 from pathlib import Path
 
 import torch
 
-VARIANTS = ("avx512", "avx2", "portable")
+VARIANTS = ("avx512", "avx2", "dotprod", "neon", "portable")
 _ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"],
-              "avx2": ["-mavx2", "-mfma"], "portable": []}
+              "avx2": ["-mavx2", "-mfma"], "dotprod": ["-march=armv8.2-a+dotprod"], "neon": ["-march=armv8-a"],
+              "portable": ["-DSSD_PORTABLE=1"]}
+# The CPU flags each build needs, in /proc/cpuinfo's names (x86) or the kernel's HWCAP names
+# (aarch64: every aarch64 CPU has "asimd", NEON; "asimddp" is the dot-product extension).
 _CPU_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512dq"}, "avx2": {"avx2", "fma"},
-              "portable": set()}
+              "dotprod": {"asimd", "asimddp"}, "neon": {"asimd"}, "portable": set()}
+_AT_HWCAP, _HWCAP_ASIMD, _HWCAP_ASIMDDP = 16, 1 << 1, 1 << 20  # Linux aarch64 (asm/hwcap.h)
 _MISSING = object()
 
 
@@ -50,9 +60,32 @@ def _cpuinfo(key: str) -> str | None:
     return None
 
 
+def _arm_flags() -> frozenset[str]:
+    """An aarch64 CPU's features that the builds need: macOS says them through sysctl; Linux
+    through the auxiliary vector's HWCAP (the program's view of the CPU, also under qemu-user,
+    whose /proc/cpuinfo is the host's)."""
+    if sys.platform == "darwin":
+        try:
+            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_DotProd"], capture_output=True,
+                                 text=True, timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        return frozenset({"asimd", "asimddp"} if out == "1" else {"asimd"})
+    try:
+        raw = Path("/proc/self/auxv").read_bytes()
+    except OSError:
+        return frozenset({"asimd"})  # NEON is part of every aarch64 CPU
+    pairs = dict(struct.iter_unpack("<QQ", raw[:len(raw) // 16 * 16]))
+    hwcap = pairs.get(_AT_HWCAP, _HWCAP_ASIMD)
+    return frozenset(name for name, bit in (("asimd", _HWCAP_ASIMD), ("asimddp", _HWCAP_ASIMDDP)) if hwcap & bit)
+
+
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    machine = platform.machine().lower()
+    if machine in ("aarch64", "arm64"):
+        return _arm_flags()
+    if machine not in ("x86_64", "amd64"):
         return frozenset()
     flags = _cpuinfo("flags")
     if flags is not None:
@@ -81,7 +114,7 @@ def runnable_variants() -> tuple[str, ...]:
 
 @functools.cache
 def default_variant() -> str | None:
-    """The build this machine uses (``avx512``, ``avx2`` or ``portable``), or None if switched
+    """The build this machine uses (the first runnable of VARIANTS), or None if switched
     off by ``SSD_CPU_KERNELS`` (read once: ``default_variant.cache_clear()`` re-reads it)."""
     env = os.environ.get("SSD_CPU_KERNELS", "auto").strip().lower()
     if env in ("0", "off", "false", "no", "none"):
@@ -135,7 +168,8 @@ class CppKernel:
         return found
 
     def flags(self, variant: str) -> list[str]:
-        return ["-O3", "-fopenmp", "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
+        openmp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has none
+        return ["-O3", *openmp, "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
                 *_ISA_FLAGS[variant], *self.requires.get(variant, (set(), []))[1]]
 
     @functools.cached_property
@@ -189,7 +223,7 @@ class CppKernel:
                                  "(once per machine and version)\n")
                 sys.stderr.flush()
             cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
-                               extra_ldflags=["-fopenmp"], build_directory=str(d),
+                               extra_ldflags=[] if sys.platform == "darwin" else ["-fopenmp"], build_directory=str(d),
                                is_python_module=False, verbose=False)
         return ns
 

@@ -140,6 +140,67 @@ static inline void transpose(V* r) {
 constexpr int SC_RR = 6, SC_NV = 2;
 constexpr int PV_RR = 6, PV_NV = 2;
 
+#elif SSD_NEON
+// Eight lanes as two 4-lane halves, each op the portable lane op: vfmaq_f32 is std::fma, and
+// vmax is a select on a > b (FMAX differs on signed zeros and NaN).
+constexpr int W = 8;
+struct V { float32x4_t lo, hi; };
+static inline V vzero() { return {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; }
+static inline V vset1(float x) { return {vdupq_n_f32(x), vdupq_n_f32(x)}; }
+static inline V vload(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
+static inline void vstore(float* p, V a) { vst1q_f32(p, a.lo); vst1q_f32(p + 4, a.hi); }
+static inline uint32x4_t below(int n, int from) {  // lanes from..from+3 < n
+  static const uint32_t idx[4] = {0, 1, 2, 3};
+  return vcltq_u32(vaddq_u32(vld1q_u32(idx), vdupq_n_u32(uint32_t(from))), vdupq_n_u32(uint32_t(n)));
+}
+static inline V vload_part(const float* p, int n, float fill) {  // lanes >= n: fill
+  float buf[W];
+  for (int j = 0; j < W; ++j) buf[j] = j < n ? p[j] : fill;
+  return vload(buf);
+}
+static inline V vkeep(V a, int n) {  // lanes >= n: 0
+  return {vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(a.lo), below(n, 0))),
+          vreinterpretq_f32_u32(vandq_u32(vreinterpretq_u32_f32(a.hi), below(n, 4)))};
+}
+static inline V vfma(V a, V b, V c) { return {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)}; }
+static inline V vadd(V a, V b) { return {vaddq_f32(a.lo, b.lo), vaddq_f32(a.hi, b.hi)}; }
+static inline V vsub(V a, V b) { return {vsubq_f32(a.lo, b.lo), vsubq_f32(a.hi, b.hi)}; }
+static inline V vmul(V a, V b) { return {vmulq_f32(a.lo, b.lo), vmulq_f32(a.hi, b.hi)}; }
+static inline V vdiv(V a, V b) { return {vdivq_f32(a.lo, b.lo), vdivq_f32(a.hi, b.hi)}; }
+static inline V vmax(V a, V b) {  // a > b ? a : b
+  return {vbslq_f32(vcgtq_f32(a.lo, b.lo), a.lo, b.lo), vbslq_f32(vcgtq_f32(a.hi, b.hi), a.hi, b.hi)};
+}
+static inline float32x4_t exp2_half(float32x4_t t) {
+  const float32x4_t magic = vdupq_n_f32(kMagic);
+  const float32x4_t r = vaddq_f32(t, magic);
+  const float32x4_t n = vsubq_f32(r, magic);
+  const float32x4_t f = vsubq_f32(t, n);
+  float32x4_t p = vdupq_n_f32(kE0);
+  p = vfmaq_f32(vdupq_n_f32(kE1), p, f); p = vfmaq_f32(vdupq_n_f32(kE2), p, f);
+  p = vfmaq_f32(vdupq_n_f32(kE3), p, f); p = vfmaq_f32(vdupq_n_f32(kE4), p, f);
+  p = vfmaq_f32(vdupq_n_f32(kE5), p, f); p = vfmaq_f32(vdupq_n_f32(1.f), p, f);
+  const uint32x4_t e = vshlq_n_u32(vsubq_u32(vreinterpretq_u32_f32(r), vreinterpretq_u32_f32(magic)), 23);
+  const float32x4_t y = vreinterpretq_f32_u32(vaddq_u32(vreinterpretq_u32_f32(p), e));
+  return vbslq_f32(vcltq_f32(t, vdupq_n_f32(kUnder)), vdupq_n_f32(0.f), y);
+}
+static inline V vexp2(V t) { return {exp2_half(t.lo), exp2_half(t.hi)}; }
+static inline void transpose4(float32x4_t& a, float32x4_t& b, float32x4_t& c, float32x4_t& d) {
+  const float32x4x2_t ab = vtrnq_f32(a, b), cd = vtrnq_f32(c, d);
+  a = vcombine_f32(vget_low_f32(ab.val[0]), vget_low_f32(cd.val[0]));
+  b = vcombine_f32(vget_low_f32(ab.val[1]), vget_low_f32(cd.val[1]));
+  c = vcombine_f32(vget_high_f32(ab.val[0]), vget_high_f32(cd.val[0]));
+  d = vcombine_f32(vget_high_f32(ab.val[1]), vget_high_f32(cd.val[1]));
+}
+static inline void transpose(V* r) {  // four 4 x 4 blocks: the off-diagonal two swap places
+  transpose4(r[0].lo, r[1].lo, r[2].lo, r[3].lo);
+  transpose4(r[4].lo, r[5].lo, r[6].lo, r[7].lo);
+  transpose4(r[0].hi, r[1].hi, r[2].hi, r[3].hi);
+  transpose4(r[4].hi, r[5].hi, r[6].hi, r[7].hi);
+  for (int i = 0; i < 4; ++i) std::swap(r[i].hi, r[i + 4].lo);
+}
+constexpr int SC_RR = 6, SC_NV = 2;
+constexpr int PV_RR = 6, PV_NV = 2;
+
 #else
 constexpr int W = 8;
 struct V { float v[W]; };

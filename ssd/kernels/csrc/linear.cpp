@@ -36,6 +36,16 @@ static inline V8 wload(const BF16* p) {
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
 }
+#elif SSD_NEON
+static inline V8 wload(const float* p) { return vload(p); }
+static inline V8 wload(const Half* p) {
+  const float16x8_t h = vreinterpretq_f16_u16(vld1q_u16(reinterpret_cast<const uint16_t*>(p)));
+  return {vcvt_f32_f16(vget_low_f16(h)), vcvt_high_f32_f16(h)};
+}
+static inline V8 wload(const BF16* p) {  // bf16 is the top half of its fp32
+  const uint16x8_t u = vld1q_u16(reinterpret_cast<const uint16_t*>(p));
+  return {vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(u), 16)), vreinterpretq_f32_u32(vshll_high_n_u16(u, 16))};
+}
 #else
 template <typename WT>
 static inline V8 wload(const WT* p) {

@@ -19,6 +19,11 @@ static inline V8 vload(const int8_t* p) {
   const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
 }
+#elif SSD_NEON
+static inline V8 vload(const int8_t* p) {
+  const int16x8_t h = vmovl_s8(vld1_s8(p));
+  return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(h))), vcvtq_f32_s32(vmovl_s16(vget_high_s16(h)))};
+}
 #else
 static inline V8 vload(const int8_t* p) {
   V8 r; for (int j = 0; j < 8; ++j) r.v[j] = float(p[j]); return r;

@@ -62,23 +62,31 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "isa.h"
 
 // Beyond isa.h's ISA the fast code needs F16C, and its AVX-512 path BW, VL and VNNI (vpdpbusd):
-// build.py adds their flags where the CPU has them (quant_cpu.py). SSD_FAST without SSD_VNNI
-// is the AVX2 path.
+// build.py adds their flags where the CPU has them (quant_cpu.py). SSD_FAST_X86 without SSD_VNNI
+// is the AVX2 path; on aarch64 the fast code is NEON's, its dot products SDOT where the CPU has
+// the dot-product extension (SSD_DOTPROD), else widening multiplies and pairwise adds.
 #if SSD_AVX512 && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__) && defined(__F16C__)
 #define SSD_VNNI 1
 #else
 #define SSD_VNNI 0
 #endif
 #if SSD_AVX2 && defined(__F16C__)
+#define SSD_FAST_X86 1
+#else
+#define SSD_FAST_X86 0
+#endif
+#if SSD_FAST_X86 || SSD_NEON
 #define SSD_FAST 1
 #else
 #define SSD_FAST 0
@@ -560,7 +568,7 @@ static inline float quantize_block(const float* xb, int8_t* q, int32_t* half) {
   half[0] = _mm512_reduce_add_epi32(i0);
   half[1] = _mm512_reduce_add_epi32(i1);
   return amax;
-#elif SSD_FAST
+#elif SSD_FAST_X86
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], m = _mm256_setzero_ps();
   for (int k = 0; k < 4; ++k) {
@@ -825,18 +833,20 @@ static void group_portable(int64_t t, const uint8_t* packed, int64_t nb, const A
 constexpr int PF_BYTES = SSD_PF_BYTES;
 // Into L1 (T0) or L2 only (T2): an L1 prefetch holds one of the core's few L1 miss buffers until
 // its line arrives, and on an AMD EPYC that capped one core's weight stream near 12 GB/s.
+#if SSD_FAST_X86
 constexpr auto PF_HINT = SSD_PF_L2 ? _MM_HINT_T2 : _MM_HINT_T0;
-
-static inline __m512i bcast_512(const void* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
+static inline void prefetch_line(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p), PF_HINT); }
+#else
+static inline void prefetch_line(const uint8_t* p) { __builtin_prefetch(p, 0, SSD_PF_L2 ? 2 : 3); }
+#endif
 // Software prefetch along the packed stream, one line per line read, PF_BYTES ahead (a hint:
 // no fault past the end). Keeps DRAM busy while the cores compute.
-static inline void ahead(const uint8_t* p) { _mm_prefetch(reinterpret_cast<const char*>(p + PF_BYTES), PF_HINT); }
+static inline void ahead(const uint8_t* p) { prefetch_line(p + PF_BYTES); }
 // The first PF_BYTES of a stretch about to be read, which no ahead() covers: fetched all at once
 // rather than one demand miss after another (a thread starts such a stretch ~8 times per matrix,
 // and a small draft matrix is only some 100 KB a thread).
 static inline void warm(const uint8_t* p, int64_t bytes) {
-  for (int64_t off = 0; off < std::min<int64_t>(bytes, PF_BYTES); off += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(p + off), PF_HINT);
+  for (int64_t off = 0; off < std::min<int64_t>(bytes, PF_BYTES); off += 64) prefetch_line(p + off);
 }
 
 #if SSD_VNNI
@@ -861,7 +871,7 @@ struct VL<0> {
     std::memcpy(&m, bits, 8);
     return _mm512_mask_add_epi8(w, _cvtu64_mask64(m), w, v);
   }
-  static I bcast(const void* p) { return bcast_512(p); }
+  static I bcast(const void* p) { return _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(p)); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I table(const uint8_t* t16) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t16))); }
   static I lookup(I t, I idx) { return _mm512_shuffle_epi8(t, idx); }  // idx < 16 in every byte
@@ -883,6 +893,66 @@ struct VL<0> {
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F fnma(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b, rounded once
   static void store(float* p, F a) { _mm512_storeu_ps(p, a); }
+};
+#elif SSD_NEON
+template <int H>  // lanes (rows of the group) 4H .. 4H + 3: one 128-bit register
+struct VL {
+  using I = int8x16_t;  // 16 bytes, or 4 int32 lanes (vreinterpretq)
+  using F = float32x4_t;
+  static constexpr int kPart = 4;
+  static constexpr bool kQ8Offset = false;  // SDOT is signed x signed: Q8_0 takes w as it is
+  static int32x4_t i32(I a) { return vreinterpretq_s32_s8(a); }
+  static I i8(int32x4_t a) { return vreinterpretq_s8_s32(a); }
+  static uint8x16_t u8(I a) { return vreinterpretq_u8_s8(a); }
+  static I zero() { return vdupq_n_s8(0); }
+  static F zerof() { return vdupq_n_f32(0.f); }
+  static I load(const uint8_t* p) { return vld1q_s8(reinterpret_cast<const int8_t*>(p + 16 * H)); }
+  static I bytes(int8_t v) { return vdupq_n_s8(v); }
+  static I and_(I a, I b) { return vandq_s8(a, b); }
+  static I hi_nibbles(I a) { return vreinterpretq_s8_u8(vshrq_n_u8(u8(a), 4)); }
+  template <int N> static I shl16(I a) { return vreinterpretq_s8_u16(vshlq_n_u16(vreinterpretq_u16_s8(a), N)); }
+  template <int N> static I shr16(I a) { return vreinterpretq_s8_u16(vshrq_n_u16(vreinterpretq_u16_s8(a), N)); }
+  static I or_bits45(I lo, I b) { return vorrq_s8(lo, vandq_s8(b, vdupq_n_s8(0x30))); }
+  static I add_where(I w, const uint8_t* bits, I v) {  // bit i of the 16 at bits + 2H: byte i
+    static const uint8_t one[16] = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128};
+    const uint8x16_t b = vcombine_u8(vdup_n_u8(bits[2 * H]), vdup_n_u8(bits[2 * H + 1]));
+    return vaddq_s8(w, vandq_s8(vreinterpretq_s8_u8(vtstq_u8(b, vld1q_u8(one))), v));
+  }
+  static I bcast(const void* p) { return i8(vdupq_n_s32(int32_t(rd32(static_cast<const uint8_t*>(p))))); }
+  static I set1(int32_t v) { return i8(vdupq_n_s32(v)); }
+  static I table(const uint8_t* t16) { return vreinterpretq_s8_u8(vld1q_u8(t16)); }
+  static I lookup(I t, I idx) { return vreinterpretq_s8_u8(vqtbl1q_u8(u8(t), u8(idx))); }  // idx < 16
+  static I and32(I a, int32_t m) { return i8(vandq_s32(i32(a), vdupq_n_s32(m))); }
+  template <int N> static I shr32(I a) { return vreinterpretq_s8_u32(vshrq_n_u32(vreinterpretq_u32_s8(a), N)); }
+  // acc + the 4 products of each lane's bytes: u's bytes are below 128 here (the callers'
+  // weights: at most 63), so signed x signed is the unsigned x signed of the x86 code.
+  static I dot(I acc, I u, I s) { return dot_s8(acc, u, s); }
+  static I open(I acc) { return acc; }  // 32-bit sums throughout, as VNNI's
+  static I pdot(I run, I u, I s) { return dot(run, u, s); }
+  static I close(I, I run) { return run; }
+  static I dot_q8(I acc, I w, I x) { return dot_s8(acc, veorq_s8(w, vdupq_n_s8(int8_t(0x80))), x); }  // w + 128 as stored
+  static I dot_s8(I acc, I w, I x) {  // any signed bytes (|w| <= 128)
+#if SSD_DOTPROD
+    return i8(vdotq_s32(i32(acc), w, x));
+#else
+    const int16x8_t lo = vmull_s8(vget_low_s8(w), vget_low_s8(x)), hi = vmull_high_s8(w, x);
+    return i8(vaddq_s32(i32(acc), vpaddq_s32(vpaddlq_s16(lo), vpaddlq_s16(hi))));
+#endif
+  }
+  static I sub32(I a, I b) { return i8(vsubq_s32(i32(a), i32(b))); }
+  static I u8_to_32(const uint8_t* p) {
+    return i8(vreinterpretq_s32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(rd32(p + 4 * H)))))));
+  }
+  static I s8_to_32(const uint8_t* p) {
+    return i8(vmovl_s16(vget_low_s16(vmovl_s8(vreinterpret_s8_u8(vcreate_u8(rd32(p + 4 * H)))))));
+  }
+  static F half(const uint8_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p + 8 * H)))); }
+  static F cvt(I a) { return vcvtq_f32_s32(i32(a)); }
+  static F set1f(float v) { return vdupq_n_f32(v); }
+  static F mul(F a, F b) { return vmulq_f32(a, b); }
+  static F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+  static F fnma(F a, F b, F c) { return vfmsq_f32(c, a, b); }  // c - a * b, rounded once
+  static void store(float* p, F a) { vst1q_f32(p + 4 * H, a); }
 };
 #else
 template <int H>  // lanes (rows of the group) 8H .. 8H + 7
@@ -986,6 +1056,53 @@ struct VW {  // each operation is VL<0>'s on lanes 0-7 and VL<1>'s on lanes 8-15
   static F fma(F a, F b, F c) { return {L::fma(a.lo, b.lo, c.lo), H::fma(a.hi, b.hi, c.hi)}; }
   static F fnma(F a, F b, F c) { return {L::fnma(a.lo, b.lo, c.lo), H::fnma(a.hi, b.hi, c.hi)}; }
   static void store(float* p, F a) { L::store(p, a.lo); H::store(p, a.hi); }
+};
+#endif
+
+#if SSD_NEON
+// All 16 lanes as four registers (rows 0-3, 4-7, 8-11, 12-15) in one pass: each operation is
+// VL<h>'s on its quarter. A tile's rows go in parts of 4 (kPart): 16 accumulators of the 32
+// registers.
+struct VQ {
+  using I = std::array<int8x16_t, 4>;
+  using F = std::array<float32x4_t, 4>;
+  static constexpr int kPart = 4;
+  static constexpr bool kQ8Offset = false;
+  template <class Fn> static auto each(Fn f) {  // f(h) for the quarters h = 0 .. 3
+    return std::array{f(std::integral_constant<int, 0>{}), f(std::integral_constant<int, 1>{}),
+                      f(std::integral_constant<int, 2>{}), f(std::integral_constant<int, 3>{})};
+  }
+  static I zero() { return each([](auto h) { return VL<h>::zero(); }); }
+  static F zerof() { return each([](auto h) { return VL<h>::zerof(); }); }
+  static I load(const uint8_t* p) { return each([&](auto h) { return VL<h>::load(p); }); }
+  static I bytes(int8_t v) { return each([&](auto h) { return VL<h>::bytes(v); }); }
+  static I and_(I a, I b) { return each([&](auto h) { return VL<h>::and_(a[h], b[h]); }); }
+  static I hi_nibbles(I a) { return each([&](auto h) { return VL<h>::hi_nibbles(a[h]); }); }
+  template <int N> static I shl16(I a) { return each([&](auto h) { return VL<h>::template shl16<N>(a[h]); }); }
+  template <int N> static I shr16(I a) { return each([&](auto h) { return VL<h>::template shr16<N>(a[h]); }); }
+  static I or_bits45(I lo, I b) { return each([&](auto h) { return VL<h>::or_bits45(lo[h], b[h]); }); }
+  static I add_where(I w, const uint8_t* bits, I v) { return each([&](auto h) { return VL<h>::add_where(w[h], bits, v[h]); }); }
+  static I bcast(const void* p) { return each([&](auto h) { return VL<h>::bcast(p); }); }
+  static I set1(int32_t v) { return each([&](auto h) { return VL<h>::set1(v); }); }
+  static I table(const uint8_t* t16) { return each([&](auto h) { return VL<h>::table(t16); }); }
+  static I lookup(I t, I idx) { return each([&](auto h) { return VL<h>::lookup(t[h], idx[h]); }); }
+  static I and32(I a, int32_t m) { return each([&](auto h) { return VL<h>::and32(a[h], m); }); }
+  template <int N> static I shr32(I a) { return each([&](auto h) { return VL<h>::template shr32<N>(a[h]); }); }
+  static I dot(I acc, I u, I s) { return each([&](auto h) { return VL<h>::dot(acc[h], u[h], s[h]); }); }
+  static I open(I acc) { return acc; }
+  static I pdot(I run, I u, I s) { return dot(run, u, s); }
+  static I close(I, I run) { return run; }
+  static I dot_q8(I acc, I w, I x) { return each([&](auto h) { return VL<h>::dot_q8(acc[h], w[h], x[h]); }); }
+  static I sub32(I a, I b) { return each([&](auto h) { return VL<h>::sub32(a[h], b[h]); }); }
+  static I u8_to_32(const uint8_t* p) { return each([&](auto h) { return VL<h>::u8_to_32(p); }); }
+  static I s8_to_32(const uint8_t* p) { return each([&](auto h) { return VL<h>::s8_to_32(p); }); }
+  static F half(const uint8_t* p) { return each([&](auto h) { return VL<h>::half(p); }); }
+  static F cvt(I a) { return each([&](auto h) { return VL<h>::cvt(a[h]); }); }
+  static F set1f(float v) { return each([&](auto h) { return VL<h>::set1f(v); }); }
+  static F mul(F a, F b) { return each([&](auto h) { return VL<h>::mul(a[h], b[h]); }); }
+  static F fma(F a, F b, F c) { return each([&](auto h) { return VL<h>::fma(a[h], b[h], c[h]); }); }
+  static F fnma(F a, F b, F c) { return each([&](auto h) { return VL<h>::fnma(a[h], b[h], c[h]); }); }
+  static void store(float* p, F a) { each([&](auto h) { VL<h>::store(p, a[h]); return 0; }); }
 };
 #endif
 
@@ -1285,11 +1402,14 @@ static void group_tile_lanes(const uint8_t* packed, int64_t stride, int64_t nb, 
 }
 
 // Lane sets: VNNI all 16 lanes in one zmm; AVX2 up to SSD_VW_ROWS rows of x over all 16 as two
-// ymm (VW), more rows in two passes of 8 lanes (VL<0>, VL<1>) in parts of 4 rows.
+// ymm (VW), more rows in two passes of 8 lanes (VL<0>, VL<1>) in parts of 4 rows; NEON all 16
+// as four registers (VQ) in parts of 4 rows.
 template <int64_t T, int NM, int NG>
 static void group_tile(const uint8_t* packed, int64_t stride, int64_t nb, const Act& a, int64_t tile, float* out) {
 #if SSD_VNNI
   group_tile_lanes<T, NM, NG, VL<0>, VL<0>, false>(packed, stride, nb, a, tile, out);
+#elif SSD_NEON
+  group_tile_lanes<T, NM, NG, VQ, VQ, false>(packed, stride, nb, a, tile, out);
 #else
   if constexpr (NM <= SSD_VW_ROWS) group_tile_lanes<T, NM, NG, VW, VW, false>(packed, stride, nb, a, tile, out);
   else group_tile_lanes<T, NM, NG, VL<0>, VL<1>, true>(packed, stride, nb, a, tile, out);

@@ -16,6 +16,15 @@ static inline void vstore(float* p, V8 a) { _mm256_storeu_ps(p, a); }
 static inline V8 vfma(V8 a, V8 b, V8 c) { return _mm256_fmadd_ps(a, b, c); }
 static inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 static inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+#elif SSD_NEON
+// Two 4-lane halves; vfmaq_f32 is the fused multiply-add of std::fma, lane by lane.
+struct V8 { float32x4_t lo, hi; };
+static inline V8 vload(const float* p) { return {vld1q_f32(p), vld1q_f32(p + 4)}; }
+static inline V8 vzero() { return {vdupq_n_f32(0.f), vdupq_n_f32(0.f)}; }
+static inline void vstore(float* p, V8 a) { vst1q_f32(p, a.lo); vst1q_f32(p + 4, a.hi); }
+static inline V8 vfma(V8 a, V8 b, V8 c) { return {vfmaq_f32(c.lo, a.lo, b.lo), vfmaq_f32(c.hi, a.hi, b.hi)}; }
+static inline void prefetch(const void* p) { __builtin_prefetch(p); }
+static inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #else
 struct V8 { float v[8]; };
 static inline V8 vload(const float* p) {

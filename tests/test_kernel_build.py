@@ -58,8 +58,11 @@ def test_the_build_compiles_the_hashed_copies(csrc, monkeypatch):
 
 
 def test_the_kernels_share_their_isa_header():
-    """linear and linear_int8 include v8.h and through it isa.h; attention and quant isa.h."""
+    """linear and linear_int8 include v8.h and through it isa.h; attention and quant isa.h;
+    every kernel library.h (its namespace)."""
     for name in ("linear", "linear_int8"):
-        assert list(CppKernel(name).sources) == [f"{name}.cpp", "v8.h", "isa.h"]
+        assert list(CppKernel(name).sources) == [f"{name}.cpp", "library.h", "v8.h", "isa.h"]
     for name in ("attention", "quant"):
-        assert list(CppKernel(name).sources) == [f"{name}.cpp", "isa.h"]
+        assert list(CppKernel(name).sources) == [f"{name}.cpp", "library.h", "isa.h"]
+    for name in ("fused", "decoder"):
+        assert "library.h" in CppKernel(name).sources

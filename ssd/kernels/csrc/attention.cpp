@@ -2,7 +2,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "library.h"
 
 #include <algorithm>
 #include <array>
@@ -580,7 +580,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& kc, const at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY(SSD_NS, m) {
+SSD_LIBRARY(m) {
   m.def("attention(Tensor q, Tensor kc, Tensor vc, Tensor rows, Tensor q_row, Tensor q_len, float scale, "
         "float softcap=0.) -> Tensor");
   m.impl("attention", c10::DispatchKey::CPU, &attention);

@@ -16,7 +16,7 @@
 // the last layer), the features an EAGLE-3 head reads.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/library.h>
+#include "library.h"
 
 #include <algorithm>
 #include <string>
@@ -239,7 +239,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> layers(at::Tensor x, const at::T
 
 }  // namespace
 
-TORCH_LIBRARY(SSD_NS, m) {
+SSD_LIBRARY(m) {
   m.def("layers(Tensor x, Tensor positions, Tensor slots, Tensor rows, Tensor q_row, Tensor q_len, Tensor(a!) kv, "
         "Tensor cos, Tensor sin, Tensor[] norms, Tensor[] parts, int[] types, int[] part_rows, int[] nparts, "
         "Tensor[] qkv_bias, Tensor[] qk_norms, int[] dims, int[] sliding, Tensor rows_w, Tensor q_row_w, Tensor q_len_w, "

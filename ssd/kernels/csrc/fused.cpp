@@ -13,7 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <torch/library.h>
+#include "library.h"
 
 #include <cmath>
 #include <cstdint>
@@ -99,7 +99,7 @@ at::Tensor rope_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 
 }  // namespace
 
-TORCH_LIBRARY(SSD_NS, m) {
+SSD_LIBRARY(m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("rope_cache(Tensor q, Tensor k, Tensor v, Tensor positions, Tensor cos, Tensor sin, Tensor(a!) k_cache, "
         "Tensor(b!) v_cache, Tensor slots) -> Tensor");

@@ -4,7 +4,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
+#include "library.h"
 
 #include <algorithm>
 #include <atomic>
@@ -298,7 +298,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
 
 }  // namespace
 
-TORCH_LIBRARY(SSD_NS, m) {
+SSD_LIBRARY(m) {
   m.def("linear(Tensor x, Tensor w, Tensor? b) -> Tensor");
   m.impl("linear", c10::DispatchKey::CPU, &linear);
 }

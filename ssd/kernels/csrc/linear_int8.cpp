@@ -2,7 +2,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
-#include <torch/library.h>
+#include "library.h"
 
 #include <algorithm>
 #include <atomic>
@@ -352,7 +352,7 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 
 }  // namespace
 
-TORCH_LIBRARY(SSD_NS, m) {
+SSD_LIBRARY(m) {
   m.def("linear_int8(Tensor x, Tensor w, Tensor scale, Tensor? b) -> Tensor");
   m.impl("linear_int8", c10::DispatchKey::CPU, &linear_int8);
 }

@@ -59,7 +59,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/Half.h>
-#include <torch/library.h>
+#include "library.h"
 
 #include <algorithm>
 #include <array>
@@ -1656,7 +1656,7 @@ int64_t packed_bytes(int64_t type, int64_t N, int64_t K) {
 
 }  // namespace
 
-TORCH_LIBRARY(SSD_NS, m) {
+SSD_LIBRARY(m) {
   m.def("repack(Tensor raw, int type, int N, int K) -> Tensor");
   m.def("qlinear(Tensor x, Tensor[] parts, int[] types, int[] rows, int K, Tensor? bias, bool reference) -> Tensor");
   m.def("qlinear_each(Tensor[] xs, Tensor[] parts, int[] types, int[] rows, int K) -> Tensor[]");

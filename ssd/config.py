@@ -28,7 +28,15 @@ MIN_CACHE_TOKENS = 16384  # the default KV cache holds at least this many tokens
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise SSDError(f"device {device!r}: {e}") from None
+    if device.type not in ("cpu", "cuda"):
+        # Apple's GPU among them: its kernels are not written, and a silent fallback to plain
+        # torch ops there would lose the batch invariance exactness rests on (docs/kernels.md).
+        raise SSDError(f"device {str(device)!r}: this engine runs on the CPU and on CUDA GPUs"
+                       + ("; on Apple Silicon use device='cpu' (the NEON kernels)" if device.type == "mps" else ""))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SSDError("device cuda was asked for but this machine has no usable CUDA GPU")
     return device

@@ -31,8 +31,10 @@ HOURS = 3  # the first run compiles every kernel three times under emulation
 
 @contextmanager
 def mounted(root: Path, models: Path) -> Iterator[None]:
-    """/proc, the repository at /repo and the host's models under the root's SSD_HOME."""
-    mounts = [(["-t", "proc", "proc"], root / "proc"), (["--bind", str(REPO)], root / "repo"),
+    """/proc, /sys (read-only), the repository at /repo and the host's models under the root's
+    SSD_HOME."""
+    mounts = [(["-t", "proc", "proc"], root / "proc"), (["--bind", "-o", "ro", "/sys"], root / "sys"),
+              (["--bind", str(REPO)], root / "repo"),
               (["--bind", "-o", "ro", str(models)], root / "ssd-home" / "models")]
     done = []
     try:

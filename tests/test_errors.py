@@ -262,3 +262,11 @@ def test_cli_bad_input_exits_2_without_traceback(args, word):
 def test_a_typo_in_a_model_name_is_answered_with_the_near_name():
     with pytest.raises(ModelNotFoundError, match="did you mean 'smollm2-135m-instruct'"):
         LLM("smollm2-135m-instuct")
+
+
+@pytest.mark.parametrize("device,message", [("mps", "device='cpu'"), ("xpu", "the CPU and on CUDA GPUs"),
+                                            ("gpu", "device 'gpu'")])
+def test_a_device_other_than_the_cpu_or_cuda_is_refused_by_name(smollm_dir, device, message):
+    """Apple's GPU among them: no silent fallback to ops that are not batch-invariant."""
+    with pytest.raises(SSDError, match=message):
+        LLM(smollm_dir, device=device)

@@ -27,6 +27,11 @@ fi
 [ -e /proc/sys/fs/binfmt_misc/qemu-aarch64 ] || update-binfmts --enable qemu-aarch64
 
 if [ ! -f "$root/.debian" ]; then
+  # A root this script left half-built goes; any other folder there stays.
+  if [ -d "$root" ] && [ -n "$(ls -A "$root")" ] && [ ! -d "$root/var/lib/dpkg" ]; then
+    echo "tests/arm_root.sh: $root is not empty and not a Debian root: refusing to replace it" >&2
+    exit 2
+  fi
   rm -rf "$root"
   mmdebstrap --arch=arm64 --variant=apt --include=python3,python3-venv,python3-dev,g++,ca-certificates \
     bookworm "$root" http://deb.debian.org/debian

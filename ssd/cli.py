@@ -339,6 +339,9 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--intermediate", type=int, help="the head's MLP width (default: 2x the model's width)")
     t.add_argument("--steps", type=int, default=3, help="training-time-test depth (default: 3)")
     t.add_argument("--restart", action="store_true", help="start the head over (the answers and target states made so far are kept)")
+    t.add_argument("--init", type=Path, metavar="HEAD_DIR",
+                   help="start from this head (one you brought or trained before; its shape and vocabulary) "
+                        "instead of a new one")
     t.set_defaults(func=_train_draft)
 
 
@@ -441,7 +444,7 @@ def _train_draft(args: argparse.Namespace) -> None:
     answer_draft = args.answer_draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
     state = run(TrainSettings(args.model, args.out, args.hours, args.data, args.answer_share, answer_draft,
                               draft_vocab=args.draft_vocab, intermediate=args.intermediate, steps=args.steps,
-                              restart=args.restart))
+                              restart=args.restart, init=args.init))
     last = state["curve"][-1]
     print(f"ssd train-draft: {state['tokens']} tokens trained in {last['trained_s']:.0f} s; validation: "
           f"{last['acc_len']} tokens a target pass at K = {args.steps}; the head is in {args.out}")

@@ -15,7 +15,7 @@ from ssd.models.config import ModelConfig
 from ssd.speculative.draft.eagle import EagleHead, load_eagle
 from ssd.train import data
 from ssd.train.head import HeadShape, TrainHead
-from ssd.train.trainer import TrainSettings, Trainer, accepted_length, draft_ids, train
+from ssd.train.trainer import TrainSettings, Trainer, accepted_length, draft_ids, start_head, train
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "Explain recursion in one sentence."]
@@ -138,6 +138,24 @@ def test_a_new_head_starts_from_the_targets_output_layer(features, tmp_path, smo
         a, b = t.head.lm_head(x), model.lm_head(x)[:, ids]
         # the target's GGUF kernel rounds x to 8 bits, the head's plain matmul does not
         assert torch.allclose(a, b, atol=0.01 * float(b.abs().max()))
+
+
+def test_a_head_goes_on_from_another_heads_weights(features, tmp_path, smollm_dir):
+    """--init: a saved head (here a trained one's folder) is where a new run starts: its shape,
+    its vocabulary and its weights; a head this trainer's layer cannot compute is refused."""
+    home, model, eos = features
+    paths = data.shards(home / "features")
+    cfg = model.config
+    taps = (2, cfg.num_layers // 2, cfg.num_layers - 3)
+    before = _random_head(cfg)
+    before.save(tmp_path / "before")
+    shape, ids, init = start_head(tmp_path / "before", cfg, taps)
+    assert shape == before.shape and torch.equal(ids, before.draft_to_target)
+    t = Trainer(model, shape, ids, paths, tmp_path / "c.pt", TrainSettings(str(smollm_dir), tmp_path / "head",
+                                                                          max_len=64), init)
+    assert all(torch.equal(a, b) for a, b in zip(t.head.tensors().values(), before.tensors().values()))
+    with pytest.raises(SSDError, match="target layers other than"):
+        start_head(tmp_path / "before", cfg, (1, 2, 3))
 
 
 def test_training_prompts_take_each_family_in_turn_past_the_benchmarks():

@@ -142,14 +142,24 @@ class TrainHead(nn.Module):
             o = o + p[..., rows + j:rows + j + 1] * vv.repeat_interleave(group, 1).transpose(0, 1)
         return self.o_proj(o.transpose(0, 1).reshape(rows, -1)), k, v
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """The head's tensors under the EAGLE-3 authors' names, with d2t (offsets) and t2d."""
+    def _named(self) -> dict[str, nn.Module]:
+        """The modules holding its weights, by the EAGLE-3 authors' names."""
         names = {"fc": self.fc, "norm": self.norm, "lm_head": self.lm_head,
                  "midlayer.hidden_norm": self.hidden_norm, "midlayer.input_layernorm": self.input_layernorm,
                  "midlayer.post_attention_layernorm": self.post_attention_layernorm}
         names |= {f"midlayer.self_attn.{p}": getattr(self, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}
-        names |= {f"midlayer.mlp.{p}": getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")}
-        out = {f"{n}.weight": m.weight.detach().contiguous().clone() for n, m in names.items()}
+        return names | {f"midlayer.mlp.{p}": getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")}
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Start from a head's weights under the authors' names (a head people bring, or one
+        trained before: EagleWeights.tensors)."""
+        for n, m in self._named().items():
+            m.weight.copy_(tensors[f"{n}.weight"].float())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The head's tensors under the EAGLE-3 authors' names, with d2t (offsets) and t2d."""
+        out = {f"{n}.weight": m.weight.detach().contiguous().clone() for n, m in self._named().items()}
         ids = self.draft_to_target.cpu()
         t2d = torch.zeros(self.shape.vocab_size, dtype=torch.bool)
         t2d[ids] = True

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from ssd.errors import SSDError
+from ssd.speculative.draft.eagle import load_eagle
 from ssd.store import resolve_model, store_root
 from ssd.train import data
 from ssd.train.head import HeadShape, TrainHead
@@ -49,6 +50,7 @@ class TrainSettings:
     accumulate: int = 4
     seed: int = 0
     restart: bool = False
+    init: Path | None = None  # a head to start from (its shape and vocabulary), instead of a new one
 
 
 def run(s: TrainSettings, progress: bool = True) -> dict:
@@ -68,11 +70,33 @@ def run(s: TrainSettings, progress: bool = True) -> dict:
         taps = (2, cfg.num_layers // 2, cfg.num_layers - 3)
         data.extract(model, taps, home / "answers.jsonl", home / "features", s.max_len, progress)
         paths = data.shards(home / "features")
-        ids = draft_ids(folder, paths, s.draft_vocab, cfg.vocab_size, llm.engine.eos_ids)
-        shape = HeadShape(cfg.hidden_size, s.intermediate or 2 * cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads,
-                          cfg.head_dim, cfg.vocab_size, len(ids), cfg.rms_norm_eps, cfg.rope_theta)
+        if s.init is not None:
+            shape, ids, init = start_head(s.init, cfg, taps)
+        else:
+            ids, init = draft_ids(folder, paths, s.draft_vocab, cfg.vocab_size, llm.engine.eos_ids), None
+            shape = HeadShape(cfg.hidden_size, s.intermediate or 2 * cfg.hidden_size, cfg.num_heads,
+                              cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size, len(ids), cfg.rms_norm_eps,
+                              cfg.rope_theta)
         left = budget - (time.perf_counter() - start)
-        return train(model, shape, ids, paths, home / "checkpoint.pt", s, left, progress)
+        return train(model, shape, ids, paths, home / "checkpoint.pt", s, left, progress, init)
+
+
+def start_head(folder: Path, target, taps: tuple[int, ...]) -> tuple[HeadShape, torch.Tensor, dict]:
+    """A head to go on training (--init): its shape, vocabulary and weights, checked against
+    the target as any head is, and against what this trainer's layer computes."""
+    w = load_eagle(folder, target)
+    c = w.config
+    unlike = [what for what, on in (("attention biases", c.attention_bias), ("q/k norms", c.qk_norm),
+                                    ("an embedding of its own", w.embedding is not None),
+                                    ("the normed residual", c.norm_before_residual),
+                                    ("a width other than the target's", c.hidden_size != target.hidden_size),
+                                    (f"target layers other than {taps}", c.target_layers(target.num_layers) != taps))
+              if on]
+    if unlike:
+        raise SSDError(f"{folder}: train-draft trains the EAGLE-3 authors' layer; this head has {', '.join(unlike)}")
+    shape = HeadShape(c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+                      c.draft_vocab_size, c.rms_norm_eps, c.rope_theta)
+    return shape, w.draft_to_target, w.tensors
 
 
 def draft_ids(folder: Path, paths: list[Path], size: int, vocab: int, always: set[int]) -> torch.Tensor:
@@ -90,9 +114,9 @@ def draft_ids(folder: Path, paths: list[Path], size: int, vocab: int, always: se
 
 
 def train(target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path, s: TrainSettings,
-          budget_s: float, progress: bool) -> dict:
+          budget_s: float, progress: bool, init: dict | None = None) -> dict:
     """Train (or go on training) the head for budget_s seconds; returns its learning state."""
-    t = Trainer(target, shape, ids, paths, checkpoint, s)
+    t = Trainer(target, shape, ids, paths, checkpoint, s, init)
     total = t.state["trained_s"] + max(budget_s, 0.0)
     begin, last_save = time.perf_counter(), time.perf_counter()
     with tqdm(total=int(total), initial=int(t.state["trained_s"]), unit="s", disable=not progress,
@@ -113,16 +137,17 @@ def train(target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkp
 
 
 class Trainer:
-    """The head, its optimiser and its learning state, from the checkpoint where there is one
-    (else a head whose output side is the target's, TrainHead.start_from)."""
+    """The head, its optimiser and its learning state, from the checkpoint where there is one,
+    else from `init` (a head's weights), else a head whose output side is the target's
+    (TrainHead.start_from)."""
 
     def __init__(self, target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path,
-                 s: TrainSettings):
+                 s: TrainSettings, init: dict | None = None):
         torch.manual_seed(s.seed)
         self.embed, self.shape, self.ids, self.checkpoint, self.s = target.embed_tokens, shape, ids, checkpoint, s
         self.head = TrainHead(shape, ids, s.max_len + s.steps + 1)
         if not checkpoint.exists():
-            self.head.start_from(target)
+            self.head.load(init) if init is not None else self.head.start_from(target)
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=s.lr, weight_decay=0.0)
         self.state = {"tokens": 0, "trained_s": 0.0, "curve": [], "step": 0}
         if checkpoint.exists():

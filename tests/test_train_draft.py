@@ -2,6 +2,9 @@
 layout, its training-time test computes what the engine computes when it drafts, a run goes on
 from its checkpoint, and SD with the trained head equals AR."""
 import json
+import os
+import signal
+import threading
 from dataclasses import replace
 
 import pytest
@@ -168,6 +171,22 @@ def test_training_prompts_take_each_family_in_turn_past_the_benchmarks():
     code = {p.text for p in load_prompt_set("humaneval")} | set(data.stdlib_tasks())
     assert prompts[0] in code and prompts[1] in gsm8k and prompts[2] not in code | gsm8k and prompts[3] in code
     assert any(p.startswith("Write a Python function `") for p in prompts[:40])
+
+
+def test_sigterm_stops_training_with_a_checkpoint(features, tmp_path, smollm_dir):
+    """kill (SIGTERM) ends a run as Ctrl-C does: the checkpoint holds the steps made, and the
+    process's own handler is back afterwards."""
+    home, model, eos = features
+    paths = data.shards(home / "features")
+    cfg = model.config
+    ids = draft_ids(smollm_dir, paths, 128, cfg.vocab_size, eos)
+    s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64, accumulate=1)
+    before = signal.getsignal(signal.SIGTERM)
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    with pytest.raises(KeyboardInterrupt):
+        train(model, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s, budget_s=600.0, progress=False)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert Trainer(model, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s).state["step"] >= 1
 
 
 def test_a_checkpoint_of_another_shape_is_refused(features, tmp_path, smollm_dir):

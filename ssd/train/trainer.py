@@ -4,7 +4,7 @@ A run lives in the user's cache (store_root()/train/<target>/): the target's ans
 feature shards and a checkpoint of the head, its optimiser and its learning curve, written
 every few minutes and at the end. Running the command again goes on from there (a run stopped
 by Ctrl-C, a closed laptop or a time budget loses at most the minutes since the last
-checkpoint); `--restart` starts the head over and keeps the answers and feature shards (they
+checkpoint; SIGTERM and SIGHUP as Ctrl-C); `--restart` starts the head over and keeps the answers and feature shards (they
 depend only on the target and the prompts). The budget (`--hours`) is split: answering first
 (`--answer-share` of it, until every prompt is answered), then the feature pass over new
 answers, then training for the rest; each later call spends its own budget the same way.
@@ -14,7 +14,11 @@ the data, and validation acceptance against tokens trained.
 """
 import json
 import math
+import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,7 +124,7 @@ def train(target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkp
     total = t.state["trained_s"] + max(budget_s, 0.0)
     begin, last_save = time.perf_counter(), time.perf_counter()
     with tqdm(total=int(total), initial=int(t.state["trained_s"]), unit="s", disable=not progress,
-              dynamic_ncols=True, desc="train-draft") as bar:
+              dynamic_ncols=True, desc="train-draft") as bar, _stops_as_interrupts():
         try:
             while time.perf_counter() - begin < budget_s:
                 loss, rate = t.step(total)
@@ -134,6 +138,24 @@ def train(target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkp
         finally:
             t.save()
     return t.state
+
+
+@contextmanager
+def _stops_as_interrupts() -> Iterator[None]:
+    """SIGTERM and SIGHUP (`kill`, a closed terminal) stop training as Ctrl-C does, after a
+    checkpoint; a run in the background, where Ctrl-C's SIGINT is ignored, is stopped so."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    old = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler)
 
 
 class Trainer:

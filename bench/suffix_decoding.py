@@ -56,11 +56,18 @@ class Totals:
         t[3] += m.accepted
 
     def rows(self, name: str) -> list[dict]:
-        speed = {label: t[0] / t[1] if t[1] else 0.0 for label, t in self.t.items()}
-        return [{"set": name, "config": label, "tok_s": round(speed[label], 1),
-                 "vs_ar": round(speed[label] / speed["ar"], 2), "vs_sd": round(speed[label] / speed["sd"], 2),
-                 "acceptance": round(t[3] / t[2], 3) if t[2] else None, "tokens": t[0]}
-                for label, t in self.t.items()]
+        speed = {label: t[0] / t[1] if t[1] else None for label, t in self.t.items()}
+
+        def ratio(a: float | None, b: float | None) -> float | None:
+            return round(a / b, 2) if a and b else None
+        out = [{"set": name, "config": label, "tok_s": round(speed[label], 1) if speed[label] else None,
+                "vs_ar": ratio(speed[label], speed["ar"]), "vs_sd": ratio(speed[label], speed["sd"]),
+                "acceptance": round(t[3] / t[2], 3) if t[2] else None, "tokens": t[0]}
+               for label, t in self.t.items()]
+        for r in out:  # as each set ends: a later set's failure loses nothing
+            print(f"{r['set']:14} {r['config']:10} {r['tok_s'] or '-':>6} {r['vs_ar'] or '-':>5} {r['vs_sd'] or '-':>5} "
+                  f"{r['acceptance'] if r['acceptance'] is not None else '-':>7} {r['tokens']:6}", flush=True)
+        return out
 
 
 def turn(llms: dict[str, LLM], prompt, params: SamplingParams, totals: Totals | None, i: int, tools=None):
@@ -148,6 +155,7 @@ def main() -> None:
     args = ap.parse_args()
     params = SamplingParams.greedy(max_tokens=args.max_tokens)
     sets = args.sets.split(",")
+    print(f"{'set':14} {'config':10} {'tok/s':>6} {'x AR':>5} {'x SD':>5} {'accept':>7} {'tokens':>6}", flush=True)
     rows = []
     if "humaneval-run" in sets or "agent" in sets:
         llms = engines(args.model, args.draft)
@@ -159,10 +167,6 @@ def main() -> None:
             llm.close()
     if "mtbench" in sets:
         rows += mtbench(args.model, args.draft, params, args.num_prompts)
-    print(f"{'set':14} {'config':10} {'tok/s':>6} {'x AR':>5} {'x SD':>5} {'accept':>7} {'tokens':>6}")
-    for r in rows:
-        print(f"{r['set']:14} {r['config']:10} {r['tok_s']:6} {r['vs_ar']:5} {r['vs_sd']:5} "
-              f"{r['acceptance'] if r['acceptance'] is not None else '-':>7} {r['tokens']:6}")
     if args.out:
         args.out.write_text(json.dumps({"machine": machine_info(), "args": vars(args) | {"out": str(args.out)},
                                         "rows": rows}, indent=2) + "\n")

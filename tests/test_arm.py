@@ -31,11 +31,11 @@ HOURS = 3  # the first run compiles every kernel three times under emulation
 
 @contextmanager
 def mounted(root: Path, models: Path) -> Iterator[None]:
-    """/proc, /sys (read-only), the repository at /repo and the host's models under the root's
-    SSD_HOME."""
+    """/proc, /sys (read-only), the repository at /repo and the host's models (the store's
+    folder) under the root's SSD_HOME."""
     mounts = [(["-t", "proc", "proc"], root / "proc"), (["--bind", "-o", "ro", "/sys"], root / "sys"),
               (["--bind", str(REPO)], root / "repo"),
-              (["--bind", "-o", "ro", str(models)], root / "ssd-home" / "models")]
+              (["--bind", str(models)], root / "ssd-home" / "models")]  # the store may prepare a model in place
     done = []
     try:
         for how, where in mounts:

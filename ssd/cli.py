@@ -338,7 +338,8 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--draft-vocab", type=int, default=16384, help="the head's vocabulary (default: 16384)")
     t.add_argument("--intermediate", type=int, help="the head's MLP width (default: 2x the model's width)")
     t.add_argument("--steps", type=int, default=3, help="training-time-test depth (default: 3)")
-    t.add_argument("--restart", action="store_true", help="start the head over (the answers and target states made so far are kept)")
+    t.add_argument("--restart", action="store_true",
+                   help="start the head over (the answers and target states made so far are kept)")
     t.add_argument("--init", type=Path, metavar="HEAD_DIR",
                    help="start from this head (one you brought or trained before; its shape and vocabulary) "
                         "instead of a new one")

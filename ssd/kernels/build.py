@@ -43,6 +43,7 @@ _ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"],
 # (aarch64: every aarch64 CPU has "asimd", NEON; "asimddp" is the dot-product extension).
 _CPU_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512dq"}, "avx2": {"avx2", "fma"},
               "dotprod": {"asimd", "asimddp"}, "neon": {"asimd"}, "portable": set()}
+_OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has none (the kernels need none)
 _AT_HWCAP, _HWCAP_ASIMD, _HWCAP_ASIMDDP = 16, 1 << 1, 1 << 20  # Linux aarch64 (asm/hwcap.h)
 _MISSING = object()
 
@@ -168,8 +169,7 @@ class CppKernel:
         return found
 
     def flags(self, variant: str) -> list[str]:
-        openmp = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has none
-        return ["-O3", *openmp, "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
+        return ["-O3", *_OPENMP, "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
                 *_ISA_FLAGS[variant], *self.requires.get(variant, (set(), []))[1]]
 
     @functools.cached_property
@@ -223,7 +223,7 @@ class CppKernel:
                                  "(once per machine and version)\n")
                 sys.stderr.flush()
             cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
-                               extra_ldflags=[] if sys.platform == "darwin" else ["-fopenmp"], build_directory=str(d),
+                               extra_ldflags=_OPENMP, build_directory=str(d),
                                is_python_module=False, verbose=False)
         return ns
 

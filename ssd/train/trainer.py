@@ -3,9 +3,9 @@
 A run lives in the user's cache (store_root()/train/<target>/): the target's answers, the
 feature shards and a checkpoint of the head, its optimiser and its learning curve, written
 every few minutes and at the end. Running the command again goes on from there (a run stopped
-by Ctrl-C, a closed laptop or a time budget loses at most the minutes since the last
-checkpoint; SIGTERM and SIGHUP as Ctrl-C); `--restart` starts the head over and keeps the answers and feature shards (they
-depend only on the target and the prompts). The budget (`--hours`) is split: answering first
+by Ctrl-C, SIGTERM, SIGHUP, a closed laptop or a time budget loses at most the minutes since
+the last checkpoint); `--restart` starts the head over and keeps the answers and feature
+shards (they depend only on the target and the prompts). The budget (`--hours`) is split: answering first
 (`--answer-share` of it, until every prompt is answered), then the feature pass over new
 answers, then training for the rest; each later call spends its own budget the same way.
 The head is written to --out (config.json and model.safetensors in the EAGLE-3 authors'

@@ -170,7 +170,9 @@ class FeatureHead(DraftSource):
         picked from: a fair one-hot candidate, siblings.py), with `confs` its top-1 probability."""
         ids = self.head.draft_to_target
         greedy = seq.params.greedy_decoding
-        q = torch.softmax(logits, -1) if greedy else probs_from_logits(logits, seq.params)
+        # A greedy pick needs no distribution unless a policy reads it (runner-up, confidence).
+        q = probs_from_logits(logits, seq.params) if not greedy else \
+            torch.softmax(logits, -1) if alts is not None or confs is not None else None
         picked = logits.argmax(-1) if greedy else sample(q, self.seqs[seq.seq_id].generator)
         if not greedy:
             whole = torch.zeros(self.head.config.vocab_size)

@@ -44,12 +44,12 @@ def training_prompts(files: list[Path], seed: int = 0) -> list[str]:
     """The prompts to answer: the user's files first, then the families in turn (module doc),
     each in its own shuffled order."""
     own = [p.text for f in files for p in load_prompts_file(f)]
+    code = [p.text for p in load_prompt_set("humaneval")[HELD_BACK:]] + stdlib_tasks()
+    math = [p.text for p in load_prompt_set("gsm8k")[HELD_BACK:]]  # installs GPQA's package too
     path = Path(importlib.metadata.distribution(GPQA[0]).locate_file(GPQA[1]))
     with open(path, newline="", encoding="utf-8") as f:
         science = [row["Question"] for row in csv.DictReader(f) if row.get("Question")]
-    code = [p.text for p in load_prompt_set("humaneval")[HELD_BACK:]] + stdlib_tasks()
-    families = [code, [p.text for p in load_prompt_set("gsm8k")[HELD_BACK:]], science,
-                [p.text for p in load_prompt_set("aclsum")[HELD_BACK:]]]
+    families = [code, math, science, [p.text for p in load_prompt_set("aclsum")[HELD_BACK:]]]
     for i, family in enumerate(families):
         random.Random(seed + i).shuffle(family)
     return own + [p for p in chain.from_iterable(zip_longest(*families)) if p is not None]

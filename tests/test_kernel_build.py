@@ -66,3 +66,18 @@ def test_the_kernels_share_their_isa_header():
         assert list(CppKernel(name).sources) == [f"{name}.cpp", "library.h", "isa.h"]
     for name in ("fused", "decoder"):
         assert "library.h" in CppKernel(name).sources
+
+
+def test_a_build_leaves_the_next_kernels_flags_alone(csrc, monkeypatch):
+    """torch's load() appends its libraries to the flag lists it is given, in place: a list
+    the kernels share would change every later kernel's flags, so its folder (on a fresh
+    machine, each kernel the process loaded after the first compiled a second time)."""
+    def load(name, sources, extra_cflags, extra_ldflags, **kwargs):  # as torch's does
+        extra_ldflags += ["-L/torch/lib", "-lc10"]
+        extra_cflags += ["-I/torch/include"]
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    first, second = CppKernel("k"), CppKernel("k")
+    before = (first.flags("portable"), second.build_dir("portable"))
+    first._build("portable")
+    assert (first.flags("portable"), second.build_dir("portable")) == before

@@ -43,7 +43,7 @@ _ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"],
 # (aarch64: every aarch64 CPU has "asimd", NEON; "asimddp" is the dot-product extension).
 _CPU_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512dq"}, "avx2": {"avx2", "fma"},
               "dotprod": {"asimd", "asimddp"}, "neon": {"asimd"}, "portable": set()}
-_OPENMP = [] if sys.platform == "darwin" else ["-fopenmp"]  # Apple clang has none (the kernels need none)
+_OPENMP = () if sys.platform == "darwin" else ("-fopenmp",)  # Apple clang has none (the kernels need none)
 _AT_HWCAP, _HWCAP_ASIMD, _HWCAP_ASIMDDP = 16, 1 << 1, 1 << 20  # Linux aarch64 (asm/hwcap.h)
 _MISSING = object()
 
@@ -222,8 +222,10 @@ class CppKernel:
                 sys.stderr.write(f"ssd-engine: compiling the CPU {self.name} kernel ({variant}) into {d} "
                                  "(once per machine and version)\n")
                 sys.stderr.flush()
+            # Lists of their own: load() appends torch's libraries to extra_ldflags in place, and
+            # a shared list would change every later kernel's flags, so its hash (a rebuild).
             cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
-                               extra_ldflags=_OPENMP, build_directory=str(d),
+                               extra_ldflags=list(_OPENMP), build_directory=str(d),
                                is_python_module=False, verbose=False)
         return ns
 

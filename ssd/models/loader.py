@@ -86,6 +86,8 @@ def resolve_weights(folder: Path, device: torch.device, weights: str) -> str:
     """The concrete way a model's weights will be held ("auto" decided)."""
     if weights not in WEIGHTS:
         raise SSDError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    if device.type == "cpu":  # every kernel a first pass needs, side by side on a fresh machine,
+        prebuild()  # before the quant kernel below is asked for (alone, it built first, by itself)
     is_gguf = weight_files(folder)[0].name == GGUF_LINK
     if weights in ("gguf", "q4_0"):
         if not is_gguf:
@@ -197,8 +199,6 @@ def load_model(folder: Path, device: torch.device, dtype: torch.dtype, weights: 
     none to read (an untied safetensors head)."""
     weights = resolve_weights(folder, device, weights)
     cfg = ModelConfig.from_folder(folder)
-    if device.type == "cpu":
-        prebuild()  # every kernel the first pass needs, compiled side by side on a fresh machine
     rows = None if head_rows is None else torch.tensor(head_rows, dtype=torch.long)
     if rows is not None and not (rows.numel() and 0 <= int(rows.min()) and int(rows.max()) < cfg.vocab_size):
         raise SSDError(f"head rows must be token ids in 0..{cfg.vocab_size - 1}")

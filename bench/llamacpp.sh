@@ -7,7 +7,8 @@
 # one instead, AMX left out, which is the fastest build of it that works.
 #
 #   bash bench/llamacpp.sh [DIR]   native tools into DIR/build/bin (llama-bench, llama-speculative,
-#                                  llama-perplexity, llama-server; about 6 minutes on 2 cores) and
+#                                  llama-lookup, llama-perplexity, llama-server; about 6 minutes on
+#                                  2 cores) and
 #                                  llama-cpp-python built the same way into the active Python.
 # Prints the folder that holds the tools.
 set -euo pipefail
@@ -27,13 +28,13 @@ else
 fi
 bin="$dir/build/bin"
 stamp="$dir/build/flags"
-if [ ! -x "$bin/llama-server" ] || [ "$(cat "$stamp" 2>/dev/null)" != "${flags[*]}" ]; then
+if [ ! -x "$bin/llama-lookup" ] || [ "$(cat "$stamp" 2>/dev/null)" != "${flags[*]}" ]; then
   mkdir -p "$dir"
   python3 -m pip download -q --no-deps --no-binary :all: "llama-cpp-python==$version" -d "$dir" >&2
   rm -rf "$dir/src" && mkdir "$dir/src"
   tar xzf "$dir/llama_cpp_python-$version.tar.gz" -C "$dir/src" --strip-components=1
   (cd "$dir/src/vendor/llama.cpp" && cmake -B "$dir/build" -G Ninja "${flags[@]}" >/dev/null &&
-   cmake --build "$dir/build" -j"$(nproc)" --target llama-bench llama-speculative llama-perplexity llama-server >/dev/null)
+   cmake --build "$dir/build" -j"$(nproc)" --target llama-bench llama-speculative llama-lookup llama-perplexity llama-server >/dev/null)
   echo "${flags[*]}" > "$stamp"
 fi
 if ! python -c "import llama_cpp" 2>/dev/null || [ "$(cat "$dir/python-flags" 2>/dev/null)" != "${flags[*]}" ]; then

@@ -274,6 +274,11 @@ class LLM:
         """The prompt's token ids."""
         return self._encode(prompt)[1]
 
+    def render(self, prompt: Prompt, tools: Tools | list[dict] | None = None) -> str:
+        """The text the model reads for this prompt: a chat rendered with the model's chat
+        template and the tools (what another engine is given to read the same prompt)."""
+        return self._encode(prompt, tools if tools is None or isinstance(tools, Tools) else Tools.check(tools))[0]
+
     def _encode(self, prompt: Prompt, tools: Tools | None = None) -> tuple[str, list[int]]:
         """The text the model reads (a chat rendered with the model's chat template, with the
         tools), and its ids."""

@@ -132,9 +132,11 @@ class LLMEngine:
             local = self.source.in_process  # a draft model or a head in this process (SD)
             # Prompt lookup beside it (module doc of adaptive_k.py), and sibling leaves (siblings.py).
             lookup = None
-            if local and opts.prompt_lookup == SUFFIX:  # its index outlives this policy: the engine's
+            # By default suffix decoding (the request's own tokens and earlier requests' text), whose
+            # index outlives this policy: the engine's. True: prompt lookup over the request alone.
+            if local and opts.prompt_lookup in (None, SUFFIX):
                 lookup = SuffixLookup(self.suffix_index)
-            elif local and opts.prompt_lookup is not False:
+            elif local and opts.prompt_lookup:
                 lookup = PromptLookup(opts.ngram_min, opts.ngram_max)
             siblings = bool(opts.draft_siblings) and local
             # The draft's stopping rule (draft_stop.py), where the draft is in this process.

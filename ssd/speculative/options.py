@@ -210,8 +210,8 @@ class SpecOptions:
         None, "SD with a draft model and K auto: prompt lookup beside the draft. Where a sequence's newest n-gram "
         "occurred before, a round may propose what followed it (no draft step) instead of the draft's tokens, "
         "chosen by their measured acceptance and costs; the output stays exact (for prompt lookup alone: "
-        "--draft ngram). suffix: suffix decoding instead, over earlier requests' text too (--draft suffix alone). "
-        "Default: on there",
+        "--draft ngram). suffix: suffix decoding, over earlier requests' text too (--draft suffix alone); on: "
+        "over the request's own tokens only. Default: suffix there",
         flag="--lookup", parse=parse_lookup, metavar="on|off|suffix", check=_lookup, modes=("sd",), auto_only=True,
         model_only=True, sweep="lookup")
     draft_siblings: bool | None = _option(

@@ -87,7 +87,8 @@ class Totals:
                for label, t in self.t.items()]
         for r in out:
             print(f"{r['set']:14} {r['config']:10} {r['tok_s'] or '-':>6} {r['vs_ar'] or '-':>5} "
-                  f"{r['vs_sd'] or '-':>5} {r['acceptance'] if r['acceptance'] is not None else '-':>7} {r['tokens']:6}", flush=True)
+                  f"{r['vs_sd'] or '-':>5} {r['acceptance'] if r['acceptance'] is not None else '-':>7} "
+                  f"{r['tokens']:6}", flush=True)
         return out
 
 

@@ -1,14 +1,17 @@
 """draft_guesses: prompt lookup guesses the draft's own next tokens, fed in the same draft pass
 Every row's logits are what one pass at a time would give (batch-invariant
 kernels), so the draft's tokens are the same in fewer passes, and SD's output stays AR's.
-Greedy requests only: sampled ones take none."""
+Greedy requests only: sampled ones take none. A pass takes as many guessed rows as pay by the
+draft's measured pass cost and the guesses' measured precision (_guess_rows); the tests of the
+mechanics fix that count at GUESS_ROWS (`every_row`)."""
 import pytest
 import torch
 
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
 from ssd.models.loader import load_model
-from ssd.speculative.draft.draft_engine import DraftEngine
+from ssd.speculative.draft.draft_engine import GUESS_PROBE, GUESS_ROWS, DraftEngine
+from ssd.speculative.policy.costs import Timings
 from test_draft_window import fed
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT
@@ -33,12 +36,18 @@ def _rounds(engine: DraftEngine, prompt: list[int], rounds: int, k: int, steps: 
     return drafted
 
 
+@pytest.fixture
+def every_row(monkeypatch):
+    """Every pass guesses GUESS_ROWS rows, whatever they cost on this machine."""
+    monkeypatch.setattr(DraftEngine, "_guess_rows", lambda self, fed, live: GUESS_ROWS if self.guesses else 0)
+
+
 @pytest.fixture(scope="module")
 def smollm_model(smollm_dir):
     return load_model(smollm_dir, torch.device("cpu"), torch.float32, "auto")
 
 
-def test_guesses_give_the_draft_its_own_tokens_in_fewer_passes(smollm_model, smollm):
+def test_guesses_give_the_draft_its_own_tokens_in_fewer_passes(smollm_model, smollm, every_row):
     prompt = smollm.encode(REPEATING)
     passes = {}
     drafted = {}
@@ -53,7 +62,7 @@ def test_guesses_give_the_draft_its_own_tokens_in_fewer_passes(smollm_model, smo
     assert passes[True] < passes[False], passes
 
 
-def test_wrong_guesses_cost_rows_not_tokens(smollm_model, smollm, monkeypatch):
+def test_wrong_guesses_cost_rows_not_tokens(smollm_model, smollm, monkeypatch, every_row):
     """Guesses that are always wrong: every pass picks the draft's own token, and the rejected
     rows' K/V are dropped (the next rounds draft the same tokens as without guesses)."""
     prompt = smollm.encode(REPEATING)
@@ -67,7 +76,7 @@ def test_wrong_guesses_cost_rows_not_tokens(smollm_model, smollm, monkeypatch):
     assert len(sizes) == len(plain_sizes) and sum(sizes) > sum(plain_sizes)  # as many passes, more rows
 
 
-def test_sd_with_guesses_is_exact(smollm_dir, truncated_draft, ar_outputs):
+def test_sd_with_guesses_is_exact(smollm_dir, truncated_draft, ar_outputs, every_row):
     params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
     prompts = [REPEATING, "List three prime numbers and say why they are prime."]
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=6, draft_guesses=True) as llm:
@@ -91,7 +100,7 @@ def test_ssd_with_guesses_is_exact(smollm_dir, truncated_draft, ar_outputs):
     assert [o.token_ids for o in outs] == ar_outputs([REPEATING], params)
 
 
-def test_sampled_requests_take_no_guesses(tiny_pair):
+def test_sampled_requests_take_no_guesses(tiny_pair, every_row):
     """A sampled row's pick is a draw: guesses are for greedy requests (measured slower for
     sampled ones). With the option on, a batch of sampled and greedy requests feeds guessed rows
     for the greedy ones only."""
@@ -110,6 +119,25 @@ def test_sampled_requests_take_no_guesses(tiny_pair):
         outs = llm.generate([PROMPT] * 8, [sampled] * 4 + [greedy] * 4)
     assert given[False] == 0 and given[True] > 0, given
     assert all(len(o.token_ids) == NEW for o in outs)
+
+
+def test_guesses_are_taken_where_they_pay(smollm_model):
+    """Rows that cost what a pass costs: no guess (but a probe now and then, to learn); rows
+    nearly free: every row; guesses measured mostly wrong: none where a row costs a tenth of a
+    pass."""
+    engine = DraftEngine(smollm_model, torch.device("cpu"), k_max=8, cache_tokens=512, guesses=True)
+    engine.pass_time = Timings({r: 0.01 * r for r in range(1, GUESS_ROWS + 2)})
+    taken = [engine._guess_rows(1, 1) for _ in range(2 * GUESS_PROBE)]
+    assert taken.count(1) == 2 and set(taken) == {0, 1}  # the probes
+    engine.pass_time = Timings({r: 0.01 + 0.0001 * r for r in range(1, GUESS_ROWS + 2)})
+    assert engine._guess_rows(1, 1) == GUESS_ROWS
+    assert engine._guess_rows(2, 4) == GUESS_ROWS  # a batch's rows, read past the timed sizes
+    engine.pass_time = Timings({r: 0.01 + 0.001 * r for r in range(1, GUESS_ROWS + 2)})  # a row: 10 % of a pass
+    assert engine._guess_rows(1, 1) == 2  # at the prior's precision (a third row: 1.875 / 1.4 < 1.75 / 1.3)
+    for _ in range(200):
+        engine.guessed.observe(GUESS_ROWS, 0)  # the first guessed row wrong, every pass
+    assert sum(engine._guess_rows(1, 1) for _ in range(GUESS_PROBE)) == 1  # the probe
+    assert DraftEngine(smollm_model, torch.device("cpu"), k_max=8, cache_tokens=512)._guess_rows(1, 1) == 0
 
 
 def test_draft_guesses_option(smollm_dir):

@@ -22,6 +22,7 @@ from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.spec_cache import SpeculationCache
 from ssd.speculative.draft.vocab import DraftHead, ExtraTokens
 from ssd.speculative.options import DraftConfig
+from ssd.speculative.policy.costs import Acceptance, Timings, expected_tokens
 from ssd.speculative.policy.draft_stop import StopRule
 from ssd.speculative.records import Alternative, Proposal, argmax_chain, round_k
 from ssd.speculative.sources.ngram_index import NgramIndex
@@ -31,6 +32,10 @@ GUESS_NGRAM_MAX = 4  # the longest n-gram looked up for the draft's guesses
 # The most guessed rows a pass feeds: each costs the pass a little, and with draft_stop a
 # round's K is k_max, most of which it never drafts.
 GUESS_ROWS = 3
+# A guessed row's chance of being the draft's own pick (the rows before it right), before any
+# was measured, worth this many passes; decayed per pass.
+GUESS_PRIOR, GUESS_WEIGHT, GUESS_DECAY = 0.5, 4.0, 0.99
+GUESS_PROBE = 16  # where no guess pays, every this many passes guess one row anyway (to learn)
 
 
 def agreed(picked: list[int], guess: list[int]) -> int:
@@ -102,6 +107,8 @@ class DraftEngine:
         guesses of the draft's next tokens join its passes (_guess)."""
         cfg = model.config
         self.window, self.guesses = window, guesses
+        self.guessed = Acceptance(GUESS_DECAY)  # how often a guessed row was right (_guess_rows)
+        self.passes = 0
         self.k_max, self.device, self.saguaro = k_max, device, saguaro
         self.max_len = cfg.max_position_embeddings
         self.head = DraftHead(model, vocab_ids, device)
@@ -110,6 +117,9 @@ class DraftEngine:
         buckets = [1 << i for i in range(7)] if device.type == "cuda" else None
         self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=min(self.max_len, cache_tokens) + k_max + 1)
         self.runner.warm_up(head=False)  # the draft's passes stop at hidden states (DraftHead)
+        # The draft's pass by rows, timed now and then measured, to price its guesses (_guess_rows).
+        self.pass_time = Timings({r: self.runner.timed_pass(r, repeat=2, head=False)
+                                  for r in range(1, GUESS_ROWS + 2)}) if guesses else None
         self.seqs: dict[int, DraftSeq] = {}
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
@@ -215,10 +225,12 @@ class DraftEngine:
             start = time.perf_counter()
             chunks, guesses = [], []
             for b in live:
+                self._window(seqs[b])
+                seqs[b].fed = min(seqs[b].fed, len(seqs[b].tokens) - 1)  # feed at least the newest token
+            rows = self._guess_rows(sum(len(seqs[b].tokens) - seqs[b].fed for b in live), len(live))
+            for b in live:
                 s = seqs[b]
-                self._window(s)
-                s.fed = min(s.fed, len(s.tokens) - 1)  # feed at least the newest token
-                guess = self._guess(s, min(GUESS_ROWS, ks[b] - len(tokens[b]) - 1))
+                guess = self._guess(s, min(rows, ks[b] - len(tokens[b]) - 1))
                 self.kv.reserve(s.seq_id, len(s.tokens) + len(guess))
                 chunks.append(Chunk(s.seq_id, s.tokens[s.fed:] + guess, s.fed, 1 + len(guess)))
                 guesses.append(guess)
@@ -228,6 +240,8 @@ class DraftEngine:
             for i, b in enumerate(live):
                 s, guess = seqs[b], guesses[i]
                 right = agreed(picked[row:row + len(guess)], guess)  # their K/V stay
+                if guess:
+                    self.guessed.observe(len(guess), right)
                 s.fed = len(s.tokens) + right
                 if right < len(guess):
                     self.kv.truncate(s.seq_id, s.fed)
@@ -250,8 +264,11 @@ class DraftEngine:
             # A first pass that feeds a prompt or many tokens missed while K was 0 is catch-up,
             # not what one more draft token costs (adaptive_k.py reads step_s).
             if max(len(c.tokens) - len(g) for c, g in zip(chunks, guesses)) <= 2:
-                step_s += time.perf_counter() - start
+                elapsed = time.perf_counter() - start
+                step_s += elapsed
                 step_tokens += min(advanced)  # the batch is as far as its slowest sequence
+                if self.pass_time is not None:
+                    self.pass_time.observe(sum(len(c.tokens) for c in chunks), elapsed)
             else:
                 catchup_s += time.perf_counter() - start
                 for c, g in zip(chunks, guesses):
@@ -262,6 +279,24 @@ class DraftEngine:
         catchup = (catchup_s, catchup_tokens, catchup_keys) if catchup_tokens else None
         return [Proposal(t, torch.stack(q) if q else None, alternatives=a, confidences=c if rule is not None else None,
                          step_s=step, catchup=catchup) for t, q, a, c, rule in zip(tokens, qs, alts, confs, rules)]
+
+    def _guess_rows(self, fed: int, live: int) -> int:
+        """The guessed rows per sequence this pass takes (at most GUESS_ROWS): the g that makes
+        the most tokens a second, live x E(g) / T(fed + live x g), E(g) = 1 + p_1 + p_1 p_2 +
+        ... the tokens a sequence's pass expects with g guessed rows (p_i: how often a guessed
+        row was the draft's own pick, the rows before it right), T the pass's measured time by
+        rows. Where rows are dear (AVX2 without VNNI: a 5-row pass of the 1.5B cost 2.07 of a
+        row's on the Zen 5 host with the AVX2 build, 1.30 with AVX-512 VNNI), guesses that are
+        often wrong cost more than the passes they save; unpriced, they made a drafted token
+        dearer, and auto-K drafted less (docs/algorithm.md, "The draft's guesses")."""
+        if self.pass_time is None:
+            return 0
+        if fed > 2 * live:  # a catch-up (a prompt, tokens missed): a few rows more cost nothing beside it
+            return GUESS_ROWS
+        self.passes += 1
+        gain = expected_tokens(self.guessed.rates(GUESS_ROWS, [GUESS_PRIOR] * GUESS_ROWS, GUESS_WEIGHT))
+        best = max(range(GUESS_ROWS + 1), key=lambda g: gain[g] / max(self.pass_time(fed + live * g), 1e-9))
+        return best if best or self.passes % GUESS_PROBE else 1
 
     def _guess(self, s: DraftSeq, most: int) -> list[int]:
         """Prompt lookup's guess of the draft's next `most` tokens, this pass's pick the first

@@ -286,9 +286,10 @@ class DraftEngine:
         ... the tokens a sequence's pass expects with g guessed rows (p_i: how often a guessed
         row was the draft's own pick, the rows before it right), T the pass's measured time by
         rows. Where rows are dear (AVX2 without VNNI: a 5-row pass of the 1.5B cost 2.07 of a
-        row's on the Zen 5 host with the AVX2 build, 1.30 with AVX-512 VNNI), guesses that are
-        often wrong cost more than the passes they save; unpriced, they made a drafted token
-        dearer, and auto-K drafted less (docs/algorithm.md, "The draft's guesses")."""
+        one-row pass on the Zen 5 host with the AVX2 build, 1.02-1.06 with its AVX-512 VNNI
+        build), guesses that are often wrong cost more than the passes they save; unpriced, they
+        made a drafted token dearer, and auto-K drafted less (docs/algorithm.md, "The draft's
+        guesses")."""
         if self.pass_time is None:
             return 0
         if fed > 2 * live:  # a catch-up (a prompt, tokens missed): a few rows more cost nothing beside it

@@ -243,11 +243,12 @@ class SpecOptions:
         flag="--draft-window", parse=parse_window, metavar="W|all",
         check=lambda name, v: v is None or check_int(name, v, 16), model_only=True, sweep="w", none="all")
     suffix_tokens: int = _option(
-        500_000, "suffix decoding (--draft suffix, or --lookup suffix): the most tokens of earlier requests its index "
-        "keeps, over all tenants (cache_salt), the oldest request's out first", flag="--suffix-tokens", parse=int,
+        500_000, "suffix decoding (--draft suffix, or beside a draft model: --lookup suffix, the default): the most "
+        "tokens of earlier requests its index keeps, over all tenants (cache_salt), the oldest request's out first",
+        flag="--suffix-tokens", parse=int,
         metavar="N", modes=("sd",), check=lambda name, v: check_int(name, v, 0))
-    ngram_min: int = _option(1, "prompt lookup (draft='ngram', or beside a draft): the shortest n-gram looked up",
-                             flag="--ngram-min", parse=int, metavar="N")
+    ngram_min: int = _option(1, "prompt lookup (draft='ngram', or beside a draft with --lookup on): the shortest "
+                             "n-gram looked up", flag="--ngram-min", parse=int, metavar="N")
     ngram_max: int = _option(4, "prompt lookup: the longest n-gram looked up (tried first)", flag="--ngram-max",
                              parse=int, metavar="N")
     fan_out: int | list[int] | str = _option(

@@ -189,7 +189,7 @@ def test_sigterm_stops_training_with_a_checkpoint(features, tmp_path, smollm_dir
     assert Trainer(model, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s).state["step"] >= 1
 
 
-def test_a_checkpoint_of_another_shape_is_refused(features, tmp_path, smollm_dir):
+def test_a_checkpoint_refuses_another_shape_and_keeps_its_vocabulary(features, tmp_path, smollm_dir):
     home, model, eos = features
     paths = data.shards(home / "features")
     cfg = model.config
@@ -199,3 +199,7 @@ def test_a_checkpoint_of_another_shape_is_refused(features, tmp_path, smollm_dir
     with pytest.raises(SSDError, match="--restart"):
         Trainer(model, replace(_shape(cfg, len(ids)), intermediate_size=32), ids, paths,
                 tmp_path / "c.pt", s)
+    # More answers since: other counts, another top 128; the run goes on with its own vocabulary.
+    other = draft_ids(smollm_dir, paths[:1], 128, cfg.vocab_size, eos)
+    assert not torch.equal(other, ids)
+    assert torch.equal(Trainer(model, _shape(cfg, len(ids)), other, paths, tmp_path / "c.pt", s).ids, ids)

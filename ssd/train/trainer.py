@@ -166,17 +166,20 @@ class Trainer:
     def __init__(self, target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkpoint: Path,
                  s: TrainSettings, init: dict | None = None):
         torch.manual_seed(s.seed)
+        saved = torch.load(checkpoint, weights_only=False) if checkpoint.exists() else None
+        if saved is not None:
+            if saved["shape"] != asdict(shape):
+                raise SSDError(f"{checkpoint} holds a head of another shape: run with --restart to start over")
+            # A run going on keeps its head's vocabulary: answers added since change the counts
+            # `ids` came from (draft_ids), not what the head was trained to predict.
+            ids = saved["ids"]
         self.embed, self.shape, self.ids, self.checkpoint, self.s = target.embed_tokens, shape, ids, checkpoint, s
         self.head = TrainHead(shape, ids, s.max_len + s.steps + 1)
-        if not checkpoint.exists():
+        if saved is None:
             self.head.load(init) if init is not None else self.head.start_from(target)
         self.opt = torch.optim.AdamW(self.head.parameters(), lr=s.lr, weight_decay=0.0)
         self.state = {"tokens": 0, "trained_s": 0.0, "curve": [], "step": 0}
-        if checkpoint.exists():
-            saved = torch.load(checkpoint, weights_only=False)
-            if saved["shape"] != asdict(shape) or not torch.equal(saved["ids"], ids):
-                raise SSDError(f"{checkpoint} holds a head of another shape or vocabulary: run with --restart to "
-                               "start over")
+        if saved is not None:
             self.head.load_state_dict(saved["head"])
             self.opt.load_state_dict(saved["opt"])
             self.state = saved["state"]

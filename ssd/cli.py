@@ -343,6 +343,9 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--init", type=Path, metavar="HEAD_DIR",
                    help="start from this head (one you brought or trained before; its shape and vocabulary) "
                         "instead of a new one")
+    t.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
+                   help="the arithmetic of training's passes (the weights and the optimiser stay fp32); auto: "
+                        "bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX: about 3x faster), else fp32")
     t.set_defaults(func=_train_draft)
 
 
@@ -445,7 +448,7 @@ def _train_draft(args: argparse.Namespace) -> None:
     answer_draft = args.answer_draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
     state = run(TrainSettings(args.model, args.out, args.hours, args.data, args.answer_share, answer_draft,
                               draft_vocab=args.draft_vocab, intermediate=args.intermediate, steps=args.steps,
-                              restart=args.restart, init=args.init))
+                              restart=args.restart, init=args.init, precision=args.precision))
     last = state["curve"][-1]
     print(f"ssd train-draft: {state['tokens']} tokens trained in {last['trained_s']:.0f} s; validation: "
           f"{last['acc_len']} tokens a target pass at K = {args.steps}; the head is in {args.out}")

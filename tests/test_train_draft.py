@@ -18,7 +18,8 @@ from ssd.models.config import ModelConfig
 from ssd.speculative.draft.eagle import EagleHead, load_eagle
 from ssd.train import data
 from ssd.train.head import HeadShape, TrainHead
-from ssd.train.trainer import TrainSettings, Trainer, accepted_length, draft_ids, start_head, train
+from ssd.train.trainer import (TrainSettings, Trainer, accepted_length, draft_ids, start_head, train,
+                               training_precision)
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
            "Explain recursion in one sentence."]
@@ -203,3 +204,38 @@ def test_a_checkpoint_refuses_another_shape_and_keeps_its_vocabulary(features, t
     other = draft_ids(smollm_dir, paths[:1], 128, cfg.vocab_size, eos)
     assert not torch.equal(other, ids)
     assert torch.equal(Trainer(model, _shape(cfg, len(ids)), other, paths, tmp_path / "c.pt", s).ids, ids)
+
+
+def test_sequences_answered_later_train_and_the_held_out_ones_stay(features, tmp_path, smollm_dir):
+    """A run going on after more answers keeps its held-out sequences (the learning curve stays
+    on the same text); the new ones train."""
+    home, model, eos = features
+    paths = data.shards(home / "features")
+    cfg = model.config
+    ids = draft_ids(smollm_dir, paths, 128, cfg.vocab_size, eos)
+    s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64, accumulate=1)
+    first = Trainer(model, _shape(cfg, len(ids)), ids, paths[3:], tmp_path / "c.pt", s)
+    assert first.val == paths[3:4]
+    first.save()
+    later = Trainer(model, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s)
+    assert later.val == paths[3:4] and later.fit == paths[:3] + paths[4:]
+
+
+def test_bf16_passes_train_fp32_weights(features, tmp_path, smollm_dir):
+    """--precision bf16: the passes under autocast, the weights and AdamW's state fp32, and the
+    training sequences' chains grow as with fp32."""
+    home, model, eos = features
+    paths = data.shards(home / "features")
+    cfg = model.config
+    ids = draft_ids(smollm_dir, paths, 128, cfg.vocab_size, eos)
+    s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64, accumulate=2, lr=1e-3, precision="bf16")
+    t = Trainer(model, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s)
+    before = accepted_length(t.head, model.embed_tokens, t.fit, t.to_draft, 3)
+    for _ in range(30):
+        t.step(total_s=1e9)
+    assert accepted_length(t.head, model.embed_tokens, t.fit, t.to_draft, 3) > before
+    assert {p.dtype for p in t.head.parameters()} == {torch.float32}
+    assert {v.dtype for st in t.opt.state.values() for v in st.values() if v.dim()} == {torch.float32}
+    assert training_precision("fp32") == "fp32" and training_precision("auto") in ("bf16", "fp32")
+    with pytest.raises(SSDError, match="fp16"):
+        training_precision("fp16")

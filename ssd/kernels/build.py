@@ -81,6 +81,11 @@ def _arm_flags() -> frozenset[str]:
     return frozenset(name for name, bit in (("asimd", _HWCAP_ASIMD), ("asimddp", _HWCAP_ASIMDDP)) if hwcap & bit)
 
 
+def cpu_has(*flags: str) -> bool:
+    """Whether this CPU has all these features (/proc/cpuinfo's names on x86)."""
+    return set(flags) <= _cpu_flags()
+
+
 @functools.cache
 def _cpu_flags() -> frozenset[str]:
     machine = platform.machine().lower()

@@ -5,7 +5,9 @@ over each set's prompts, the speed-up over AR and over the first draft, acceptan
 per target pass, drafted tokens per round (K), the share of rounds that took prompt lookup's
 tokens, and a drafted token's cost in plain decoding steps (the round's wait for
 proposals per drafted token, against AR's seconds a token). `--ks auto,3,5` runs each draft at
-each K (auto-K against fixed ones); `--prompt TEXT` (repeatable) adds a set of one's own.
+each K (auto-K against fixed ones); `--siblings off,on` each draft without and with branches off
+its chain (sibling leaves; a head's tree), with their rows and tokens taken a round; `--prompt
+TEXT` (repeatable) adds a set of one's own.
 
     python bench/draft_compare.py --drafts qwen2.5-coder-0.5b-instruct,HEAD_DIR [--sets humaneval,gsm8k,mtbench]
         [--num-prompts 4] [--max-tokens 128] [--model qwen2.5-coder-1.5b-instruct] [--out FILE.json]
@@ -29,14 +31,18 @@ def main() -> None:
                     "--prompt's")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt of one's own (repeatable): the set 'own'")
     ap.add_argument("--ks", default="auto", help="K per draft, comma-separated: auto (auto-K) or a number")
+    ap.add_argument("--siblings", default="default", help="branches off the chain per draft, comma-separated: "
+                    "default, on, off")
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    drafts, ks = args.drafts.split(","), args.ks.split(",")
-    configs = {d if len(ks) == 1 else f"{d} K={k}": (d, k if k == "auto" else int(k)) for d in drafts for k in ks}
-    engines = {"ar": LLM(args.model)} | {label: LLM(args.model, draft=d, mode="sd", speculate_k=k)
-                                         for label, (d, k) in configs.items()}
+    drafts, ks, sibs = args.drafts.split(","), args.ks.split(","), args.siblings.split(",")
+    configs = {d + (f" K={k}" if len(ks) > 1 else "") + (f" siblings={b}" if len(sibs) > 1 else ""):
+               (d, k if k == "auto" else int(k), {"default": None, "on": True, "off": False}[b])
+               for d in drafts for k in ks for b in sibs}
+    engines = {"ar": LLM(args.model)} | {label: LLM(args.model, draft=d, mode="sd", speculate_k=k, draft_siblings=b)
+                                         for label, (d, k, b) in configs.items()}
     own = [[{"role": "user", "content": text}] for text in args.prompt]
     sets = [("own", own)] * bool(own) + [
         (name, [[{"role": "user", "content": p.text}] for p in load_prompt_set(name, args.num_prompts)])
@@ -46,8 +52,8 @@ def main() -> None:
         llm.generate(["Hello"], SamplingParams.greedy(max_tokens=8))
     rows = []
     for name, prompts in sets:
-        # tokens, s, drafted, accepted, rounds, draft s, lookup rounds
-        totals = {label: [0, 0.0, 0, 0, 0, 0.0, 0] for label in engines}
+        # tokens, s, drafted, accepted, rounds, draft s, lookup rounds, branch rows, branch tokens taken
+        totals = {label: [0, 0.0, 0, 0, 0, 0.0, 0, 0, 0] for label in engines}
         for i, prompt in enumerate(prompts):
             labels = list(engines)
             outputs = {}
@@ -61,13 +67,15 @@ def main() -> None:
                 t[4] += m.rounds
                 t[5] += m.draft_s
                 t[6] += m.lookup_rounds
+                t[7] += m.sibling_rows
+                t[8] += m.rescues
             wrong = [label for label, out in outputs.items() if out.token_ids != outputs["ar"].token_ids]
             if wrong:
                 sys.exit(f"{', '.join(wrong)} differ from AR on {name} prompt {i}")
         ar = totals["ar"][0] / totals["ar"][1]
         first = next(iter(configs))
         ref = totals[first][0] / totals[first][1]
-        for label, (tokens, seconds, drafted, accepted, rounds, draft_s, lookups) in totals.items():
+        for label, (tokens, seconds, drafted, accepted, rounds, draft_s, lookups, branches, taken) in totals.items():
             speed = tokens / seconds
             rows.append({"set": name, "config": label, "tok_s": round(speed, 1), "vs_ar": round(speed / ar, 2),
                          "vs_first_draft": round(speed / ref, 2),
@@ -76,18 +84,23 @@ def main() -> None:
                          # a drafted token's cost against a plain decoding step (AR's seconds a token)
                          "draft_cost": round(draft_s / drafted * ar, 3) if drafted else None,
                          "drafted_per_round": round(drafted / rounds, 2) if rounds else None,
-                         "lookup_rounds": round(lookups / rounds, 2) if rounds else None})
+                         "lookup_rounds": round(lookups / rounds, 2) if rounds else None,
+                         "branch_rows": round(branches / rounds, 2) if rounds else None,
+                         "branch_tokens": round(taken / rounds, 2) if rounds else None})
     print(f"{'set':10} {'config':60} {'tok/s':>6} {'x AR':>6} {'x first':>7} {'accept':>7} {'tok/pass':>8} "
-          f"{'draft/step':>10} {'K':>5} {'lookup':>6}")
+          f"{'draft/step':>10} {'K':>5} {'lookup':>6} {'branch':>6} {'taken':>6}")
     for r in rows:
         print(f"{r['set']:10} {r['config'][-60:]:60} {r['tok_s']:6} {r['vs_ar']:6} {r['vs_first_draft']:7} "
               f"{r['acceptance'] if r['acceptance'] is not None else '-':>7} "
               f"{r['tokens_per_pass'] if r['tokens_per_pass'] is not None else '-':>8} "
               f"{r['draft_cost'] if r['draft_cost'] is not None else '-':>10} "
               f"{r['drafted_per_round'] if r['drafted_per_round'] is not None else '-':>5} "
-              f"{r['lookup_rounds'] if r['lookup_rounds'] is not None else '-':>6}")
+              f"{r['lookup_rounds'] if r['lookup_rounds'] is not None else '-':>6} "
+              f"{r['branch_rows'] if r['branch_rows'] is not None else '-':>6} "
+              f"{r['branch_tokens'] if r['branch_tokens'] is not None else '-':>6}")
     if args.out:
-        args.out.write_text(json.dumps({"model": args.model, "drafts": drafts, "ks": ks, "rows": rows}, indent=2))
+        out = {"model": args.model, "drafts": drafts, "ks": ks, "siblings": sibs, "rows": rows}
+        args.out.write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
                   f"{m.mean_accepted_length:.2f}, accepted by length {m.accepted_hist}, K asked {m.k_hist} "
                   f"(mean {m.mean_k:.1f})" + (f", {m.empty_rounds} rounds without a proposal" if m.empty_rounds else "")
                   + (f", {m.lookup_rounds} prompt-lookup rounds ({m.tokens_on_lookup} tokens)" if m.lookup_rounds else "")
-                  + (f", {m.sibling_rows} sibling rows ({m.rescues} rounds rescued)" if m.sibling_rows else "")
+                  + (f", {m.sibling_rows} branch rows ({m.rescues} tokens taken from them)" if m.sibling_rows else "")
                   + f", draft {m.draft_s:.2f} s, verify {m.verify_s:.2f} s]", file=sys.stderr)
         if m.hits + m.misses:
             print(f"[cache hit rate {m.cache_hit_rate:.0%} ({m.hits}/{m.hits + m.misses}), tokens per round "

@@ -45,8 +45,8 @@ class RequestMetrics:
     # the tokens they gained (accepted lookup tokens + the target's token).
     lookup_rounds: int = 0
     tokens_on_lookup: int = 0
-    # SD with sibling leaves: rows verified beside the drafts, and rounds where one was taken
-    # (each gains one token over the chain).
+    # SD with branches off the chain (sibling leaves, a head's tree): rows verified beside the
+    # drafts, and branch tokens taken (each a token gained over the chain).
     sibling_rows: int = 0
     rescues: int = 0
 
@@ -105,7 +105,7 @@ class RequestMetrics:
         self.backup_s += p.backup_s
         self.draft_idle_s += p.idle_s
         self.draft_failures += p.failed_over
-        self.sibling_rows += len(r.siblings)
+        self.sibling_rows += len(r.branches)
         self.rescues += r.rescued
         if p.lookup:
             self.lookup_rounds += 1

@@ -13,7 +13,7 @@ from ssd.models.config import ModelConfig
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.speculative.policy.draft_stop import StopRule
-from ssd.speculative.sources.feature_head import FeatureHead
+from ssd.speculative.sources.feature_head import TREE_WIDTH, FeatureHead
 from test_eagle import write_authors, write_speculators
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values
@@ -97,10 +97,10 @@ def test_a_head_times_its_steps_apart_from_its_catch_up(smollm_dir, tmp_path, mo
 
 
 def test_a_head_answers_sibling_leaves_and_the_stopping_rule(smollm_dir, tmp_path, monkeypatch, ar_outputs):
-    """Asked for them by the plan, a head's proposals carry each token's runner-up (another
-    token, with its and the pick's probabilities) and each token's top-1 probability, and
-    its chain stops where the rule says; with auto-K (which offers all of these) greedy output
-    stays AR's."""
+    """Asked for them by the plan, a head's proposals for a sampled request carry each token's
+    runner-up (another token, with its and the pick's probabilities), for a greedy one a tree
+    of candidates off the chain; each greedy token's top-1 probability, and its chain stops
+    where the rule says; with auto-K (which offers all of these) greedy output stays AR's."""
     write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
     seen = []
     real = FeatureHead.propose
@@ -110,16 +110,61 @@ def test_a_head_answers_sibling_leaves_and_the_stopping_rule(smollm_dir, tmp_pat
         seen.append(real(self, seqs, [replace(p, alternatives=True, stop=never) for p in plans]))
         return seen[-1]
     params = SamplingParams.greedy(max_tokens=16, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=1, max_tokens=16, ignore_eos=True)
     with monkeypatch.context() as m:
         m.setattr(FeatureHead, "propose", asking)
         with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3) as llm:
             assert llm.generate(REPEATING, params)[0].token_ids == ar_outputs([REPEATING], params)[0]
+            greedy = [p for props in seen for p in props if p.tokens]
+            seen.clear()
+            llm.generate(REPEATING, sampled)
+    assert greedy and all(len(p.tokens) == 1 == len(p.confidences) and not p.alternatives for p in greedy)
+    for p in greedy:  # a chain of one: the newest token's other likeliest tokens, no deeper
+        assert p.candidates and all(b.parent == 0 and b.token != p.tokens[0] for b in p.candidates)
+        assert all(0 < b.promise <= 1 - p.confidences[0] + 1e-6 for b in p.candidates)
     drafted = [p for props in seen for p in props if p.tokens]
-    assert drafted and all(len(p.tokens) == 1 == len(p.alternatives) == len(p.confidences) for p in drafted)
+    assert drafted and all(len(p.tokens) == len(p.alternatives) and not p.candidates for p in drafted)
     for p in drafted:
         a = p.alternatives[0]
-        assert a.token != p.tokens[0] and 0 <= a.p2 <= a.p1 <= 1 and a.p1 == p.confidences[0]
+        assert a.token != p.tokens[0] and 0 <= a.p1 <= 1 and 0 <= a.p2 <= 1  # (p1: the drawn token's)
     prompts = [REPEATING, "The capital of France is"]
     params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
-    with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k="auto") as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == ar_outputs(prompts, params)
+    for siblings in (False, True):
+        with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k="auto",
+                 draft_siblings=siblings) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, params)] == ar_outputs(prompts, params)
+
+
+def test_a_heads_tree_rows_are_its_chain_rows_for_those_tokens(smollm_dir, tmp_path, monkeypatch):
+    """An expanded candidate's row in the head's tree (its parent's keys and output state, in a
+    pass beside the chain's row) gives the logits the chain's row gives when the chain holds
+    that token; and the tree's candidates hang off the nodes they were drawn from."""
+    write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
+    grown, forced = [], []
+    real_grow, real_pick, real = FeatureHead._grow, FeatureHead._pick, FeatureHead.propose
+
+    def grow(self, tree, owner, step, chain, expand):
+        grown.append((step, chain[0].clone(), [(tree.candidates[i], logits.clone()) for i, _, logits in tree.frontier]))
+        return real_grow(self, tree, owner, step, chain, expand)
+
+    def pick(self, seq, logits, tokens, qs, alts, confs):
+        if forced and not tokens:
+            tokens.append(forced[0])
+            return forced[0]
+        return real_pick(self, seq, logits, tokens, qs, alts, confs)
+    monkeypatch.setattr(FeatureHead, "_grow", grow)
+    monkeypatch.setattr(FeatureHead, "_pick", pick)
+    monkeypatch.setattr(FeatureHead, "propose", lambda self, seqs, plans: real(
+        self, seqs, [replace(p, alternatives=True) for p in plans]))
+    params = SamplingParams.greedy(max_tokens=5, ignore_eos=True)  # a first round of K = 3
+    with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3) as llm:
+        llm.generate(REPEATING, params)
+        step1 = next(g for g in grown if g[0] == 1)
+        assert len(step1[2]) == TREE_WIDTH - 1  # depth 1: the newest token's other likeliest, all expanded
+        (parent, token, promise, depth), logits = step1[2][0]
+        assert parent == 0 and depth == 1 and 0 < promise < 1
+        grown.clear()
+        forced.append(token)
+        llm.generate(REPEATING, params)
+    chain = next(g for g in grown if g[0] == 1)[1]
+    torch.testing.assert_close(chain, logits, rtol=1e-5, atol=1e-5)

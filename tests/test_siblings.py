@@ -11,10 +11,13 @@ from ssd.errors import SSDError
 from ssd.models.loader import load_model
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
-from ssd.speculative.policy.adaptive_k import AutoK
-from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingPolicy, choose
-from ssd.speculative.records import Alternative, Proposal, Round, Sibling
-from ssd.speculative.verifier import rescue
+from ssd.speculative.plan import Plan, SeqPlan
+from ssd.speculative.policy.adaptive_k import AutoK, KPolicy
+from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingOffer, SiblingPolicy, choose, sibling_candidates
+from ssd.speculative.records import Alternative, Branch, Proposal, Round
+from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.named import NAMED
+from ssd.speculative.verifier import greedy_tree
 import ssd.speculative.verifier as verifier
 from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values
 
@@ -45,12 +48,12 @@ def test_a_fork_row_is_the_pass_where_it_replaces_its_chain_token(runner):
     bit for bit those of a causal pass that has it in the chain token's place, and the chain's
     rows are those of the chain alone."""
     cache, context = runner.cache, list(range(300, 340))
-    chain, forks = [500, 501, 502, 503], [(2, 700), (3, 701)]
+    chain, forks = [500, 501, 502, 503], [(2, 700), (3, 701)]  # (the chain token each replaces, token)
     cache.reserve(0, len(context) + len(chain) + len(forks))
     runner.forward([Chunk(0, context[:-1], 0, 1)])
     start = len(context) - 1
     tree = runner.forward([Chunk(0, chain + [t for _, t in forks], start, len(chain) + len(forks),
-                                 [j for j, _ in forks])])
+                                 [j - 1 for j, _ in forks])])
     kv_tree = cache.kv[:, :, cache.slots(0, start, start + len(chain) + len(forks))].clone()
     cache.truncate(0, start)
     alone = runner.forward([Chunk(0, chain, start, len(chain))])
@@ -75,37 +78,53 @@ def test_copy_position_moves_every_layers_kv(runner):
     cache.release(1)
 
 
-def test_rescue_takes_a_sibling_only_at_the_first_rejected_depth_and_only_if_right():
-    logits = torch.zeros(4 + 2, 10)  # K = 3 chain rows + the bonus row, then 2 siblings
-    logits[4, 7] = logits[5, 8] = 1.0  # the siblings' own rows' argmax
-    logits = logits.argmax(-1).tolist()  # what the round reads of them
-    drafts, siblings = [1, 2, 3], [Sibling(1, 5), Sibling(2, 6)]
-    assert rescue(logits, drafts, siblings, accepted=1, token=5) == (0, 7)
-    assert rescue(logits, drafts, siblings, accepted=2, token=6) == (1, 8)
-    assert rescue(logits, drafts, siblings, accepted=1, token=4) is None  # the target wanted another token
-    assert rescue(logits, drafts, siblings, accepted=0, token=5) is None  # no sibling at depth 0
-    assert rescue(logits, drafts, siblings, accepted=3, token=5) is None  # the chain was all accepted
+def test_greedy_verification_walks_into_a_branch_only_where_the_chain_is_rejected_and_it_is_right():
+    """The tree [newest, d1, d2, d3] with siblings 5 (beside d2: parent d1) and 6 (beside d3),
+    and 9 under the sibling 5; `best` is the argmax of each of its rows, in that order."""
+    drafts, branches = [1, 2, 3], [Branch(1, 5), Branch(2, 6), Branch(4, 9)]
+    assert greedy_tree([1, 5, 0, 0, 7, 8, 0], drafts, branches) == (1, [0], 7)  # the sibling, then its row's
+    assert greedy_tree([1, 2, 6, 0, 7, 8, 0], drafts, branches) == (2, [1], 8)
+    assert greedy_tree([1, 5, 0, 0, 9, 8, 11], drafts, branches) == (1, [0, 2], 11)  # two deep
+    assert greedy_tree([1, 4, 0, 0, 7, 8, 0], drafts, branches) == (1, [], 4)  # the target wanted another token
+    assert greedy_tree([5, 0, 0, 0, 7, 8, 0], drafts, branches) == (0, [], 5)  # no branch under the newest token
+    assert greedy_tree([1, 2, 3, 5, 7, 8, 0], drafts, branches) == (3, [], 5)  # the chain was all accepted
+    assert greedy_tree([1, 2, 3, 5], drafts, []) == (3, [], 5)
+
+
+def test_a_branch_is_chosen_after_its_parent_and_indexed_in_the_chosen_tree():
+    """Candidates of a chain of 3: a (under the newest token), b under a, c under b, d under the
+    chain's first draft, e under c (deeper than the chain: never); where a is not worth its row,
+    b and c are not taken either."""
+    cands = [Branch(0, 10, 0.5), Branch(4, 11, 0.4), Branch(5, 12, 0.3), Branch(1, 13, 0.35), Branch(6, 14, 0.3)]
+    tree = choose([cands], [3], rate=1.0, verify=lambda r: 0.1 * r, rows=4, calibration=1.0)[0]
+    assert [(b.parent, b.token) for b in tree] == [(0, 10), (4, 11), (1, 13), (5, 12)]
+    cands[0] = Branch(0, 10, 0.01)
+    tree = choose([cands], [3], rate=1.0, verify=lambda r: 0.1 * r, rows=4, calibration=1.0)[0]
+    assert [(b.parent, b.token) for b in tree] == [(1, 13)]
 
 
 def test_the_policy_takes_likely_siblings_while_a_row_is_worth_it_and_learns_their_rate():
     policy = SiblingPolicy()
     alts = [Alternative(10 + j, p1, p2) for j, (p1, p2) in enumerate([(0.9, 0.05), (0.5, 0.4), (0.6, 0.3),
                                                                      (0.95, 0.01), (0.4, 0.35), (0.5, 0.3)])]
-    flat = choose([alts, []], rate=20.0, verify=Flat(), rows=8, calibration=policy.calibration)
+    flat = choose([sibling_candidates(alts), []], [6, 0], rate=20.0, verify=Flat(), rows=8,
+                  calibration=policy.calibration)
     # Every sibling with a promise is free on a flat pass: the likeliest MAX_PER_SEQUENCE.
     promise = [0.05, 0.9 * 0.4, 0.45 * 0.3, 0.27 * 0.01, 0.2565 * 0.35, 0.1026 * 0.3]
     best = sorted(range(6), key=lambda j: -promise[j])[:MAX_PER_SEQUENCE]
-    assert [s.depth for s in flat[0]] == best and flat[1] == []
+    assert [s.parent for s in flat[0]] == best and flat[1] == []
     assert [s.token for s in flat[0]] == [10 + j for j in best]
     # A row that costs 10 ms at 20 tokens/s is worth 0.2 tokens: only the 0.36 promise pays.
-    steep = choose([alts], rate=20.0, verify=lambda r: 0.05 + 0.01 * r, rows=8, calibration=1.0)
-    assert [s.depth for s in steep[0]] == [1]
-    assert choose([alts], rate=20.0, verify=lambda r: 0.05 + 0.1 * r, rows=8, calibration=1.0) == [[]]
+    steep = choose([sibling_candidates(alts)], [6], rate=20.0, verify=lambda r: 0.05 + 0.01 * r, rows=8,
+                   calibration=1.0)
+    assert [s.parent for s in steep[0]] == [1]
+    assert choose([sibling_candidates(alts)], [6], rate=20.0, verify=lambda r: 0.05 + 0.1 * r, rows=8,
+                  calibration=1.0) == [[]]
     # Rescues seen below the promise lower the calibration (and so the next choice's reach).
     before = policy.calibration
-    policy.learn([Round(None, 6, Proposal([0] * 6), siblings=flat[0], rescued=False)])
+    policy.learn([Round(None, 6, Proposal([0] * 6), branches=flat[0], rescued=0)])
     assert policy.calibration < before and policy.expected == pytest.approx(sum(promise[j] for j in best))
-    policy.learn([Round(None, 6, Proposal([0] * 6), rescued=True)])  # nothing promised for it: nothing learnt
+    policy.learn([Round(None, 6, Proposal([0] * 6), rescued=1)])  # nothing promised for it: nothing learnt
     assert policy.rescued == 0
 
 
@@ -115,8 +134,7 @@ def test_sd_with_siblings_is_exact_and_rescues_rounds(smollm_dir, ar_outputs):
     likely sibling is worth its row)."""
     params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
     with LLM(smollm_dir, draft=smollm_dir, mode="sd", draft_siblings=True, draft_quantization="q4_0") as llm:
-        llm.engine.k_policy.verify = Flat()
-        llm.engine.k_policy.lookup = None
+        llm.engine.k_policy = _FlatSiblings()  # fixed costs: a busy host's slow draft steps would turn K to 0
         outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == ar_outputs(PROMPTS, params)
     rows, rescues = sum(o.metrics.sibling_rows for o in outs), sum(o.metrics.rescues for o in outs)
@@ -189,3 +207,50 @@ def test_a_sibling_taken_whenever_the_chain_is_rejected_is_caught(tiny_pair, mon
     tokens, _, prompt_ids = _sampled_with_siblings(tiny_pair, 4000)
     joint = exact_joint(tiny_pair[0], prompt_ids, 1.0)
     assert min(marginal_p_values(tokens, joint)) < 1e-6
+
+
+class PlantedTree(DraftSource):
+    """For a greedy request whose AR answer it knows: a chain of 3 right at its first draft only,
+    and a tree whose path off that draft holds the next two right tokens, among wrong ones."""
+
+    def __init__(self, truth: list[int]):
+        super().__init__()
+        self.truth = truth
+
+    def propose(self, seqs, plans):
+        out = []
+        for s, p in zip(seqs, plans):
+            right = self.truth[s.num_tokens:s.num_tokens + 3]
+            if p.k < 3 or len(right) < 3:
+                out.append(Proposal(right[:p.k]))
+                continue
+            wrong = [t + 1 for t in right]
+            out.append(Proposal([right[0], wrong[1], wrong[2]], candidates=[
+                Branch(0, wrong[0], 0.3), Branch(1, right[1], 0.5), Branch(5, right[2], 0.4), Branch(5, wrong[2], 0.2),
+                Branch(6, right[0], 0.1)]))  # under right[2]: as deep as the chain (4 > 3), not offered
+        return out
+
+
+class PlantedPolicy(KPolicy):
+    """K = 3 every round, and every branch worth its row (a flat pass)."""
+
+    def plan(self, seqs):
+        return Plan([SeqPlan(3, alternatives=True)] * len(seqs),
+                    SiblingOffer([[0.9] * 3] * len(seqs), [True] * len(seqs), 0.0, Flat(), 1.0))
+
+
+def test_greedy_verification_walks_a_deep_tree_and_keeps_its_kv(smollm_dir, ar_outputs, monkeypatch):
+    """Each round takes the chain's first draft, then two branches deep, then the target's own
+    token from the deepest one's row: 4 tokens a round from a chain whose second draft is
+    wrong; the taken branches' K/V moved into the chain's slots (every later token AR's)."""
+    prompt, params = "def fibonacci(n):", SamplingParams.greedy(max_tokens=41, ignore_eos=True)
+    want = ar_outputs([prompt], params)[0]
+    with LLM(smollm_dir) as ar:
+        truth = ar.encode(prompt) + want
+    monkeypatch.setitem(NAMED, "planted", lambda opts: PlantedTree(truth))
+    with LLM(smollm_dir, draft="planted", mode="sd", speculate_k=3) as llm:
+        llm.engine.k_policy = PlantedPolicy()
+        out = llm.generate(prompt, params)[0]
+    assert out.token_ids == want
+    m = out.metrics
+    assert (m.rounds, m.accepted, m.rescues, m.sibling_rows) == (10, 10, 20, 40), m  # 40 tokens after the first

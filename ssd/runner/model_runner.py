@@ -23,10 +23,11 @@ class Chunk:
     tokens: list[int]
     start: int
     num_logits: int
-    # A tree: the last len(forks) tokens are alternatives, each to the chain token of index
-    # forks[i] (the tokens before them are the chain): at that token's position, it sees the
-    # chain before it and itself (ssd/speculative/policy/siblings.py). Their K/V go to the slots after
-    # the chain's.
+    # A tree: the last len(forks) tokens are branches off the chain (the tokens before them);
+    # forks[i] is branch i's parent: a chain token's index in `tokens`, or an earlier branch's
+    # (chain length + its index). A branch sits one position after its parent and sees its
+    # parent's keys and itself (ssd/speculative/policy/siblings.py). Their K/V go to the slots
+    # after the chain's.
     forks: list[int] = field(default_factory=list)
 
 
@@ -100,14 +101,17 @@ class ModelRunner:
         # Causal: token i of chunk b sits at position start_b + i and sees keys 0..start_b + i.
         q_row = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
         q_len = positions + 1
-        # A fork sees its chain token's prefix and, in a row of its own, its own slot.
+        # A branch sees its parent's keys and, in a row of its own, its own slot.
         at, fork_rows = 0, []
         for c, n, x in zip(chunks, lengths, kv):
             chain = n - len(c.forks)
-            for i, j in enumerate(c.forks):
-                t, prefix = at + chain + i, c.start + j
-                positions[t], q_row[t], q_len[t] = prefix, len(chunks) + len(fork_rows), prefix + 1
-                fork_rows.append(torch.cat([x[:prefix], x[c.start + chain + i:c.start + chain + i + 1]]))
+            branch_keys: list[torch.Tensor] = []
+            for i, parent in enumerate(c.forks):
+                t = at + chain + i
+                keys = x[:c.start + parent + 1] if parent < chain else branch_keys[parent - chain]
+                branch_keys.append(torch.cat([keys, x[c.start + chain + i:c.start + chain + i + 1]]))
+                positions[t], q_row[t], q_len[t] = len(keys), len(chunks) + len(fork_rows), len(keys) + 1
+                fork_rows.append(branch_keys[-1])
             at += n
         kv += fork_rows
         rows = torch.zeros(len(kv), max(len(x) for x in kv), dtype=torch.long)

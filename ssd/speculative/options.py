@@ -215,10 +215,12 @@ class SpecOptions:
         flag="--lookup", parse=parse_lookup, metavar="on|off|suffix", check=_lookup, modes=("sd",), auto_only=True,
         model_only=True, sweep="lookup")
     draft_siblings: bool | None = _option(
-        None, "SD with a draft model and K auto: sibling leaves. Where the draft was unsure, its runner-up joins the "
-        "verify pass as one more row beside its top choice; where the target takes it, the round gains a token. "
-        "Chosen by their measured rescue rate against the cost of a row (auto-K's costs); sampled requests are "
-        "verified by the multi-candidate rule; the output stays exact. Default: off",
+        None, "SD with a draft model or an EAGLE-3 head and K auto: branches off the chain. Where the draft was "
+        "unsure, its runner-up joins the verify pass as one more row beside its top choice (sibling leaves); a head "
+        "grows a tree of its likeliest tokens a few depths down for greedy requests (EAGLE-2's dynamic tree). Each "
+        "branch the target takes gains a token. Chosen by their measured take rate against the cost of a row "
+        "(auto-K's costs); sampled requests get sibling leaves, verified by the multi-candidate rule; the output "
+        "stays exact. Default: off",
         flag="--siblings", parse=parse_on_off, metavar="on|off", check=_switch, modes=("sd",), auto_only=True,
         model_only=True, sweep="siblings")
     draft_stop: bool | None = _option(

@@ -44,13 +44,14 @@ class Alternative:
 
 
 @dataclass
-class Sibling:
-    """A sibling leaf chosen for a round: a one-token alternative beside the chain's token at
-    `depth` (0-based), verified in the same pass."""
+class Branch:
+    """A draft token off the chain, verified in the same pass as the chain (a draft tree,
+    siblings.py). Its parent is a node of the round's tree: 0 the sequence's newest token, 1..n
+    the chain's drafts, n + 1 + i the round's i-th branch (a branch comes after its parent)."""
 
-    depth: int
+    parent: int
     token: int
-    promise: float = 0.0  # the draft's probability that it rescues the round (siblings.choose)
+    promise: float = 0.0  # the draft's probability that the target's path goes through it (siblings.choose)
 
 
 @dataclass
@@ -69,6 +70,9 @@ class Proposal:
     lookup: bool = False  # prompt lookup's tokens, chosen by the K policy instead of the draft's
     # SD: each drafted token's runner-up, where sibling leaves were asked for (siblings.py).
     alternatives: list[Alternative] = field(default_factory=list)
+    # A feature head's tree beyond the chain, where branches were asked for of a greedy
+    # request (siblings.py), each with its promise: the candidates the round chooses from.
+    candidates: list[Branch] = field(default_factory=list)
     # SD with draft_stop: each drafted token's top-1 probability, the draft's stopping rule's
     # input (draft_stop.py); None where the rule did not apply.
     confidences: list[float] | None = None
@@ -95,14 +99,14 @@ class Round:
     step_s: float | None = None
     catchup: tuple[float, int, float] | None = None
     logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
-    siblings: list[Sibling] = field(default_factory=list)  # verified beside the drafts (siblings.py)
-    rescued: bool = False  # one was taken: `tokens` are the accepted drafts, it, the target's own
+    branches: list[Branch] = field(default_factory=list)  # verified beside the drafts (siblings.py)
+    rescued: int = 0  # branch tokens taken: `tokens` are the accepted drafts, those, the target's own
     # The tokens before the round and the accepted drafts: what the draft source holds of the
     # sequence that is right (None: the source was not asked this round).
     kept: int | None = None
     # Where the source reads the target's hidden states (DraftSource.taps): those of the rows
-    # that stand, the sequence's newest token before the round, the accepted drafts (and a
-    # taken sibling), [rows, taps x hidden]; else None.
+    # that stand, the sequence's newest token before the round, the accepted drafts (and the
+    # branches taken), [rows, taps x hidden]; else None.
     states: torch.Tensor | None = None
 
     @property

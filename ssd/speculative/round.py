@@ -6,12 +6,13 @@ and its record.
   1. propose: the draft source gives up to K tokens per sequence (SD: drafted now; SSD:
      usually ready in the speculation cache), a lookup round its tokens;
   2. score: the target scores [last, d_1..d_K] in one forward pass (K+1 rows of logits), with
-     SD's sibling leaves where the plan's terms take some (siblings.py: the draft's runner-up
-     beside d_j, one more row each);
+     branches off the chain where the plan's terms take some (siblings.py: the draft's
+     runner-up beside d_j, or a feature head's tree; one more row each);
   3. verify (verifier.py): an exact prefix of the drafts is accepted, plus one token of the
-     target's own (a recovery token, or the bonus token after all K); where a sibling is that
-     recovery token (greedy), or is drawn in its place (sampled: the multi-candidate rule), it
-     is taken and its row gives the target's next token too;
+     target's own (a recovery token, or the bonus token after all K); greedy verification
+     walks on into a branch that holds the target's token (verifier.greedy_tree), and a
+     sampled round takes a sibling drawn in the recovery token's place (the multi-candidate
+     rule); a taken branch's row gives the target's next token;
   4. accept: the target's KV cache keeps the valid prefix (rolling back is a truncation).
 
 Each sequence's round leaves one record, `Round` (records.py): what was asked for, the draft
@@ -31,10 +32,10 @@ from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.speculative.plan import Plan
-from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, keep_sibling
-from ssd.speculative.records import Proposal, Round, Sibling
+from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, keep_path, offered
+from ssd.speculative.records import Branch, Proposal, Round
 from ssd.speculative.sources.base import DraftSource
-from ssd.speculative.verifier import Verdict, greedy_verdict, rescue, verify, verify_with_siblings
+from ssd.speculative.verifier import greedy_tree, verify, verify_with_siblings
 
 
 def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cache: PagedKVCache,
@@ -47,12 +48,12 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
     asked = [b for b, p in enumerate(plan.seqs) if p.lookup is None]
     drafted = iter(source.propose([seqs[b] for b in asked], [plan.seqs[b] for b in asked]) if asked else [])
     proposals = [Proposal(p.lookup, lookup=True) if p.lookup is not None else next(drafted) for p in plan.seqs]
-    leaves = _siblings(plan, seqs, proposals, cache)
+    trees = _branches(plan, seqs, proposals, cache)
     t1 = time.perf_counter()
-    # 2. score every proposal, and its siblings, in one pass of the target.
-    out = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens + [b.token for b in sib], s.num_tokens - 1,
-                                len(p.tokens) + 1 + len(sib), [1 + b.depth for b in sib])
-                          for s, p, sib in zip(seqs, proposals, leaves)], taps=source.taps)
+    # 2. score every proposal, and its branches, in one pass of the target.
+    out = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens + [b.token for b in br], s.num_tokens - 1,
+                                len(p.tokens) + 1 + len(br), [b.parent for b in br])
+                          for s, p, br in zip(seqs, proposals, trees)], taps=source.taps)
     logits, states = out if source.taps else (out, None)
     if states is not None:  # [taps, rows, hidden] -> [rows, taps x hidden]
         states = states.permute(1, 0, 2).reshape(states.shape[1], -1)
@@ -67,43 +68,40 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
     # The source's timings of its drafting (the batch's, on each of its proposals).
     timed = next((p for p in proposals if not p.lookup), Proposal([]))
     rounds, row = [], 0
-    for seq, k, prop, sib in zip(seqs, plan.ks, proposals, leaves):
+    for seq, k, prop, br in zip(seqs, plan.ks, proposals, trees):
         n, first = len(prop.tokens), row
-        tree = logits[row:row + n + 1 + len(sib)]
-        row += n + 1 + len(sib)
+        tree = logits[row:row + n + 1 + len(br)]
+        row += n + 1 + len(br)
         rows = tree[:n + 1]
         if seq.processor is not None:  # row i after the draft tokens before it, as AR would have it
             rows = seq.processor.process(rows, seq.token_ids, prop.tokens)
-        # 3. verify, then 4. accept: the target's cache keeps what stands.
+        # 3. verify, then 4. accept: the target's cache keeps the path that stands.
         greedy = best[first:row] if _greedy(seq) else None
-        verdict, taken = _verify(seq, prop, sib, rows, tree, greedy)
-        kept = seq.num_tokens + verdict.accepted  # the tokens before the round and the accepted drafts
-        tokens = prop.tokens[:verdict.accepted] + [verdict.token]
-        if taken is not None:  # the sibling at the rejected depth, then its row's token
-            keep_sibling(cache, seq, n, taken[0], verdict.accepted)
-            tokens.append(taken[1])
-        cache.truncate(seq.seq_id, kept + (taken is not None))
+        accepted, taken, token = _verify(seq, prop, br, rows, tree, greedy)
+        path = list(range(1, accepted + 1)) + [n + 1 + i for i in taken]  # the tree's nodes kept, by depth
+        keep_path(cache, seq, path, n)
+        cache.truncate(seq.seq_id, seq.num_tokens + len(path))
+        tokens = prop.tokens[:accepted] + [br[i].token for i in taken] + [token]
         lps = None if seq.params.logprobs is None else token_logprobs(rows, tokens, seq.params.logprobs)
-        stand = None if states is None else torch.cat(
-            [states[first:first + verdict.accepted + 1]]
-            + ([states[first + n + 1 + taken[0]:first + n + 2 + taken[0]]] if taken is not None else []))
+        stand = None if states is None else states[[first + i for i in [0] + path]]
         # Where the draft stopped by its own rule, K was only a cap: the round asked for what it drafted.
         asked_k = k if prop.confidences is None else n
-        rounds.append(Round(seq, asked_k, prop, verdict.accepted, tokens, t1 - t0, t2 - t1, timed.step_s,
-                            timed.catchup, lps, sib, taken is not None, None if prop.lookup else kept, stand))
+        kept = None if prop.lookup else seq.num_tokens + accepted  # the draft holds the chain, not branches
+        rounds.append(Round(seq, asked_k, prop, accepted, tokens, t1 - t0, t2 - t1, timed.step_s,
+                            timed.catchup, lps, br, len(taken), kept, stand))
     return rounds
 
 
-def _siblings(plan: Plan, seqs: list[Sequence], proposals: list[Proposal], cache: PagedKVCache
-              ) -> list[list[Sibling]]:
-    """The sibling leaves the plan's terms take beside the drafted chains, where the target's
-    KV cache has slots for them past the chain's (reserved here)."""
+def _branches(plan: Plan, seqs: list[Sequence], proposals: list[Proposal], cache: PagedKVCache
+              ) -> list[list[Branch]]:
+    """The branches the plan's terms take beside the drafted chains, where the target's KV
+    cache has slots for them past the chain's (reserved here)."""
     if plan.siblings is None:
         return [[] for _ in seqs]
     room = []
     for s, p in zip(seqs, proposals):
-        need = s.num_tokens + len(p.tokens) + MAX_PER_SEQUENCE
-        fits = bool(p.alternatives) and cache.can_reserve(s.seq_id, need)
+        need = s.num_tokens + len(p.tokens) + min(MAX_PER_SEQUENCE, len(offered(p)))
+        fits = bool(p.alternatives or p.candidates) and cache.can_reserve(s.seq_id, need)
         if fits:
             cache.reserve(s.seq_id, need)
         room.append(fits)
@@ -115,26 +113,28 @@ def _greedy(seq: Sequence) -> bool:
     return seq.params.greedy_decoding and seq.processor is None
 
 
-def _verify(seq: Sequence, prop: Proposal, sib: list[Sibling], rows: torch.Tensor, tree: torch.Tensor,
-            best: list[int] | None) -> tuple[Verdict, tuple[int, int] | None]:
+def _verify(seq: Sequence, prop: Proposal, br: list[Branch], rows: torch.Tensor, tree: torch.Tensor,
+            best: list[int] | None) -> tuple[int, list[int], int]:
     """The verdict on one sequence's proposal (verifier.py) from its chain's K + 1 rows as the
-    request changes them and the whole tree's logits (the siblings' rows after the chain's),
-    or for a request verified from the argmax alone (_greedy) the tree's argmax `best`; and
-    where a sibling was taken, (its index, the token its row gives)."""
+    request changes them and the whole tree's logits (the branches' rows after the chain's),
+    or for a request verified from the argmax alone (_greedy) the tree's argmax `best`: the
+    chain's drafts accepted, the branches taken after them, and the target's token after."""
     n = len(prop.tokens)
     if seq.params.greedy_decoding:
         if best is None:
             best = rows.argmax(-1).tolist() + tree[n + 1:].argmax(-1).tolist()
-        verdict = greedy_verdict(best, prop.tokens)
-        return verdict, rescue(best, prop.tokens, sib, verdict.accepted, verdict.token) if sib else None
+        return greedy_tree(best, prop.tokens, br)
     p = probs_from_logits(rows, seq.params)
     # The target's head may be padded past the draft's vocabulary: q is 0 there.
     q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
     drafts = torch.tensor(prop.tokens, dtype=torch.long)
-    if not sib:
-        return verify(p, drafts, q, seq.generator), None
-    verdict, took = verify_with_siblings(p, drafts, q, {b.depth: b.token for b in sib}, seq.generator)
+    if not br:
+        verdict = verify(p, drafts, q, seq.generator)
+        return verdict.accepted, [], verdict.token
+    # Sampled rounds get sibling leaves only (branches off the chain; siblings.py).
+    verdict, took = verify_with_siblings(p, drafts, q, {b.parent: b.token for b in br}, seq.generator)
     if not took:
-        return verdict, None
-    i = next(i for i, b in enumerate(sib) if b.depth == verdict.accepted)
-    return verdict, (i, int(sample(probs_from_logits(tree[n + 1 + i:n + 2 + i], seq.params), seq.generator)[0]))
+        return verdict.accepted, [], verdict.token
+    i = next(i for i, b in enumerate(br) if b.parent == verdict.accepted)
+    return verdict.accepted, [i], int(sample(probs_from_logits(tree[n + 1 + i:n + 2 + i], seq.params),
+                                             seq.generator)[0])

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ssd.request.sampler import sample
-from ssd.speculative.records import Sibling
+from ssd.speculative.records import Branch
 
 
 @dataclass
@@ -48,22 +48,32 @@ def greedy_verdict(best: list[int], draft: list[int]) -> Verdict:
     return Verdict(accepted=k, token=best[k])
 
 
-def rescue(best: list[int], drafts: list[int], siblings: list[Sibling], accepted: int, token: int
-           ) -> tuple[int, int] | None:
-    """Greedy verification's step into a sibling, from the argmax of the tree's rows `best`
-    (the chain's K + 1, then one per sibling) and the chain's verdict (`accepted` drafts, then
-    the target's `token`). Where the first rejected depth has a sibling that is that token:
-    (its index, the token its own row gives); else None."""
-    for i, s in enumerate(siblings):
-        if s.depth == accepted < len(drafts) and s.token == token:
-            return i, best[len(drafts) + 1 + i]
-    return None
+def greedy_tree(best: list[int], drafts: list[int], branches: list[Branch]) -> tuple[int, list[int], int]:
+    """Greedy verification of a draft tree (the chain `drafts`, and `branches` off it) from the
+    argmax of its rows `best` (the newest token's, the chain's, then one per branch): from the
+    newest token, step to the child that holds the target's token there, while there is one.
+    Returns the chain's drafts accepted, the branches taken after them (indices, in path
+    order) and the target's token after the last node reached. Without branches, this is
+    greedy_verdict; with one branch (a sibling leaf) at the first rejected depth that holds the
+    target's token, the round gains its token and the one its row gives."""
+    n, accepted, taken = len(drafts), 0, []
+    node = 0
+    while True:
+        token = best[node]
+        if not taken and node == accepted < n and drafts[node] == token:
+            accepted = node = node + 1
+            continue
+        child = next((i for i, b in enumerate(branches) if b.parent == node and b.token == token), None)
+        if child is None:
+            return accepted, taken, token
+        taken.append(child)
+        node = n + 1 + child
 
 
 def verify_with_siblings(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None, siblings: dict[int, int],
                          generator: torch.Generator | None) -> tuple[Verdict, bool]:
-    """verify() where some depths j have a sibling leaf s_j (ssd/speculative/policy/siblings.py): a second
-    candidate for d_j's place, proposed one-hot. At the first rejected depth k the token must be
+    """verify() where some depths j (0-based) have a sibling leaf s_j (ssd/speculative/policy/siblings.py):
+    a second candidate for d_j's place, proposed one-hot. At the first rejected depth k the token must be
     drawn from the residual r = norm(max(0, p_k - q_k)); with a sibling there, s_k is taken with
     probability r(s_k) and otherwise the token is drawn from r without s_k: the multi-candidate
     rule (recursive rejection sampling) for a one-hot second candidate, whose result is again

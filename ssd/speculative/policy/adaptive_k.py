@@ -144,7 +144,10 @@ class AutoK(KPolicy):
         self.lookup_overall = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
         self.found: dict[int, tuple[list[int], int]] = {}  # seq_id -> this round's lookup and its match class
         self.steps_measured = steps_measured
-        self.verify = Timings({r: verify_time(r) for r in range(1, k_max + 2 + (MAX_PER_SEQUENCE if siblings else 0))})
+        # A pass over the chain's rows, and (timed at a few sizes, read between them) with branches.
+        wider = [k_max + 1 + m for m in (1, 2, 4, 8, MAX_PER_SEQUENCE)] if siblings else []
+        sizes = list(range(1, k_max + 2)) + wider
+        self.verify = Timings({r: verify_time(r) for r in sorted(set(sizes))})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
         self.catchup = CatchupCost()  # the draft's cost of reading tokens it has not seen
         self.overall = Acceptance(ENGINE_DECAY)  # engine-wide, over every sequence's rounds
@@ -348,7 +351,7 @@ class AutoK(KPolicy):
             self.draft_measured = True
         if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
             self.catchup.observe(max(0.0, catchup[0] - self.draft_step), catchup[1], catchup[2])
-        self.verify.observe(sum(r.drafted + len(r.siblings) for r in rounds) + len(rounds), verify_s)
+        self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s)
         if self.sibling_policy is not None:
             self.sibling_policy.learn(rounds)
         if self.stop is not None and any(drafted):

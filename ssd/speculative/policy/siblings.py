@@ -26,6 +26,12 @@ r = norm(max(0, p - q)); the sibling there is taken with probability r(s), else 
 drawn from r without s, which is again exactly r; a taken sibling's row then gives the next
 token, drawn from p there. Requests whose logits something changes (penalties, a
 constraint) or that ask for logprobs keep the chain.
+
+A feature head's tree (EAGLE-2's dynamic tree, feature_head.py): for a greedy request the head
+also expands its likeliest candidates off the chain a few depths down and offers them all
+(`Proposal.candidates`), each promising its path's product of the head's probabilities. The
+same rule chooses among them, the likeliest first and a branch only after its parent, and
+greedy verification walks the tree (verifier.greedy_tree): each taken branch is one more token.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,10 +39,10 @@ from dataclasses import dataclass
 from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.speculative.policy.costs import expected_tokens
-from ssd.speculative.records import Alternative, Proposal, Round, Sibling
+from ssd.speculative.records import Alternative, Branch, Proposal, Round
 
-MAX_PER_SEQUENCE = 4  # sibling rows a sequence's round may add
-DECAY = 0.98  # per round with siblings: the calibration follows the recent text
+MAX_PER_SEQUENCE = 12  # branch rows a sequence's round may add
+DECAY = 0.98  # per round with branches: the calibration follows the recent text
 PRIOR_WEIGHT = 2.0  # expected rescues' worth of the prior factor 1
 
 
@@ -46,35 +52,50 @@ def eligible(seq: Sequence) -> bool:
     return seq.processor is None and seq.params.logprobs is None
 
 
-def choose(alternatives: list[list[Alternative]], rate: float, verify: Callable[[int], float], rows: int,
-           calibration: float) -> list[list[Sibling]]:
-    """Per sequence, its siblings: alternatives[b] are sequence b's drafted tokens' runners-up
-    (empty: none wanted); rate: tokens per second the round makes without siblings;
-    verify(rows): the target's pass over that many rows; rows: the chain's; calibration:
-    rescues seen per rescue the draft's probabilities promised. Each sibling carries its
-    (uncalibrated) promise, which the policy learns from."""
-    pool = []
-    for b, alts in enumerate(alternatives):
-        reach = 1.0
-        for j, a in enumerate(alts):
-            pool.append((reach * a.p2, b, j, a.token))
-            reach *= a.p1
-    pool.sort(key=lambda c: -c[0])
-    chosen: list[list[Sibling]] = [[] for _ in alternatives]
-    for promise, b, depth, token in pool:
-        if len(chosen[b]) == MAX_PER_SEQUENCE:
+def sibling_candidates(alternatives: list[Alternative]) -> list[Branch]:
+    """The chain's runners-up as candidate branches: the one at depth j (0-based) hangs off
+    chain node j and promises that the chain reaches it and the target takes it there."""
+    out, reach = [], 1.0
+    for j, a in enumerate(alternatives):
+        out.append(Branch(j, a.token, reach * a.p2))
+        reach *= a.p1
+    return out
+
+
+def choose(candidates: list[list[Branch]], chains: list[int], rate: float, verify: Callable[[int], float], rows: int,
+           calibration: float) -> list[list[Branch]]:
+    """Per sequence, its branches: candidates[b] are sequence b's candidates off its chain of
+    chains[b] drafts (a parent past the chain is the candidate n + 1 + i); rate: tokens per
+    second the round makes without branches; verify(rows): the target's pass over that many
+    rows; rows: the chains'; calibration: branch tokens taken per token their promises
+    promised. The likeliest first, a branch only after its parent (re-indexed into the chosen
+    tree) and no deeper than the chain, while a row's expected token is worth more than the
+    row costs."""
+    pool = sorted(((c.promise, b, i) for b, cs in enumerate(candidates) for i, c in enumerate(cs)),
+                  key=lambda c: -c[0])  # stable: a parent (never less likely) before its children
+    chosen: list[list[Branch]] = [[] for _ in candidates]
+    at: list[dict[int, int]] = [{} for _ in candidates]  # candidate index -> its index among the chosen
+    depth: list[dict[int, int]] = [{} for _ in candidates]  # chosen candidate index -> its depth
+    for promise, b, i in pool:
+        c, n = candidates[b][i], chains[b]
+        if len(chosen[b]) == MAX_PER_SEQUENCE or (c.parent > n and c.parent - n - 1 not in at[b]):
+            continue
+        # No deeper than the chain: the round's K (round_k) bounds the tokens it may add.
+        depth[b][i] = c.parent + 1 if c.parent <= n else depth[b][c.parent - n - 1] + 1
+        if depth[b][i] > n:
             continue
         if calibration * promise <= rate * (verify(rows + 1) - verify(rows)):
             break
-        chosen[b].append(Sibling(depth, token, promise))
+        at[b][i] = len(chosen[b])
+        chosen[b].append(Branch(c.parent if c.parent <= n else n + 1 + at[b][c.parent - n - 1], c.token, promise))
         rows += 1
     return chosen
 
 
 @dataclass(frozen=True)
 class SiblingOffer:
-    """A round's terms for sibling leaves, set when the K policy plans it: the round chooses
-    them (`choose`) once the chains are drafted, at the rate the chains make."""
+    """A round's terms for branches, set when the K policy plans it: the round chooses them
+    (`choose`) once the chains are drafted, at the rate the chains make."""
 
     rates: list[list[float]]  # per sequence, its acceptance by position a_1..a_k_max
     eligible: list[bool]  # per sequence: eligible()
@@ -82,25 +103,29 @@ class SiblingOffer:
     verify: Callable[[int], float]  # the target's pass by rows
     calibration: float
 
-    def choose(self, proposals: list[Proposal], room: list[bool]) -> list[list[Sibling]]:
-        """The siblings of each sequence's chain: room[b], the KV cache has the slots for
+    def choose(self, proposals: list[Proposal], room: list[bool]) -> list[list[Branch]]:
+        """The branches of each sequence's chain: room[b], the KV cache has the slots for
         sequence b's (else none)."""
         gain = sum(expected_tokens(r[:len(p.tokens)])[-1] for r, p in zip(self.rates, proposals))
         rows = sum(len(p.tokens) + 1 for p in proposals)
         deepest = max((len(p.tokens) for p in proposals if not p.lookup), default=0)
         rate = gain / max(deepest * self.draft_step + self.verify(rows), 1e-9)
-        wanted = [p.alternatives if ok and fits and not p.lookup else []
+        wanted = [offered(p) if ok and fits and not p.lookup else []
                   for p, ok, fits in zip(proposals, self.eligible, room)]
-        return choose(wanted, rate, self.verify, rows, self.calibration)
+        return choose(wanted, [len(p.tokens) for p in proposals], rate, self.verify, rows, self.calibration)
+
+
+def offered(p: Proposal) -> list[Branch]:
+    """A proposal's candidate branches: a head's tree, else the draft's runners-up."""
+    return p.candidates or sibling_candidates(p.alternatives)
 
 
 class SiblingPolicy:
-    """How often sibling leaves rescue a round, learnt from the rounds; offers each round's
-    terms."""
+    """How often branches are taken, learnt from the rounds; offers each round's terms."""
 
     def __init__(self) -> None:
-        self.rescued = 0.0  # decayed rescues seen
-        self.expected = 0.0  # decayed rescues the draft's probabilities promised
+        self.rescued = 0.0  # decayed branch tokens taken
+        self.expected = 0.0  # decayed branch tokens the draft's probabilities promised
 
     @property
     def calibration(self) -> float:
@@ -112,12 +137,15 @@ class SiblingPolicy:
 
     def learn(self, rounds: list[Round]) -> None:
         for r in rounds:
-            if r.siblings:
+            if r.branches:
                 self.rescued = self.rescued * DECAY + r.rescued
-                self.expected = self.expected * DECAY + sum(s.promise for s in r.siblings)
+                self.expected = self.expected * DECAY + sum(b.promise for b in r.branches)
 
 
-def keep_sibling(cache: PagedKVCache, seq: Sequence, drafts: int, index: int, depth: int) -> None:
-    """The target's K/V of sibling `index` (written after the chain's K + 1 tokens) into the slot
-    of draft `depth`, whose place it takes."""
-    cache.copy_position(seq.seq_id, seq.num_tokens + drafts + index, seq.num_tokens + depth)
+def keep_path(cache: PagedKVCache, seq: Sequence, path: list[int], chain: int) -> None:
+    """The target's K/V of the taken branches (written after the chain's `chain` + 1 rows) into
+    the slots of the depths they take: path[d - 1] is the tree node kept at depth d."""
+    start = seq.num_tokens - 1  # the newest token's position: tree node 0
+    for depth, node in enumerate(path, 1):
+        if node > chain:
+            cache.copy_position(seq.seq_id, start + node, start + depth)

@@ -17,6 +17,16 @@ drafted token's runner-up where the plan asks for sibling leaves (siblings.py), 
 probability and a stop where the draft's stopping rule says the next token is not worth its
 step (draft_stop.py: depth by the head's confidence, as EAGLE-2 sizes its trees), and its
 steps' and catch-up's timings.
+
+Where the plan asks for branches and the request is greedy (with its logits unchanged, no
+logprobs), the head grows EAGLE-2's dynamic tree beside its chain: at each depth the chain's
+node offers its likeliest other tokens as candidates, and the TREE_EXPAND likeliest
+candidates of that depth are expanded in the same head pass as the chain's next row (each a
+row of its own that reads its parent's output state and attends to its parent's keys and
+itself), offering their likeliest tokens one depth down. Each candidate promises the product
+of the head's probabilities along its path; the round takes the ones worth a verify row
+(siblings.py) and greedy verification walks the tree. The candidates' rows leave the head's
+KV cache with the chain's.
 """
 import time
 from dataclasses import dataclass, field
@@ -31,8 +41,13 @@ from ssd.runner.kv_cache import PagedKVCache
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.eagle import EagleHead
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.records import Alternative, Proposal, Round, argmax_chain
+from ssd.speculative.policy.siblings import eligible
+from ssd.speculative.records import Alternative, Branch, Proposal, Round, argmax_chain
 from ssd.speculative.sources.base import DraftSource
+
+TREE_WIDTH = 3  # a tree node's likeliest tokens offered below it (the chain's node: its own, then others)
+TREE_EXPAND = 3  # candidates expanded a depth (the likeliest of that depth), beside the chain's node
+MIN_PROMISE = 1e-3  # a candidate less likely than this is not offered
 
 
 @dataclass
@@ -48,6 +63,35 @@ class HeadSeq:
     def known(self) -> int:
         """Positions whose target states the head has or holds."""
         return self.fed + sum(len(p) for p in self.pending)
+
+
+@dataclass
+class _Node:
+    """One row of a head pass past the first: a token at `position`, reading `state` (its
+    parent's output), attending to `keys` (slots, its own last)."""
+
+    token: int
+    position: int
+    state: torch.Tensor
+    keys: torch.Tensor
+
+
+@dataclass
+class _Tree:
+    """A greedy sequence's tree as the head grows it (module doc)."""
+
+    start: int  # its newest token's position: the chain's node at depth j is its row at start - 1 + j
+    free: int  # the next head KV position for an expanded candidate's row (past the chain's)
+    # Candidates: (parent, token, promise, depth); a parent >= 0 is the chain's node at that
+    # depth (0: the newest token), -1 - i the candidate i.
+    candidates: list[tuple[int, int, float, int]] = field(default_factory=list)
+    # The expanded candidates of the depth: (index, row (its output state as `state`), logits).
+    frontier: list[tuple[int, _Node, torch.Tensor]] = field(default_factory=list)
+    reach: float = 1.0  # the head's probability of its chain so far
+
+    def branches(self, chain: int) -> list[Branch]:
+        """The candidates as branches of a round's tree whose chain has `chain` drafts."""
+        return [Branch(p if p >= 0 else chain + 1 + (-1 - p), t, w) for p, t, w, _ in self.candidates]
 
 
 class FeatureHead(DraftSource):
@@ -97,6 +141,7 @@ class FeatureHead(DraftSource):
         rules = [p.stop if p.stop is not None and argmax_chain(s) else None for s, p in zip(seqs, plans)]
         confs: list[list[float]] = [[] for _ in seqs]
         survival = [1.0] * len(seqs)
+        cands: list[list[Branch]] = [[] for _ in seqs]
         step_s, steps, catchup = 0.0, 0, None
         if drafting:
             # First pass: rows fed..N - 2 of each drafting sequence (N tokens), with the target's
@@ -115,28 +160,97 @@ class FeatureHead(DraftSource):
             else:
                 catchup = (took, sum(len(ids) for _, _, ids, _ in rows),
                            sum(len(ids) * (first + (len(ids) + 1) / 2) for _, first, ids, _ in rows))
+            trees = {b: _Tree(seqs[b].num_tokens - 1, seqs[b].num_tokens - 1 + max(ks)) for b in drafting
+                     if plans[b].alternatives and argmax_chain(seqs[b]) and eligible(seqs[b])}
+            for b, t in trees.items():
+                self.kv.reserve(seqs[b].seq_id, t.free + TREE_EXPAND * max(ks))
             for step in range(max(ks)):
                 picked = {}
                 for b, (logits, _) in last.items():
-                    picked[b] = self._pick(seqs[b], logits, tokens[b], qs[b], alts[b] if plans[b].alternatives
-                                           else None, confs[b] if rules[b] is not None else None)
+                    picked[b] = self._pick(seqs[b], logits, tokens[b], qs[b], alts[b] if plans[b].alternatives and
+                                           b not in trees else None, confs[b] if rules[b] is not None else None)
                     if rules[b] is not None:
                         survival[b] *= rules[b].chance(confs[b][-1])
                         if not rules[b].keep_going(survival[b], len(tokens[b])):
                             ks[b] = len(tokens[b])
                 going = [b for b in last if step + 1 < ks[b]]
+                rows = {b: self._grow(t, seqs[b].seq_id, step, last[b], b in going) for b, t in trees.items()
+                        if b in last}
                 if not going:
                     break
-                # Draft row at position N - 1 + step: the token just drafted beside the head's own state.
+                # Draft row at position N - 1 + step: the token just drafted beside the head's own state
+                # (and the tree's expanded candidates of this depth, each beside its parent's).
+                chain = []
+                for b in going:
+                    owner, at = seqs[b].seq_id, seqs[b].num_tokens - 1 + step
+                    self.kv.reserve(owner, at + 1)
+                    chain.append(_Node(picked[b], at, last[b][1], self.kv.slots(owner, 0, at + 1)))
+                branch = [(b, i, node) for b in going for i, node in rows.get(b, [])]
                 t0 = time.perf_counter()
-                last = dict(zip(going, self._pass([(seqs[b].seq_id, seqs[b].num_tokens - 1 + step, [picked[b]],
-                                                    last[b][1]) for b in going])))
+                out = self._node_pass(chain + [node for *_, node in branch])
                 step_s, steps = step_s + time.perf_counter() - t0, steps + 1
+                for b, node in zip(going, chain):
+                    self.kv.written(seqs[b].seq_id, node.position + 1)
+                last = dict(zip(going, out))
+                for b in trees:
+                    trees[b].frontier = []
+                for (b, i, node), (logits, state) in zip(branch, out[len(chain):]):
+                    trees[b].frontier.append((i, _Node(-1, node.position, state, node.keys), logits))
             for b in drafting:  # the draft rows go: the next round reads them with the target's states
                 self.kv.truncate(seqs[b].seq_id, self.seqs[seqs[b].seq_id].fed)
+            for b, t in trees.items():
+                cands[b] = t.branches(len(tokens[b]))
         step = step_s / steps if steps else None
-        return [Proposal(t, torch.stack(q) if q else None, alternatives=a, confidences=c if rule is not None else None,
-                         step_s=step, catchup=catchup) for t, q, a, c, rule in zip(tokens, qs, alts, confs, rules)]
+        return [Proposal(t, torch.stack(q) if q else None, alternatives=a, candidates=cand,
+                         confidences=c if rule is not None else None, step_s=step, catchup=catchup)
+                for t, q, a, cand, c, rule in zip(tokens, qs, alts, cands, confs, rules)]
+
+    def _grow(self, tree: _Tree, owner: int, step: int, chain: tuple[torch.Tensor, torch.Tensor],
+              expand: bool) -> list[tuple[int, _Node]]:
+        """One depth of a sequence's tree: the candidates under the chain's node at depth `step`
+        (its logits and output state `chain`, the chain's token there already picked: the
+        likeliest) and under the expanded candidates of that depth; with `expand`, the rows of
+        the likeliest new ones for the next head pass, as (candidate index, row)."""
+        ids = self.head.draft_to_target
+        start = len(tree.candidates)
+        q = torch.softmax(chain[0][0].float(), -1)
+        top = q.topk(TREE_WIDTH)
+        for p, t in zip(top.values[1:].tolist(), top.indices[1:].tolist()):
+            if tree.reach * p >= MIN_PROMISE:
+                tree.candidates.append((step, int(ids[t]), tree.reach * p, step + 1))
+        tree.reach *= float(top.values[0])
+        for i, node, logits in tree.frontier:
+            top = torch.softmax(logits[0].float(), -1).topk(TREE_WIDTH)
+            for p, t in zip(top.values.tolist(), top.indices.tolist()):
+                if tree.candidates[i][2] * p >= MIN_PROMISE:
+                    tree.candidates.append((-1 - i, int(ids[t]), tree.candidates[i][2] * p, step + 1))
+        if not expand:
+            return []
+        new = sorted(range(start, len(tree.candidates)), key=lambda i: -tree.candidates[i][2])[:TREE_EXPAND]
+        parents = {i: node for i, node, _ in tree.frontier}
+        rows = []
+        for i in new:
+            parent, token, _, _ = tree.candidates[i]
+            if parent >= 0:  # under the chain's node at depth `step`: its row's keys, its output state
+                keys, state = self.kv.slots(owner, 0, tree.start + step), chain[1]
+            else:
+                keys, state = parents[-1 - parent].keys, parents[-1 - parent].state
+            own = self.kv.slots(owner, tree.free, tree.free + 1)
+            tree.free += 1
+            rows.append((i, _Node(token, tree.start + step, state, torch.cat([keys, own]))))
+        return rows
+
+    def _node_pass(self, nodes: list[_Node]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One head pass over single rows, each with its own keys (a chain's next row, a tree's
+        expanded candidates); returns each row's logits and output state."""
+        table = torch.zeros(len(nodes), max(len(n.keys) for n in nodes), dtype=torch.long)
+        for i, n in enumerate(nodes):
+            table[i, :len(n.keys)] = n.keys
+        batch = AttentionBatch(torch.stack([n.keys[-1] for n in nodes]), table, torch.arange(len(nodes)),
+                               torch.tensor([len(n.keys) for n in nodes]))
+        logits, out = self.head(torch.tensor([n.token for n in nodes]), torch.cat([n.state for n in nodes]),
+                                torch.tensor([n.position for n in nodes]), batch, self.kv.kv[0])
+        return [(logits[i:i + 1], out[i:i + 1]) for i in range(len(nodes))]
 
     def _ready(self, seq: Sequence) -> bool:
         """Whether the head has the target's states of every position before the newest token."""

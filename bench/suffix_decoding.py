@@ -13,8 +13,10 @@ Sets:
 - mtbench: the first `--num-prompts` MT-Bench questions to fresh engines (nothing indexed
   but the request itself).
 
-Configs: ar; sd (the draft, K auto, its default n-gram lookup beside it); sd+suffix (the
-same with suffix decoding beside the draft, --lookup suffix); suffix (draft="suffix" alone).
+Configs: ar; sd (the draft, K auto, prompt lookup beside it: --lookup on); sd+suffix (suffix
+decoding's chains beside the draft: --lookup suffix --siblings off); sd+suffix-tree (the
+default: suffix decoding beside the draft, with its trees); suffix (draft="suffix" alone, with
+its trees).
 
     python bench/suffix_decoding.py [--sets humaneval-run,agent,mtbench] [--run 40] [--measure 20]
         [--tasks 24] [--num-prompts 8] [--max-tokens 128] [--out FILE.json]
@@ -45,8 +47,9 @@ OTHER_VALUES = [dict(zip(("Lisbon", "Chicago", "250", "1200", "James Webb Space 
                                 "11am", "frank@example.net", "20", "15", "AMD", "GOOG")]]
 
 
-CONFIGS = {"ar": {}, "sd": {"mode": "sd"}, "sd+suffix": {"mode": "sd", "prompt_lookup": "suffix"},
-           "suffix": {"mode": "sd", "draft": "suffix"}}
+CONFIGS = {"ar": {}, "sd": {"mode": "sd", "prompt_lookup": True},
+           "sd+suffix": {"mode": "sd", "prompt_lookup": "suffix", "draft_siblings": False},
+           "sd+suffix-tree": {"mode": "sd"}, "suffix": {"mode": "sd", "draft": "suffix"}}
 
 
 def engines(model: str, draft: str, configs: list[str]) -> dict[str, LLM]:

@@ -50,8 +50,8 @@ def test_check_passes_sd_and_rejects_a_rule_that_accepts_every_draft(tiny_pair, 
 
 def test_check_finds_a_greedy_difference(tiny_pair, monkeypatch):
     target, draft = tiny_pair
-    monkeypatch.setattr(ssd.speculative.round, "greedy_verdict",
-                        lambda best, draft: Verdict(len(draft), best[len(draft)]))
+    monkeypatch.setattr(ssd.speculative.round, "greedy_tree",
+                        lambda best, drafts, branches: (len(drafts), [], best[len(drafts)]))
     report = check(target, draft, [PROMPT], spec=dict(speculate_k=3), params=SamplingParams(temperature=0.0),
                    greedy_tokens=12)
     assert not report.passed and report.greedy[0].first_difference is not None and not report.sampled

@@ -96,10 +96,10 @@ def test_a_branch_is_chosen_after_its_parent_and_indexed_in_the_chosen_tree():
     chain's first draft, e under c (deeper than the chain: never); where a is not worth its row,
     b and c are not taken either."""
     cands = [Branch(0, 10, 0.5), Branch(4, 11, 0.4), Branch(5, 12, 0.3), Branch(1, 13, 0.35), Branch(6, 14, 0.3)]
-    tree = choose([cands], [3], rate=1.0, verify=lambda r: 0.1 * r, rows=4, calibration=1.0)[0]
+    tree = choose([cands], [3], rate=1.0, verify=lambda r: 0.1 * r, rows=4, calibrations=[1.0])[0]
     assert [(b.parent, b.token) for b in tree] == [(0, 10), (4, 11), (1, 13), (5, 12)]
     cands[0] = Branch(0, 10, 0.01)
-    tree = choose([cands], [3], rate=1.0, verify=lambda r: 0.1 * r, rows=4, calibration=1.0)[0]
+    tree = choose([cands], [3], rate=1.0, verify=lambda r: 0.1 * r, rows=4, calibrations=[1.0])[0]
     assert [(b.parent, b.token) for b in tree] == [(1, 13)]
 
 
@@ -108,7 +108,7 @@ def test_the_policy_takes_likely_siblings_while_a_row_is_worth_it_and_learns_the
     alts = [Alternative(10 + j, p1, p2) for j, (p1, p2) in enumerate([(0.9, 0.05), (0.5, 0.4), (0.6, 0.3),
                                                                      (0.95, 0.01), (0.4, 0.35), (0.5, 0.3)])]
     flat = choose([sibling_candidates(alts), []], [6, 0], rate=20.0, verify=Flat(), rows=8,
-                  calibration=policy.calibration)
+                  calibrations=[policy.calibration] * 2)
     # Every sibling with a promise is free on a flat pass: the likeliest MAX_PER_SEQUENCE.
     promise = [0.05, 0.9 * 0.4, 0.45 * 0.3, 0.27 * 0.01, 0.2565 * 0.35, 0.1026 * 0.3]
     best = sorted(range(6), key=lambda j: -promise[j])[:MAX_PER_SEQUENCE]
@@ -116,10 +116,10 @@ def test_the_policy_takes_likely_siblings_while_a_row_is_worth_it_and_learns_the
     assert [s.token for s in flat[0]] == [10 + j for j in best]
     # A row that costs 10 ms at 20 tokens/s is worth 0.2 tokens: only the 0.36 promise pays.
     steep = choose([sibling_candidates(alts)], [6], rate=20.0, verify=lambda r: 0.05 + 0.01 * r, rows=8,
-                   calibration=1.0)
+                   calibrations=[1.0])
     assert [s.parent for s in steep[0]] == [1]
     assert choose([sibling_candidates(alts)], [6], rate=20.0, verify=lambda r: 0.05 + 0.1 * r, rows=8,
-                  calibration=1.0) == [[]]
+                  calibrations=[1.0]) == [[]]
     # Rescues seen below the promise lower the calibration (and so the next choice's reach).
     before = policy.calibration
     policy.learn([Round(None, 6, Proposal([0] * 6), branches=flat[0], rescued=0)])
@@ -236,7 +236,7 @@ class PlantedPolicy(KPolicy):
 
     def plan(self, seqs):
         return Plan([SeqPlan(3, alternatives=True)] * len(seqs),
-                    SiblingOffer([[0.9] * 3] * len(seqs), [True] * len(seqs), 0.0, Flat(), 1.0))
+                    SiblingOffer([[0.9] * 3] * len(seqs), [True] * len(seqs), 0.0, Flat(), 1.0, 1.0))
 
 
 def test_greedy_verification_walks_a_deep_tree_and_keeps_its_kv(smollm_dir, ar_outputs, monkeypatch):

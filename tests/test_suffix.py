@@ -10,6 +10,8 @@ import torch
 from serving import start_server
 from ssd import LLM, SamplingParams
 from ssd.exactness import pooled_p_value
+from ssd.speculative.policy.siblings import cut
+from ssd.speculative.records import Branch
 from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
@@ -33,6 +35,53 @@ def test_the_longest_matched_suffix_votes_on_the_continuation():
     assert lookup.match(_Seq(1, [0, 1, 2, 3]), 2)[0] == [7, 8]  # the round's K caps it
     assert lookup.match(_Seq(2, [5, 9, 2, 3]), 8)[0] == [4, 4, 4]  # "9 2 3" is the longest there
     assert lookup.match(_Seq(3, [4, 6]), 8) == ([], 0)  # no occurrence of the anchor
+
+
+def test_the_other_continuations_are_a_tree_of_branches_off_the_chain():
+    """SuffixDecoding's tree: every continuation followed by at least MIN_PROB of the matched
+    occurrences, each promising its share; cut to a shorter chain, the same tree as asked for
+    one that short."""
+    index = SuffixIndex()
+    for tail in ([7, 8, 9], [7, 8, 9], [7, 5, 5], [6, 6, 6]):
+        index.add(None, [1, 2, 3] + tail)
+    lookup = SuffixLookup(index)
+    chain, n, tree = lookup.tree(_Seq(0, [0, 1, 2, 3]), 8)
+    assert chain == [7, 8, 9] and n == 2
+    # 6 under the newest token, 5 under 7; under them (nodes 4 and 5) their own continuations
+    assert [(b.parent, b.token, b.promise) for b in tree] == [(0, 6, 0.25), (1, 5, 0.25), (4, 6, 0.25),
+                                                              (5, 5, 0.25), (6, 6, 0.25)]
+    short = lookup.tree(_Seq(1, [0, 1, 2, 3]), 2)
+    assert short[0] == [7, 8] and short[2] == cut(tree, 3, 2) == [Branch(0, 6, 0.25), Branch(1, 5, 0.25),
+                                                                  Branch(3, 6, 0.25)]
+
+
+def test_greedy_rounds_take_the_trees_branches_where_the_majority_was_wrong(smollm_dir, ar_outputs):
+    """Earlier text holding this answer once and twice with one token changed: the chain follows
+    the majority, the branch off it holds the answer's token, and the rounds take it; every
+    output token AR's."""
+    params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
+    chat = [{"role": "user", "content": "List three primary colors as a JSON array."}]
+    want = ar_outputs([chat], params)[0]
+    with LLM(smollm_dir, draft="suffix", mode="sd") as llm:
+        prompt = llm.encode(chat)
+        for j in (12, 25):
+            wrong = want[:j] + [want[j] + 1] + want[j + 1:]
+            for answer in (wrong, want, wrong):
+                llm.engine.source.index.add(None, prompt + answer)
+        llm.engine.k_policy.verify = _Flat()
+        out = llm.generate([chat], params)[0]
+    assert out.token_ids == want
+    assert out.metrics.rescues >= 2, out.metrics
+
+
+class _Flat:
+    """A target pass that costs the same over any number of rows: every likely branch is worth its row."""
+
+    def __call__(self, rows: int) -> float:
+        return 0.05
+
+    def observe(self, size: int, seconds: float) -> None:
+        pass
 
 
 def test_the_requests_own_tokens_are_matched_and_its_text_joins_when_it_ends():

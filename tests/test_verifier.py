@@ -14,7 +14,7 @@ import torch
 from ssd.exactness import chi_square, p_value
 from ssd.request.sampler import probs_from_logits, sample
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.verifier import Verdict, greedy_verdict, verify, verify_many
+from ssd.speculative.verifier import Verdict, greedy_tree, verify, verify_many
 
 V = 6
 ROUNDS = 200_000
@@ -229,16 +229,17 @@ def test_greedy_accepts_exactly_the_matching_prefix(K: int, draft_rows: str) -> 
         for generator in (None, torch.Generator().manual_seed(trial)):
             assert verify(p, drafts, q, generator) == expected
         # the round's greedy path
-        assert greedy_verdict(target_logits.argmax(-1).tolist(), drafts.tolist()) == expected
+        assert greedy_tree(target_logits.argmax(-1).tolist(), drafts.tolist(), []) == (match, [], int(best[match]))
 
 
 def test_greedy_path_breaks_ties_as_the_one_hot_rule() -> None:
-    """Tied maxima: the one-hot p of probs_from_logits and torch's argmax (greedy_verdict's input) pick
+    """Tied maxima: the one-hot p of probs_from_logits and torch's argmax (greedy_tree's input) pick
     the same token."""
     logits = torch.tensor([[0.0, 2.0, 2.0, 1.0], [5.0, 5.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
     p = probs_from_logits(logits, GREEDY)
     for drafts in ([1, 0], [2, 0], [1, 1], [3, 3]):
-        assert greedy_verdict(logits.argmax(-1).tolist(), drafts) == verify(p, torch.tensor(drafts), None, None)
+        k, _, token = greedy_tree(logits.argmax(-1).tolist(), drafts, [])
+        assert Verdict(k, token) == verify(p, torch.tensor(drafts), None, None)
 
 
 def test_greedy_bonus_with_k0() -> None:

@@ -138,12 +138,15 @@ class LLMEngine:
                 lookup = SuffixLookup(self.suffix_index)
             elif local and opts.prompt_lookup:
                 lookup = PromptLookup(opts.ngram_min, opts.ngram_max)
-            siblings = bool(opts.draft_siblings) and local
+            # Branches off the chain (siblings.py): a draft's where asked for; suffix decoding's
+            # tree, alone or beside a draft, unless turned off.
+            trees = opts.draft_siblings is not False
+            siblings = (bool(opts.draft_siblings) and local) or (trees and isinstance(self.source, SuffixLookup))
             # The draft's stopping rule (draft_stop.py), where the draft is in this process.
             stop = DraftStop() if opts.draft_stop is not False and local else None
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
                                   self.source.step_cost(), self.source.measures_steps, lookup,
-                                  opts.draft_window, siblings, stop)
+                                  opts.draft_window, siblings, stop, trees)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 

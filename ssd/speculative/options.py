@@ -220,7 +220,8 @@ class SpecOptions:
         "grows a tree of its likeliest tokens a few depths down for greedy requests (EAGLE-2's dynamic tree). Each "
         "branch the target takes gains a token. Chosen by their measured take rate against the cost of a row "
         "(auto-K's costs); sampled requests get sibling leaves, verified by the multi-candidate rule; the output "
-        "stays exact. Default: off",
+        "stays exact. Suffix decoding's tree (other continuations of the matched text, by their share) is offered "
+        "the same way. Default: suffix decoding's trees only; off: none",
         flag="--siblings", parse=parse_on_off, metavar="on|off", check=_switch, modes=("sd",), auto_only=True,
         model_only=True, sweep="siblings")
     draft_stop: bool | None = _option(

@@ -5,8 +5,8 @@ from dataclasses import dataclass, replace
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.policy.draft_stop import StopRule
-from ssd.speculative.policy.siblings import SiblingOffer
-from ssd.speculative.records import round_k
+from ssd.speculative.policy.siblings import SiblingOffer, cut
+from ssd.speculative.records import Branch, round_k
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class SeqPlan:
     lookup: list[int] | None = None  # prompt lookup's tokens, proposed instead of the draft's (their K)
     alternatives: bool = False  # the draft also gives each token's runner-up (sibling leaves)
     stop: StopRule | None = None  # the draft stops early by this rule (draft_stop.py)
+    lookup_tree: tuple[Branch, ...] = ()  # the lookup's candidate branches off its tokens (siblings.py)
 
 
 @dataclass(frozen=True)
@@ -35,5 +36,7 @@ class Plan:
         out = []
         for s, p in zip(seqs, self.seqs):
             k = round_k(p.k, s.num_tokens, context, s.params.max_tokens - len(s.output_ids))
-            out.append(p if k == p.k else replace(p, k=k, lookup=p.lookup[:k] if p.lookup and k else None))
+            lookup = p.lookup[:k] if p.lookup and k else None
+            tree = tuple(cut(list(p.lookup_tree), len(p.lookup), k)) if lookup else ()
+            out.append(p if k == p.k else replace(p, k=k, lookup=lookup, lookup_tree=tree))
         return replace(self, seqs=out)

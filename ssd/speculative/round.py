@@ -47,7 +47,8 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
     # of that sequence: its next round there catches up); the source proposes the rest.
     asked = [b for b, p in enumerate(plan.seqs) if p.lookup is None]
     drafted = iter(source.propose([seqs[b] for b in asked], [plan.seqs[b] for b in asked]) if asked else [])
-    proposals = [Proposal(p.lookup, lookup=True) if p.lookup is not None else next(drafted) for p in plan.seqs]
+    proposals = [Proposal(p.lookup, lookup=True, candidates=list(p.lookup_tree)) if p.lookup is not None
+                 else next(drafted) for p in plan.seqs]
     trees = _branches(plan, seqs, proposals, cache)
     t1 = time.perf_counter()
     # 2. score every proposal, and its branches, in one pass of the target.

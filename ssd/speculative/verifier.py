@@ -39,23 +39,17 @@ def verify(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
     return Verdict(accepted=int(k[0]), token=int(t[0]))
 
 
-def greedy_verdict(best: list[int], draft: list[int]) -> Verdict:
-    """verify() for a greedy request, from the argmax of the target's K+1 rows alone: p is
-    one-hot on each row's argmax, so the rule accepts the prefix where d_i == argmax p_i and t
-    is the argmax of the first other row. The same Verdict as verify(), without building K+1
-    one-hot rows and drawing V exponentials (whose draw has no effect here)."""
-    k = next((i for i, d in enumerate(draft) if d != best[i]), len(draft))
-    return Verdict(accepted=k, token=best[k])
-
-
 def greedy_tree(best: list[int], drafts: list[int], branches: list[Branch]) -> tuple[int, list[int], int]:
     """Greedy verification of a draft tree (the chain `drafts`, and `branches` off it) from the
     argmax of its rows `best` (the newest token's, the chain's, then one per branch): from the
     newest token, step to the child that holds the target's token there, while there is one.
     Returns the chain's drafts accepted, the branches taken after them (indices, in path
-    order) and the target's token after the last node reached. Without branches, this is
-    greedy_verdict; with one branch (a sibling leaf) at the first rejected depth that holds the
-    target's token, the round gains its token and the one its row gives."""
+    order) and the target's token after the last node reached. Without branches: verify()'s
+    verdict for a greedy request, read from the argmax alone (p one-hot on each row's argmax
+    accepts the prefix where d_i == argmax p_i, then t is the first other row's argmax; no
+    one-hot rows built, no exponentials drawn); with a branch (a sibling leaf) at the first
+    rejected depth that holds the target's token, the round gains its token and the one its
+    row gives."""
     n, accepted, taken = len(drafts), 0, []
     node = 0
     while True:

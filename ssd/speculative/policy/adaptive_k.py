@@ -63,7 +63,7 @@ from ssd.request.sequence import Sequence
 from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.costs import TIME_EMA, Acceptance, CatchupCost, Timings, expected_tokens
 from ssd.speculative.policy.draft_stop import DraftStop, StopRule
-from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingPolicy
+from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingOffer, SiblingPolicy, cut, eligible
 from ssd.speculative.records import Round, argmax_chain
 from ssd.speculative.sources.ngram import PromptLookup
 
@@ -129,23 +129,27 @@ class AutoK(KPolicy):
 
     def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
                  steps_measured: bool = False, lookup: PromptLookup | None = None, window: int | None = None,
-                 siblings: bool = False, stop: DraftStop | None = None):
+                 siblings: bool = False, stop: DraftStop | None = None, lookup_trees: bool = False):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
         steps_measured: the draft times its steps itself (the rounds' step_s; SD), else a round's
         wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
         beside the draft (module doc); window: the most tokens a catch-up reads (draft_window);
-        siblings: offer sibling leaves beside the draft's proposals (siblings.py); stop: the draft's
+        siblings: ask the draft for branches off its chains (runners-up, a head's tree) and offer them
+        (siblings.py); lookup_trees: offer a lookup's branches (suffix decoding's tree); stop: the draft's
         stopping rule (draft_stop.py), which drafting sequences it applies to get K = k_max for."""
         self.k_max = k_max
         self.stop = stop
         self.lookup, self.window = lookup, window
-        self.sibling_policy = SiblingPolicy() if siblings else None
+        self.siblings = siblings
+        self.lookup_trees = lookup_trees and hasattr(lookup, "tree")
+        self.branches, self.lookup_branches = SiblingPolicy(), SiblingPolicy()  # the draft's, the lookup's
+        self.trees: dict[int, list] = {}  # seq_id -> this round's lookup tree (its candidate branches)
         self.lookup_overall = [Acceptance(ENGINE_DECAY) for _ in LOOKUP_PRIOR]
         self.found: dict[int, tuple[list[int], int]] = {}  # seq_id -> this round's lookup and its match class
         self.steps_measured = steps_measured
         # A pass over the chain's rows, and (timed at a few sizes, read between them) with branches.
-        wider = [k_max + 1 + m for m in (1, 2, 4, 8, MAX_PER_SEQUENCE)] if siblings else []
+        wider = [k_max + 1 + m for m in (1, 2, 4, 8, MAX_PER_SEQUENCE)] if siblings or self.lookup_trees else []
         sizes = list(range(1, k_max + 2)) + wider
         self.verify = Timings({r: verify_time(r) for r in sorted(set(sizes))})
         self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
@@ -163,7 +167,7 @@ class AutoK(KPolicy):
         gains = [expected_tokens(r) for r in rates]
         # Each sequence's options: draft K = 0..k_max tokens (K = 0: plain decoding), then its
         # lookup's first 1..n tokens; as (tokens expected, rows, draft steps).
-        self.found = {}
+        self.found, self.trees = {}, {}
         found = [self._lookup(s) for s in seqs]
         options = [[(g[k], k + 1, k) for k in range(self.k_max + 1)] + [(lg[k], k + 1, 0) for k in range(1, len(lg))]
                    for g, (_, lg) in zip(gains, found)]
@@ -226,10 +230,12 @@ class AutoK(KPolicy):
                 ks[b] = k + 1
                 state.explore_wait = 0
         rule = self._stop_rule(seqs, ks, gains, lookups) if self.stop is not None else None
-        alternatives = self.sibling_policy is not None
-        offer = self.sibling_policy.offer(seqs, rates, self.draft_step, self.verify) if alternatives else None
-        return Plan([SeqPlan(k, lookups.get(s.seq_id), alternatives,
-                             rule if rule is not None and argmax_chain(s) else None) for s, k in zip(seqs, ks)], offer)
+        trees = {i: tuple(cut(self.trees.get(i, []), len(self.found[i][0]), len(t))) for i, t in lookups.items()}
+        offer = SiblingOffer(rates, [eligible(s) for s in seqs], self.draft_step, self.verify,
+                             self.branches.calibration, self.lookup_branches.calibration) \
+            if self.siblings or any(trees.values()) else None
+        return Plan([SeqPlan(k, lookups.get(s.seq_id), self.siblings, rule if rule is not None and argmax_chain(s)
+                             else None, trees.get(s.seq_id, ())) for s, k in zip(seqs, ks)], offer)
 
     def _stop_rule(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]],
                    lookups: dict[int, list[int]]) -> StopRule | None:
@@ -281,7 +287,10 @@ class AutoK(KPolicy):
         (empty: no lookup, or nothing found)."""
         if self.lookup is None:
             return [], []
-        tokens, n = self.lookup.match(seq, self.k_max)
+        if self.lookup_trees and argmax_chain(seq):  # (sampled requests: sibling leaves of the draft's only)
+            tokens, n, self.trees[seq.seq_id] = self.lookup.tree(seq, self.k_max)
+        else:
+            tokens, n = self.lookup.match(seq, self.k_max)
         if not tokens:
             return [], []
         c = min(n, len(LOOKUP_PRIOR)) - 1
@@ -352,8 +361,8 @@ class AutoK(KPolicy):
         if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
             self.catchup.observe(max(0.0, catchup[0] - self.draft_step), catchup[1], catchup[2])
         self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s)
-        if self.sibling_policy is not None:
-            self.sibling_policy.learn(rounds)
+        self.branches.learn([r for r in rounds if not r.proposal.lookup])
+        self.lookup_branches.learn([r for r in rounds if r.proposal.lookup])
         if self.stop is not None and any(drafted):
             stopped = [r for r in rounds if r.proposal.confidences is not None]  # the rule's, where it applied
             for r in stopped:
@@ -367,6 +376,7 @@ class AutoK(KPolicy):
     def release(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
         self.found.pop(seq_id, None)
+        self.trees.pop(seq_id, None)
         if self.lookup is not None:
             self.lookup.release(seq_id)
         self.probing.discard(seq_id)

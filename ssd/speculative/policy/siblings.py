@@ -63,20 +63,20 @@ def sibling_candidates(alternatives: list[Alternative]) -> list[Branch]:
 
 
 def choose(candidates: list[list[Branch]], chains: list[int], rate: float, verify: Callable[[int], float], rows: int,
-           calibration: float) -> list[list[Branch]]:
+           calibrations: list[float]) -> list[list[Branch]]:
     """Per sequence, its branches: candidates[b] are sequence b's candidates off its chain of
     chains[b] drafts (a parent past the chain is the candidate n + 1 + i); rate: tokens per
     second the round makes without branches; verify(rows): the target's pass over that many
-    rows; rows: the chains'; calibration: branch tokens taken per token their promises
-    promised. The likeliest first, a branch only after its parent (re-indexed into the chosen
-    tree) and no deeper than the chain, while a row's expected token is worth more than the
-    row costs."""
-    pool = sorted(((c.promise, b, i) for b, cs in enumerate(candidates) for i, c in enumerate(cs)),
+    rows; rows: the chains'; calibrations[b]: branch tokens taken per token their promises
+    promised, for sequence b's kind of proposal. The likeliest first, a branch only after its
+    parent (re-indexed into the chosen tree) and no deeper than the chain, while a row's
+    expected token is worth more than the row costs."""
+    pool = sorted(((calibrations[b] * c.promise, b, i) for b, cs in enumerate(candidates) for i, c in enumerate(cs)),
                   key=lambda c: -c[0])  # stable: a parent (never less likely) before its children
     chosen: list[list[Branch]] = [[] for _ in candidates]
     at: list[dict[int, int]] = [{} for _ in candidates]  # candidate index -> its index among the chosen
     depth: list[dict[int, int]] = [{} for _ in candidates]  # chosen candidate index -> its depth
-    for promise, b, i in pool:
+    for worth, b, i in pool:
         c, n = candidates[b][i], chains[b]
         if len(chosen[b]) == MAX_PER_SEQUENCE or (c.parent > n and c.parent - n - 1 not in at[b]):
             continue
@@ -84,10 +84,10 @@ def choose(candidates: list[list[Branch]], chains: list[int], rate: float, verif
         depth[b][i] = c.parent + 1 if c.parent <= n else depth[b][c.parent - n - 1] + 1
         if depth[b][i] > n:
             continue
-        if calibration * promise <= rate * (verify(rows + 1) - verify(rows)):
+        if worth <= rate * (verify(rows + 1) - verify(rows)):
             break
         at[b][i] = len(chosen[b])
-        chosen[b].append(Branch(c.parent if c.parent <= n else n + 1 + at[b][c.parent - n - 1], c.token, promise))
+        chosen[b].append(Branch(c.parent if c.parent <= n else n + 1 + at[b][c.parent - n - 1], c.token, c.promise))
         rows += 1
     return chosen
 
@@ -101,7 +101,8 @@ class SiblingOffer:
     eligible: list[bool]  # per sequence: eligible()
     draft_step: float  # seconds per draft step
     verify: Callable[[int], float]  # the target's pass by rows
-    calibration: float
+    calibration: float  # the draft's branches' (SiblingPolicy.calibration)
+    lookup_calibration: float  # a lookup's (suffix decoding's tree)
 
     def choose(self, proposals: list[Proposal], room: list[bool]) -> list[list[Branch]]:
         """The branches of each sequence's chain: room[b], the KV cache has the slots for
@@ -110,18 +111,40 @@ class SiblingOffer:
         rows = sum(len(p.tokens) + 1 for p in proposals)
         deepest = max((len(p.tokens) for p in proposals if not p.lookup), default=0)
         rate = gain / max(deepest * self.draft_step + self.verify(rows), 1e-9)
-        wanted = [offered(p) if ok and fits and not p.lookup else []
+        wanted = [offered(p) if ok and fits and (not p.lookup or p.candidates) else []
                   for p, ok, fits in zip(proposals, self.eligible, room)]
-        return choose(wanted, [len(p.tokens) for p in proposals], rate, self.verify, rows, self.calibration)
+        return choose(wanted, [len(p.tokens) for p in proposals], rate, self.verify, rows,
+                      [self.lookup_calibration if p.lookup else self.calibration for p in proposals])
 
 
 def offered(p: Proposal) -> list[Branch]:
-    """A proposal's candidate branches: a head's tree, else the draft's runners-up."""
+    """A proposal's candidate branches: a tree (a head's, a suffix match's), else the draft's runners-up."""
     return p.candidates or sibling_candidates(p.alternatives)
 
 
+def cut(branches: list[Branch], n: int, k: int) -> list[Branch]:
+    """A tree's branches once its chain of n drafts is cut to its first k: those that hang off
+    what is left and go no deeper than k, re-indexed."""
+    out: list[Branch] = []
+    at: dict[int, int] = {}  # index -> index in out
+    depth: dict[int, int] = {}
+    for i, b in enumerate(branches):
+        if b.parent <= n:
+            if b.parent > k:
+                continue
+            parent, d = b.parent, b.parent + 1
+        elif b.parent - n - 1 in at:
+            parent, d = k + 1 + at[b.parent - n - 1], depth[b.parent - n - 1] + 1
+        else:
+            continue
+        if d <= k:
+            at[i], depth[i] = len(out), d
+            out.append(Branch(parent, b.token, b.promise))
+    return out
+
+
 class SiblingPolicy:
-    """How often branches are taken, learnt from the rounds; offers each round's terms."""
+    """How often one kind of proposal's branches are taken, learnt from its rounds."""
 
     def __init__(self) -> None:
         self.rescued = 0.0  # decayed branch tokens taken
@@ -131,11 +154,9 @@ class SiblingPolicy:
     def calibration(self) -> float:
         return (self.rescued + PRIOR_WEIGHT) / (self.expected + PRIOR_WEIGHT)
 
-    def offer(self, seqs: list[Sequence], rates: list[list[float]], draft_step: float,
-              verify: Callable[[int], float]) -> SiblingOffer:
-        return SiblingOffer(rates, [eligible(s) for s in seqs], draft_step, verify, self.calibration)
 
     def learn(self, rounds: list[Round]) -> None:
+        """Rounds of this policy's kind (the draft's, or a lookup's)."""
         for r in rounds:
             if r.branches:
                 self.rescued = self.rescued * DECAY + r.rescued

@@ -8,7 +8,10 @@ extended backwards while it agrees with the sequence, up to MAX_MATCH tokens. Th
 of the longest suffix matched (length p) vote on the continuation token by token: each step
 takes the token most of the still-agreeing occurrences continue with, and the chain stops
 where the product of those shares falls below MIN_PROB, or at SPEC_FACTOR x p tokens (a short
-match earns a short proposal), or at the round's K. Structured text that repeats (tool calls,
+match earns a short proposal), or at the round's K. The other continuations at least as
+frequent are candidate branches off that chain (`tree`, SuffixDecoding's speculation tree):
+each promises the share of the occurrences that follow it, and the round takes those worth
+a verify row (siblings.py) for greedy requests. Structured text that repeats (tool calls,
 code, agents' loops over the same schema) matches long and proposes long; a fresh engine has
 only the request's own tokens, as prompt lookup.
 
@@ -18,12 +21,12 @@ caches"). The index holds at most `limit` tokens over all tenants, the oldest re
 first. Proposals are one-hot (q = None), verified exactly like prompt lookup's.
 """
 from array import array
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.records import Proposal
+from ssd.speculative.records import Branch, Proposal, argmax_chain
 from ssd.speculative.sources.base import DraftSource
 
 ANCHOR = 2  # tokens a match starts from
@@ -133,18 +136,27 @@ class SuffixLookup(DraftSource):
         self.own: dict[int, _Own] = {}
 
     def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
-        return [Proposal(self.match(seq, p.k)[0]) for seq, p in zip(seqs, plans)]
+        out = []
+        for seq, p in zip(seqs, plans):
+            chain, _, tree = self.tree(seq, p.k)
+            out.append(Proposal(chain, candidates=tree if p.alternatives and argmax_chain(seq) else []))
+        return out
 
     def match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """Up to k tokens continuing the sequence's longest matched suffix (module doc), and the
         match's length class for auto-K's per-class acceptance (1..4: 4 for 4 or more)."""
+        return self.tree(seq, k)[:2]
+
+    def tree(self, seq: Sequence, k: int) -> tuple[list[int], int, list[Branch]]:
+        """match(), and the other continuations as candidate branches off its chain (module
+        doc), each promising the share of the matched occurrences that follow it."""
         own = self.own.get(seq.seq_id)
         if own is None:
             own = self.own[seq.seq_id] = _Own(seq)
         own.seq = seq
         tokens = seq.token_ids
         if k <= 0 or len(tokens) <= ANCHOR:
-            return [], 0
+            return [], 0, []
         own.extend()
         anchor = _key(tokens, len(tokens))
         mine = ((tokens, after) for after in reversed(own.where.get(anchor, ())) if after < len(tokens))
@@ -155,21 +167,10 @@ class SuffixLookup(DraftSource):
                 if len(found) >= MAX_CANDIDATES:
                     break
         if not found:
-            return [], 0
+            return [], 0, []
         p = max(m for m, _, _ in found)
-        alive = [(text, after) for m, text, after in found if m == p]
-        chain, prob = [], 1.0
-        for step in range(min(k, max(1, int(SPEC_FACTOR * p)))):
-            votes = Counter(text[after + step] for text, after in alive if after + step < len(text))
-            if not votes:
-                break
-            token, count = votes.most_common(1)[0]
-            prob *= count / len(alive)
-            if prob < MIN_PROB:
-                break
-            chain.append(token)
-            alive = [(text, after) for text, after in alive if after + step < len(text) and text[after + step] == token]
-        return chain, min(p - ANCHOR + 1, 4) if chain else 0
+        chain, tree = _grow([(text, after) for m, text, after in found if m == p], min(k, max(1, int(SPEC_FACTOR * p))))
+        return chain, min(p - ANCHOR + 1, 4) if chain else 0, tree if chain else []
 
     def release(self, seq_id: int) -> None:
         """A request that ended: its text joins the index for later requests of its tenant."""
@@ -179,6 +180,39 @@ class SuffixLookup(DraftSource):
 
     def held(self) -> dict[str, int]:
         return {"suffix sequences": len(self.own)}  # per sequence; the index's size: SuffixIndex.tokens
+
+
+def _grow(alive: list[tuple[array | list[int], int]], depth: int) -> tuple[list[int], list[Branch]]:
+    """The trie of what the matched occurrences continue with, up to `depth` tokens: its chain
+    takes at each node the token most of them continue with (ties: the newest occurrence's)
+    while that node's share of them is at least MIN_PROB; every other node with that share
+    hangs off it as a candidate branch (parents as in records.Branch), promising its share."""
+    total = len(alive)
+    chain: list[int] = []
+    nodes: list[tuple[tuple[str, int], int, float]] = []  # (parent: ("chain", depth) or ("node", i), token, share)
+    level = [(("chain", 0), alive)]
+    for step in range(depth):
+        below = []
+        for parent, occurrences in level:
+            groups: dict[int, list] = {}
+            for text, after in occurrences:
+                if after + step < len(text):
+                    groups.setdefault(text[after + step], []).append((text, after))
+            for rank, (token, group) in enumerate(sorted(groups.items(), key=lambda g: -len(g[1]))):
+                share = len(group) / total
+                if share < MIN_PROB:
+                    break
+                if parent == ("chain", step) and rank == 0:
+                    chain.append(token)
+                    below.append((("chain", step + 1), group))
+                else:
+                    nodes.append((parent, token, share))
+                    below.append((("node", len(nodes) - 1), group))
+        if len(chain) == step:  # the chain ends here: a branch goes no deeper than it
+            break
+        level = below
+    n = len(chain)
+    return chain, [Branch(at if kind == "chain" else n + 1 + at, token, share) for (kind, at), token, share in nodes]
 
 
 def _matched(tokens: list[int], text: list[int], after: int) -> int:

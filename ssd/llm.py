@@ -15,7 +15,6 @@ from ssd.outputs import RequestOutput, StreamChunk
 from ssd.request.detokenizer import TextStream
 from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.sources.suffix import SuffixLookup
 from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, finish_reason, template_messages
 
 Prompt = str | list[dict]
@@ -244,9 +243,7 @@ class LLM:
     def suffix_index_tokens(self) -> int:
         """Tokens of earlier requests held for suffix decoding (draft="suffix", or beside the
         draft with prompt_lookup="suffix"): at most suffix_tokens."""
-        source = self.engine.source
-        index = source.index if isinstance(source, SuffixLookup) else self.engine.suffix_index
-        return index.tokens
+        return self.engine.suffix_index.tokens
 
     def set_speculate_k(self, k: int | str) -> None:
         """Change K for the next rounds: 0 (plain decoding, the draft idle) up to the K the

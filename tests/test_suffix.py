@@ -202,3 +202,32 @@ def test_ten_thousand_requests_through_the_server_leave_the_index_at_its_bound(s
 def _rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+
+def test_the_index_is_kept_across_restarts_in_the_store(smollm_dir, truncated_draft, tmp_path, monkeypatch,
+                                                          ar_outputs):
+    """suffix_keep: the engine's index (alone or beside a draft) saved at close into one file per
+    target tokenizer, tenants apart, and loaded by the next engine: its first request reuses the
+    earlier answer; a damaged file is a warning and an empty index, not a failed start."""
+    monkeypatch.setattr("ssd.engine.llm_engine.store_root", lambda: tmp_path)
+    params = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
+    chat = [{"role": "user", "content": "List three primary colors as a JSON array."}]
+    want = ar_outputs([chat], params)[0]
+    salted = SamplingParams.greedy(max_tokens=8, ignore_eos=True, cache_salt="alice")
+    with LLM(smollm_dir, draft="suffix", mode="sd", suffix_keep=True) as llm:
+        first = llm.generate([chat], params)[0]
+        llm.generate(["alice's own words, twice: alice's own words"], salted)
+        kept = llm.suffix_index_tokens()
+    (path,) = (tmp_path / "suffix").iterdir()
+    assert path.name.startswith(smollm_dir.name)
+    with LLM(smollm_dir, draft="suffix", mode="sd", suffix_keep=True, speculate_k=8) as llm:
+        assert llm.suffix_index_tokens() == kept and set(llm.engine.suffix_index.tenants) == {None, "alice"}
+        again = llm.generate([chat], params)[0]
+    assert first.token_ids == again.token_ids == want
+    assert again.metrics.accepted >= 30  # the answer of the engine before, reused
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", suffix_keep=True) as llm:  # beside a draft: the same file
+        assert llm.suffix_index_tokens() >= kept
+    path.write_bytes(b"not an index")
+    with pytest.warns(UserWarning, match="not loaded"):
+        with LLM(smollm_dir, draft="suffix", mode="sd", suffix_keep=True) as llm:
+            assert llm.suffix_index_tokens() == 0

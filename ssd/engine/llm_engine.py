@@ -11,6 +11,7 @@ included; LLM turns that into outputs and streams.
 """
 import os
 import time
+import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -49,8 +50,8 @@ from ssd.speculative.sources.feature_head import FeatureHead
 from ssd.speculative.sources.named import NAMED
 from ssd.speculative.sources.ngram import PromptLookup
 from ssd.speculative.sources.ssd_worker import SSDWorker
-from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup
-from ssd.store import resolve_model
+from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup, index_file
+from ssd.store import resolve_model, store_root
 
 # What a step added to a sequence: its new tokens, and whether each was a draft's (LLM.step makes
 # each a StreamChunk).
@@ -93,9 +94,16 @@ class LLMEngine:
         self.runner.warm_up()
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: KPolicy | None = None
-        # Earlier requests' text for suffix decoding beside the draft (--lookup suffix), kept
-        # across K policies; draft="suffix" keeps its own in its source.
-        self.suffix_index = SuffixIndex(config.speculation.suffix_tokens)
+        # Earlier requests' text for suffix decoding, kept across K policies: draft="suffix"'s
+        # own, else the one beside a draft (--lookup suffix); with suffix_keep, across restarts.
+        self.suffix_index = self.source.index if isinstance(self.source, SuffixLookup) else \
+            SuffixIndex(config.speculation.suffix_tokens)
+        self.suffix_file = index_file(store_root(), Path(config.model)) if config.speculation.suffix_keep else None
+        if self.suffix_file is not None and self.suffix_file.exists():
+            try:
+                self.suffix_index.load(self.suffix_file)
+            except (OSError, ValueError, KeyError, IndexError) as e:  # a damaged file: start empty, say so
+                warnings.warn(f"suffix decoding's index in {self.suffix_file} not loaded ({e}); starting empty")
         if self.source:
             self.set_speculate_k(config.speculation.speculate_k)
         # Drafts sit before the target's own token, and inside the draft model's context.
@@ -172,6 +180,12 @@ class LLMEngine:
             self.source.close()
         if self.ranks is not None:
             self.ranks.close()
+        if self.suffix_file is not None:
+            try:
+                self.suffix_index.save(self.suffix_file)
+            except OSError as e:
+                warnings.warn(f"suffix decoding's index not saved to {self.suffix_file}: {e}")
+            self.suffix_file = None  # once (close is idempotent)
 
     def _forward(self, work: list[Work]) -> list[tuple[Sequence, int, list | None]]:
         """Prompt chunks and plain decoding steps in one pass; a token is drawn for each chunk

@@ -250,6 +250,10 @@ class SpecOptions:
         "tokens of earlier requests its index keeps, over all tenants (cache_salt), the oldest request's out first",
         flag="--suffix-tokens", parse=int,
         metavar="N", modes=("sd",), check=lambda name, v: check_int(name, v, 0))
+    suffix_keep: bool = _option(
+        False, "suffix decoding: keep its index across restarts, in the store (one file per target tokenizer, "
+        "tenants apart as in memory): saved when the engine closes, loaded when it starts",
+        flag="--suffix-keep", parse=parse_on_off, metavar="on|off", check=_switch, modes=("sd",))
     ngram_min: int = _option(1, "prompt lookup (draft='ngram', or beside a draft with --lookup on): the shortest "
                              "n-gram looked up", flag="--ngram-min", parse=int, metavar="N")
     ngram_max: int = _option(4, "prompt lookup: the longest n-gram looked up (tried first)", flag="--ngram-max",

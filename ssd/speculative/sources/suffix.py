@@ -18,11 +18,18 @@ only the request's own tokens, as prompt lookup.
 Earlier requests' text joins the index when they end (their prompt and answer), per tenant:
 requests share it only with requests of the same cache_salt (docs/algorithm.md, "KV
 caches"). The index holds at most `limit` tokens over all tenants, the oldest request's out
-first. Proposals are one-hot (q = None), verified exactly like prompt lookup's.
+first. Proposals are one-hot (q = None), verified exactly like prompt lookup's. With
+`suffix_keep` the engine saves the index into the store when it closes and loads it when it
+starts (per target tokenizer: `index_file`), so a restarted server keeps what it learnt.
 """
+import hashlib
+import json
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.plan import SeqPlan
@@ -108,6 +115,37 @@ class SuffixIndex:
     def occurrences(self, tenant: str | None, anchor: int):
         texts = self.tenants.get(tenant)
         return texts.occurrences(anchor) if texts is not None else iter(())
+
+    def save(self, path: Path) -> None:
+        """Every text with its tenant, oldest first, into `path` (written whole, then renamed)."""
+        names = sorted({t for t, _, _ in self.order}, key=lambda t: (t is not None, t or ""))
+        texts = [self.tenants[t].texts[i] for t, i, _ in self.order]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, tokens=np.concatenate([np.frombuffer(t, dtype=np.int32) for t in texts] or
+                                              [np.zeros(0, np.int32)]),
+                     lengths=np.array([len(t) for t in texts], dtype=np.int64),
+                     tenants=np.array([names.index(t) for t, _, _ in self.order], dtype=np.int64),
+                     names=np.array(json.dumps(names)))
+        tmp.replace(path)
+
+    def load(self, path: Path) -> None:
+        """The texts save() wrote, added oldest first (the bound holds: the oldest go first)."""
+        with np.load(path) as f:
+            names = json.loads(str(f["names"]))
+            tokens, lengths, tenants = f["tokens"], f["lengths"], f["tenants"]
+        ends = np.cumsum(lengths)
+        for end, n, tenant in zip(ends.tolist(), lengths.tolist(), tenants.tolist()):
+            self.add(names[tenant], tokens[end - n:end].tolist())
+
+
+def index_file(root: Path, model: Path) -> Path:
+    """Where a target's index is kept: token ids mean the same under the same tokenizer."""
+    source = next((model / f for f in ("tokenizer.json", "tokenizer.model", "config.json") if (model / f).exists()),
+                  None)
+    digest = hashlib.sha256(source.read_bytes() if source else str(model.resolve()).encode()).hexdigest()[:16]
+    return root / "suffix" / f"{model.name}-{digest}.npz"
 
 
 @dataclass

@@ -16,8 +16,9 @@ PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about
 
 @pytest.fixture
 def counts_for(tmp_path, monkeypatch):
-    """Writes a token-count file for a target into a store of its own."""
-    monkeypatch.setenv("SSD_HOME", str(tmp_path))
+    """Writes a token-count file for a target into a store of its own (for the counts alone: a
+    new SSD_HOME would build every kernel again, ~40 s a test)."""
+    monkeypatch.setattr("ssd.speculative.draft.vocab.store_root", lambda: tmp_path)
 
     def write(target_folder, counts: dict[int, int]):
         path = counts_path(target_folder)
@@ -49,7 +50,7 @@ def test_ssd_vocab_counts_answers_and_prompts(counts_for, smollm_dir):
 
 
 def test_missing_counts_say_how_to_make_them(tmp_path, monkeypatch, smollm_dir, truncated_draft):
-    monkeypatch.setenv("SSD_HOME", str(tmp_path))
+    monkeypatch.setattr("ssd.speculative.draft.vocab.store_root", lambda: tmp_path)
     with pytest.raises(SSDError, match="ssd vocab --model"):
         LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_vocab=1000)
 

@@ -143,6 +143,7 @@ def _store_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
+@pytest.mark.long  # a single pull's checks stay in CI
 def test_two_pulls_at_once_leave_a_complete_store(smol: Path, tmp_path: Path, monkeypatch) -> None:
     home = _store_copy(tmp_path, monkeypatch)
     cmd = [sys.executable, "-m", "ssd.cli", "pull", SMOL]

@@ -163,14 +163,18 @@ def test_a_head_goes_on_from_another_heads_weights(features, tmp_path, smollm_di
 
 
 def test_training_prompts_take_each_family_in_turn_past_the_benchmarks():
-    """The user's prompts first; then code, math and science in turn; none of the prompts a
-    benchmark takes (each set's first HELD_BACK)."""
+    """The user's prompts first; then code, math, science (long input: ACLSum has none past
+    the benchmarks') and writing in turn; none of the prompts a benchmark takes (each set's
+    first HELD_BACK, MT-Bench's every question)."""
     prompts = data.training_prompts([])
-    benchmark = {p.text for name in ("humaneval", "gsm8k", "aclsum") for p in load_prompt_set(name, data.HELD_BACK)}
+    benchmark = {p.text for name in ("humaneval", "gsm8k", "aclsum", "mtbench")
+                 for p in load_prompt_set(name, data.HELD_BACK)}
     assert not benchmark & set(prompts) and len(prompts) == len(set(prompts))
     gsm8k = {p.text for p in load_prompt_set("gsm8k")}
     code = {p.text for p in load_prompt_set("humaneval")} | set(data.stdlib_tasks())
-    assert prompts[0] in code and prompts[1] in gsm8k and prompts[2] not in code | gsm8k and prompts[3] in code
+    writing = {t.format(s) for t in data.WRITING for s in data.SUBJECTS}
+    assert prompts[0] in code and prompts[1] in gsm8k and prompts[2] not in code | gsm8k | writing
+    assert prompts[3] in writing and prompts[4] in code and len(writing & set(prompts)) == len(writing) == 800
     assert any(p.startswith("Write a Python function `") for p in prompts[:40])
 
 

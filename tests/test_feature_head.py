@@ -144,7 +144,8 @@ def test_a_heads_tree_rows_are_its_chain_rows_for_those_tokens(smollm_dir, tmp_p
     real_grow, real_pick, real = FeatureHead._grow, FeatureHead._pick, FeatureHead.propose
 
     def grow(self, tree, owner, step, chain, expand):
-        grown.append((step, chain[0].clone(), [(tree.candidates[i], logits.clone()) for i, _, logits in tree.frontier]))
+        grown.append((step, chain[0].clone(),
+                      [(tree.candidates[i], logits.clone()) for i, *_, logits in tree.frontier]))
         return real_grow(self, tree, owner, step, chain, expand)
 
     def pick(self, seq, logits, tokens, qs, alts, confs):
@@ -161,8 +162,8 @@ def test_a_heads_tree_rows_are_its_chain_rows_for_those_tokens(smollm_dir, tmp_p
         llm.generate(REPEATING, params)
         step1 = next(g for g in grown if g[0] == 1)
         assert len(step1[2]) == TREE_WIDTH - 1  # depth 1: the newest token's other likeliest, all expanded
-        (parent, token, promise, depth), logits = step1[2][0]
-        assert parent == 0 and depth == 1 and 0 < promise < 1
+        (parent, token, promise), logits = step1[2][0]
+        assert parent == 0 and 0 < promise < 1  # under the newest token: depth 1
         grown.clear()
         forced.append(token)
         llm.generate(REPEATING, params)

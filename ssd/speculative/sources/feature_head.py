@@ -82,16 +82,16 @@ class _Tree:
 
     start: int  # its newest token's position: the chain's node at depth j is its row at start - 1 + j
     free: int  # the next head KV position for an expanded candidate's row (past the chain's)
-    # Candidates: (parent, token, promise, depth); a parent >= 0 is the chain's node at that
-    # depth (0: the newest token), -1 - i the candidate i.
-    candidates: list[tuple[int, int, float, int]] = field(default_factory=list)
-    # The expanded candidates of the depth: (index, row (its output state as `state`), logits).
-    frontier: list[tuple[int, _Node, torch.Tensor]] = field(default_factory=list)
+    # Candidates: (parent, token, promise); a parent >= 0 is the chain's node at that depth (0:
+    # the newest token), -1 - i the candidate i.
+    candidates: list[tuple[int, int, float]] = field(default_factory=list)
+    # The expanded candidates of the depth: (index, their row's output state, its keys, its logits).
+    frontier: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=list)
     reach: float = 1.0  # the head's probability of its chain so far
 
     def branches(self, chain: int) -> list[Branch]:
         """The candidates as branches of a round's tree whose chain has `chain` drafts."""
-        return [Branch(p if p >= 0 else chain + 1 + (-1 - p), t, w) for p, t, w, _ in self.candidates]
+        return [Branch(p if p >= 0 else chain + 1 + (-1 - p), t, w) for p, t, w in self.candidates]
 
 
 class FeatureHead(DraftSource):
@@ -195,7 +195,7 @@ class FeatureHead(DraftSource):
                 for b in trees:
                     trees[b].frontier = []
                 for (b, i, node), (logits, state) in zip(branch, out[len(chain):]):
-                    trees[b].frontier.append((i, _Node(-1, node.position, state, node.keys), logits))
+                    trees[b].frontier.append((i, state, node.keys, logits))
             for b in drafting:  # the draft rows go: the next round reads them with the target's states
                 self.kv.truncate(seqs[b].seq_id, self.seqs[seqs[b].seq_id].fed)
             for b, t in trees.items():
@@ -217,24 +217,24 @@ class FeatureHead(DraftSource):
         top = q.topk(TREE_WIDTH)
         for p, t in zip(top.values[1:].tolist(), top.indices[1:].tolist()):
             if tree.reach * p >= MIN_PROMISE:
-                tree.candidates.append((step, int(ids[t]), tree.reach * p, step + 1))
+                tree.candidates.append((step, int(ids[t]), tree.reach * p))
         tree.reach *= float(top.values[0])
-        for i, node, logits in tree.frontier:
+        for i, _, _, logits in tree.frontier:
             top = torch.softmax(logits[0].float(), -1).topk(TREE_WIDTH)
             for p, t in zip(top.values.tolist(), top.indices.tolist()):
                 if tree.candidates[i][2] * p >= MIN_PROMISE:
-                    tree.candidates.append((-1 - i, int(ids[t]), tree.candidates[i][2] * p, step + 1))
+                    tree.candidates.append((-1 - i, int(ids[t]), tree.candidates[i][2] * p))
         if not expand:
             return []
         new = sorted(range(start, len(tree.candidates)), key=lambda i: -tree.candidates[i][2])[:TREE_EXPAND]
-        parents = {i: node for i, node, _ in tree.frontier}
+        parents = {i: (state, keys) for i, state, keys, _ in tree.frontier}
         rows = []
         for i in new:
-            parent, token, _, _ = tree.candidates[i]
+            parent, token, _ = tree.candidates[i]
             if parent >= 0:  # under the chain's node at depth `step`: its row's keys, its output state
                 keys, state = self.kv.slots(owner, 0, tree.start + step), chain[1]
             else:
-                keys, state = parents[-1 - parent].keys, parents[-1 - parent].state
+                state, keys = parents[-1 - parent]
             own = self.kv.slots(owner, tree.free, tree.free + 1)
             tree.free += 1
             rows.append((i, _Node(token, tree.start + step, state, torch.cat([keys, own]))))

@@ -176,18 +176,18 @@ class SuffixLookup(DraftSource):
     def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
         out = []
         for seq, p in zip(seqs, plans):
-            chain, _, tree = self.tree(seq, p.k)
-            out.append(Proposal(chain, candidates=tree if p.alternatives and argmax_chain(seq) else []))
+            chain, _, tree = self.tree(seq, p.k, branches=p.alternatives and argmax_chain(seq))
+            out.append(Proposal(chain, candidates=tree))
         return out
 
     def match(self, seq: Sequence, k: int) -> tuple[list[int], int]:
         """Up to k tokens continuing the sequence's longest matched suffix (module doc), and the
         match's length class for auto-K's per-class acceptance (1..4: 4 for 4 or more)."""
-        return self.tree(seq, k)[:2]
+        return self.tree(seq, k, branches=False)[:2]
 
-    def tree(self, seq: Sequence, k: int) -> tuple[list[int], int, list[Branch]]:
-        """match(), and the other continuations as candidate branches off its chain (module
-        doc), each promising the share of the matched occurrences that follow it."""
+    def tree(self, seq: Sequence, k: int, branches: bool = True) -> tuple[list[int], int, list[Branch]]:
+        """match(), and (with `branches`) the other continuations as candidate branches off its
+        chain (module doc), each promising the share of the matched occurrences that follow it."""
         own = self.own.get(seq.seq_id)
         if own is None:
             own = self.own[seq.seq_id] = _Own(seq)
@@ -207,7 +207,8 @@ class SuffixLookup(DraftSource):
         if not found:
             return [], 0, []
         p = max(m for m, _, _ in found)
-        chain, tree = _grow([(text, after) for m, text, after in found if m == p], min(k, max(1, int(SPEC_FACTOR * p))))
+        chain, tree = _grow([(text, after) for m, text, after in found if m == p], min(k, max(1, int(SPEC_FACTOR * p))),
+                            branches)
         return chain, min(p - ANCHOR + 1, 4) if chain else 0, tree if chain else []
 
     def release(self, seq_id: int) -> None:
@@ -220,11 +221,12 @@ class SuffixLookup(DraftSource):
         return {"suffix sequences": len(self.own)}  # per sequence; the index's size: SuffixIndex.tokens
 
 
-def _grow(alive: list[tuple[array | list[int], int]], depth: int) -> tuple[list[int], list[Branch]]:
+def _grow(alive: list[tuple[array | list[int], int]], depth: int, branches: bool) -> tuple[list[int], list[Branch]]:
     """The trie of what the matched occurrences continue with, up to `depth` tokens: its chain
     takes at each node the token most of them continue with (ties: the newest occurrence's)
-    while that node's share of them is at least MIN_PROB; every other node with that share
-    hangs off it as a candidate branch (parents as in records.Branch), promising its share."""
+    while that node's share of them is at least MIN_PROB; with `branches`, every other node with
+    that share hangs off it as a candidate branch (parents as in records.Branch), promising its
+    share (without, only the chain's nodes are walked)."""
     total = len(alive)
     chain: list[int] = []
     nodes: list[tuple[tuple[str, int], int, float]] = []  # (parent: ("chain", depth) or ("node", i), token, share)
@@ -243,7 +245,7 @@ def _grow(alive: list[tuple[array | list[int], int]], depth: int) -> tuple[list[
                 if parent == ("chain", step) and rank == 0:
                     chain.append(token)
                     below.append((("chain", step + 1), group))
-                else:
+                elif branches:
                     nodes.append((parent, token, share))
                     below.append((("node", len(nodes) - 1), group))
         if len(chain) == step:  # the chain ends here: a branch goes no deeper than it

@@ -109,6 +109,16 @@ def threads():
 
 
 @pytest.fixture
+def own_kernels(monkeypatch):
+    """For a test that makes kernels of its own (CppKernel registers each in build.KERNELS):
+    they stay out of the engine's list, or every later engine start in this process would try
+    to build them beside the real ones (ssd/kernels/prebuild.py: a subprocess each, seconds a
+    start, for the rest of the session)."""
+    from ssd.kernels import build
+    monkeypatch.setattr(build, "KERNELS", [])
+
+
+@pytest.fixture
 def fresh_variant():
     """For a test that changes SSD_CPU_KERNELS: the kernels' cached choice of build
     (ssd.kernels.build.default_variant) is read again before and after it."""

@@ -102,7 +102,7 @@ def test_strided_and_batched_inputs(op):
     assert Q.linear_int8(x[:0], q, s, b).shape == (0, 24)
 
 
-def test_fallback_paths(op, monkeypatch, capfd, fresh_variant):
+def test_fallback_paths(op, monkeypatch, capfd, fresh_variant, own_kernels):
     x, q, s, b = data(5, 40, 24)
     ref = reference(x, q, s, b)
     xb = x.bfloat16()  # not fp32: stock ops in bf16

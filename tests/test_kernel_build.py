@@ -6,6 +6,8 @@ from torch.utils import cpp_extension
 from ssd.kernels import build
 from ssd.kernels.build import CppKernel
 
+pytestmark = pytest.mark.usefixtures("own_kernels")
+
 
 @pytest.fixture
 def csrc(tmp_path, monkeypatch):

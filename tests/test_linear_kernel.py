@@ -103,7 +103,7 @@ def test_strided_and_batched_inputs(op):
     assert torch.equal(L.linear(torch.zeros(3, 0), torch.zeros(24, 0), b), b.expand(3, 24))
 
 
-def test_fallback_paths(op, monkeypatch, capfd, fresh_variant):
+def test_fallback_paths(op, monkeypatch, capfd, fresh_variant, own_kernels):
     x, w, b = data(5, 40, 24)
     xb, wb, bb = x.bfloat16(), w.bfloat16(), b.bfloat16()
     assert torch.equal(L.linear(xb, wb, bb), F.linear(xb, wb, bb))  # not fp32: F.linear

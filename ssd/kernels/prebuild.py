@@ -11,19 +11,19 @@ import sys
 
 # Each module creates its kernel (build.KERNELS) on import; nothing compiles until build().
 from ssd.kernels import attention_cpu, decoder_cpu, fused_cpu, linear_cpu, linear_int8_cpu, quant_cpu  # noqa: F401
-from ssd.kernels.build import KERNELS, default_variant
+from ssd.kernels import build
 
 
 def prebuild() -> None:
     """Compile this machine's variant of every kernel not yet built, side by side; a kernel
     that cannot build says so at its first use and its callers fall back."""
-    if default_variant() is None:
+    if build.default_variant() is None:
         return
-    missing = {k.name for k in KERNELS if not k.is_built()}
+    missing = {k.name for k in build.KERNELS if not k.is_built()}
     if len(missing) > 1:
         for p in [subprocess.Popen([sys.executable, "-m", "ssd.kernels.prebuild", name]) for name in sorted(missing)]:
             p.wait()
 
 
 if __name__ == "__main__":
-    next(k for k in KERNELS if k.name == sys.argv[1]).build()
+    next(k for k in build.KERNELS if k.name == sys.argv[1]).build()

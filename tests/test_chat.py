@@ -86,7 +86,7 @@ def test_the_oldest_turns_are_dropped_when_the_context_is_full():
     child.expect(pexpect.EOF)
 
 
-@pytest.mark.parametrize("mode", ["sd", pytest.param("ssd", marks=pytest.mark.long)])
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_speculative_chat_shows_draft_tokens(mode, smollm_dir):
     # The target as its own draft costs a target pass a token: auto-K would (rightly) never draft.
     fixed = ("--k", "8") if mode == "sd" else ()

@@ -55,7 +55,7 @@ def test_missing_counts_say_how_to_make_them(tmp_path, monkeypatch, smollm_dir, 
         LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_vocab=1000)
 
 
-@pytest.mark.parametrize("mode", ["sd", pytest.param("ssd", marks=pytest.mark.long)])
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_reduced_head_greedy_equals_ar(counts_for, smollm_dir, truncated_draft, ar_outputs, mode):
     tok_counts = {}
     with LLM(smollm_dir) as ar:  # count the target's own tokens, as `ssd vocab` does

@@ -39,8 +39,7 @@ def pairs(tiny_models, tmp_path_factory) -> dict[tuple[str, str], tuple]:
     return out
 
 
-# Dequantised weights run the same model code as the GGUF blocks (whose test stays in CI).
-@pytest.mark.parametrize("weights", [pytest.param("dequantized", marks=pytest.mark.long), "gguf"])
+@pytest.mark.parametrize("weights", ["dequantized", "gguf"])
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_greedy_speculation_equals_ar(pairs, arch, weights):
     target, draft = pairs[arch, weights]
@@ -58,7 +57,7 @@ def test_greedy_speculation_equals_ar(pairs, arch, weights):
         assert [o.token_ids for o in lookup.generate(PROMPTS, GREEDY)] == expected
 
 
-@pytest.mark.parametrize("arch", ["gemma3", *(pytest.param(a, marks=pytest.mark.long) for a in ("gemma2", "mistral", "phi3"))])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_ssd_greedy_equals_ar(pairs, arch):
     """SSD's draft worker builds trees on a sliding-window draft: tree rows keep a key at its
     position, so the window is cut the same way for every branch."""

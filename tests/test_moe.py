@@ -71,7 +71,7 @@ PROMPTS = ["Once upon a time, in a land far away, there lived a king who had thr
 GREEDY = SamplingParams.greedy(max_tokens=40, ignore_eos=True)
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", pytest.param("mixtral", marks=pytest.mark.long)])
+@pytest.mark.parametrize("arch", ["qwen3moe", "mixtral"])
 def test_greedy_speculation_on_a_moe_target_equals_ar(tiny_models, tmp_path, arch):
     """A MoE target on GGUF blocks with a random dense draft of the same vocabulary (SD), its own
     blocks as the draft (every token accepted), prompt lookup and SSD: AR's tokens each time."""

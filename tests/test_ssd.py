@@ -253,7 +253,6 @@ def test_killing_the_worker_mid_generation(smollm_dir, truncated_draft, ar_outpu
     assert "draft worker died" in caplog.text
 
 
-@pytest.mark.long  # failing over to SD: test_killing_the_worker_mid_generation
 def test_a_hung_worker_times_out(smollm_dir, truncated_draft, ar_outputs):
     want = ar_outputs(PROMPTS[:1], SamplingParams.greedy(max_tokens=48, ignore_eos=True))[0]
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, draft_timeout=2.0) as llm:
@@ -315,7 +314,6 @@ sys.exit(main(["worker", *sys.argv[1:]]))
 """
 
 
-@pytest.mark.long  # failing over to SD: test_killing_the_worker_mid_generation
 def test_an_oversized_reply_fails_over_to_sd(smollm_dir, truncated_draft, ar_outputs, monkeypatch, caplog):
     monkeypatch.setenv("SSD_DRAFT_SECRET", "a secret both sides were given")
     port = free_port()

@@ -169,7 +169,6 @@ def test_a_rank_that_dies_ends_the_request_with_a_clear_error(smollm_dir):
                 llm.generate(PROMPTS[0], params)
 
 
-@pytest.mark.long  # a rank's failure: test_a_rank_that_dies_ends_the_request_with_a_clear_error
 def test_a_rank_that_hangs_times_out(smollm_dir):
     """A stopped rank (SIGSTOP: alive, silent) fails the pass after tensor_parallel_timeout."""
     import signal

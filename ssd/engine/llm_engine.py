@@ -153,7 +153,7 @@ class LLMEngine:
             # The draft's stopping rule (draft_stop.py), where the draft is in this process.
             stop = DraftStop() if opts.draft_stop is not False and local else None
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
-                                  self.source.step_cost(), self.source.measures_steps, lookup,
+                                  self.source.step_cost, self.source.measures_steps, lookup,
                                   opts.draft_window, siblings, stop, trees)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k

@@ -16,6 +16,12 @@ for positions a sequence has not reached. The round's K per sequence maximises t
 tokens per second, sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))); K = 0 is plain decoding,
 chosen when drafting does not pay.
 
+The draft step's start-up timing is one pass, and a pass caught in a spike of the host's load
+(seen on a fresh machine's first run: every round at K = 0, the draft never ran) would stand
+for good: at K = 0 no round measures the draft again, and a step priced that high rules out
+even the probes below. Until a round has measured it, each new sequence times one draft step
+again and the cheapest timing stands (load only makes a pass slower).
+
 A position beyond a sequence's K is never reached, so its rate would rest on the other
 sequences' rounds for good (and a K chosen on a low one would stay low): every EXPLORE_GAP
 drafting rounds a sequence drafts one token deeper than chosen while its own evidence at that
@@ -127,11 +133,12 @@ class FixedK(KPolicy):
 class AutoK(KPolicy):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
-    def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float,
+    def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float | Callable[[], float],
                  steps_measured: bool = False, lookup: PromptLookup | None = None, window: int | None = None,
                  siblings: bool = False, stop: DraftStop | None = None, lookup_trees: bool = False):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
-        draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup);
+        draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup), or what
+        times one now (then timed again for each new sequence until a round measures it: module doc);
         steps_measured: the draft times its steps itself (the rounds' step_s; SD), else a round's
         wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
         beside the draft (module doc); window: the most tokens a catch-up reads (draft_window);
@@ -152,7 +159,9 @@ class AutoK(KPolicy):
         wider = [k_max + 1 + m for m in (1, 2, 4, 8, MAX_PER_SEQUENCE)] if siblings or self.lookup_trees else []
         sizes = list(range(1, k_max + 2)) + wider
         self.verify = Timings({r: verify_time(r) for r in sorted(set(sizes))})
-        self.draft_step, self.draft_measured = draft_step_s, False  # D(K) = K x draft_step
+        self.time_draft = draft_step_s if callable(draft_step_s) else None
+        self.draft_step = self.time_draft() if self.time_draft else draft_step_s  # D(K) = K x draft_step
+        self.draft_measured = False
         self.catchup = CatchupCost()  # the draft's cost of reading tokens it has not seen
         self.overall = Acceptance(ENGINE_DECAY)  # engine-wide, over every sequence's rounds
         self.seqs: dict[int, SeqState] = {}
@@ -162,6 +171,8 @@ class AutoK(KPolicy):
         self.engine_probe: int | None = None  # the sequence probing on the engine's budget this round
 
     def plan(self, seqs: list[Sequence]) -> Plan:
+        if self.time_draft and not self.draft_measured and any(s.seq_id not in self.seqs for s in seqs):
+            self.draft_step = min(self.draft_step, self.time_draft())  # (module doc: a spiked start-up timing)
         prior = self.overall.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
         rates = [self._state(s).acceptance.rates(self.k_max, prior, SEQ_WEIGHT) for s in seqs]
         gains = [expected_tokens(r) for r in rates]

@@ -106,8 +106,8 @@ def test_a_large_matrix_on_several_threads_equals_the_portable_code(op, qtype, t
     """Enough 16-row groups for every thread (small matrices run on the caller's thread alone)."""
     n, k = 16 * 8 * 4 + 5, 2560
     m = Q.repack(blocks(qtype, n, k, seed=5), qtype, n, k)
-    x = torch.randn(9, k, generator=torch.Generator().manual_seed(6))
-    for rows in (1, 5, 9):
+    x = torch.randn(21, k, generator=torch.Generator().manual_seed(6))
+    for rows in (1, 5, 9, 21):  # (21: more than one tile of rows on every build)
         want = Q.qlinear(x[:rows], [m], reference=True)
         assert_same_bits_on_any_thread_count(lambda: [Q.qlinear(x[:rows], [m])])
         assert torch.equal(Q.qlinear(x[:rows], [m]), want), (qtype.name, rows)

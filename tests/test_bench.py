@@ -205,6 +205,19 @@ def test_structured_prompts_are_checked(smollm_dir):
     assert "llamacpp" in result.skipped and "JSON schema" in result.skipped["llamacpp"]
 
 
+def test_a_peer_skips_only_the_sets_with_a_schema(smollm_dir):
+    schema = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
+    prompts = {"json": [BenchPrompt("file", "j/0", "Name a capital city as JSON.", schema=schema)],
+               "plain": [BenchPrompt("file", "p/0", "Name a capital city.")]}
+    configs = [c for c in expand_configs(["ar"], 2, peers=["hf"]) if c.mode == "ar" or c.mode == "hf"]
+    spec = BenchSpec(str(smollm_dir), None, configs, max_tokens=8, threads=2)
+    result = run_bench(spec, prompts, progress=False)
+    rows = {(r.set, r.config): r for r in summarise(result)}
+    assert "JSON schema" in rows["json", "hf"].skipped and set(result.skipped) == {"hf on json"}
+    assert rows["plain", "hf"].skipped is None and rows["plain", "hf"].tok_s > 0
+    assert "skipped hf on json: prompts with a JSON schema" in format_table(result, summarise(result))
+
+
 def test_help_lists_every_option():
     r = subprocess.run([sys.executable, "-m", "ssd.cli", "bench", "--help"], capture_output=True, text=True)
     assert r.returncode == 0

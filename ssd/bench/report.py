@@ -108,7 +108,8 @@ def summarise(result: BenchResult) -> list[Row]:
         set_rows = []
         for c in result.spec.configs:
             records = [r for r in result.records if r.set == name and r.config == c.label]
-            set_rows.append(Row(name, c.label, c.mode, skipped=result.skipped[c.label]) if c.label in result.skipped
+            skipped = result.skipped.get(c.label, result.skipped.get(f"{c.label} on {name}"))
+            set_rows.append(Row(name, c.label, c.mode, skipped=skipped) if skipped is not None
                             else _row(name, c, records, result.threads))
         ar = next((r for r in set_rows if r.config == "ar" and r.tok_s_agg), None)
         for r in set_rows:

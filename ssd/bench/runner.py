@@ -156,7 +156,8 @@ class BenchResult:
     spec: BenchSpec
     prompt_sets: dict[str, list[BenchPrompt]]
     records: list[PromptRecord] = field(default_factory=list)
-    skipped: dict[str, str] = field(default_factory=dict)  # configuration label -> why it did not run
+    # why a configuration did not run: by its label, or "LABEL on SET" where it ran on other sets
+    skipped: dict[str, str] = field(default_factory=dict)
     device: str = ""  # where the engine ran and in what dtype, as resolved
     dtype: str = ""
     threads: int = 0  # CPU threads of the engine's rows and of every peer's
@@ -265,10 +266,16 @@ def _run_peer(result: BenchResult, c: RunConfig, prompt_ids: dict[str, list[list
     spec = result.spec
     if spec.temperature > 0:
         return _skip(result, c.label, "peers decode greedily only; run with --temperature 0")
-    if any(p.schema for ps in result.prompt_sets.values() for p in ps):
-        return _skip(result, c.label, "prompts with a JSON schema: the peer would decode them unconstrained "
-                                      "(its grammar support is not wired into this bench yet)")
-    flat = [(name, p.id, ids) for name, ps in result.prompt_sets.items()
+    # Sets with a JSON schema are left out (the peer would decode them unconstrained; its grammar
+    # support is not wired into this bench yet); the peer runs on the others.
+    structured = [name for name, ps in result.prompt_sets.items() if any(p.schema for p in ps)]
+    reason = "prompts with a JSON schema: the peer would decode them unconstrained (its grammar support is not " \
+             "wired into this bench yet)"
+    if len(structured) == len(result.prompt_sets):
+        return _skip(result, c.label, reason)
+    for name in structured:
+        _skip(result, f"{c.label} on {name}", reason)
+    flat = [(name, p.id, ids) for name, ps in result.prompt_sets.items() if name not in structured
             for p, ids in zip(ps, prompt_ids[name])]
     ids, pids = [x[2] for x in flat], [x[1] for x in flat]
     # The engine's own thread count, exactly: a peer left to its default (llama-cpp-python: half

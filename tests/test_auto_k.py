@@ -78,12 +78,13 @@ def test_a_useless_draft_is_turned_off_despite_a_spiked_start_up_timing():
 def test_a_spiked_start_up_timing_of_the_draft_step_is_timed_again():
     # The draft's step timed at start-up in a load spike (1 s against a 50 ms target pass):
     # at K = 0 no round would measure it again, so the next new sequence times it again.
-    timings = iter([1.0, 0.01, 0.5])
+    timings = iter([1.0, None, 0.01, 0.5])  # (None: no step could be timed, the draft's cache full)
     policy = AutoK(8, lambda rows: 0.05 + 0.004 * (rows - 1), lambda: next(timings))
     assert policy.draft_step == 1.0
-    assert policy.plan([_Seq(0)]).ks[0] > 0 and policy.draft_step == 0.01
-    assert policy.plan([_Seq(0)]).ks[0] > 0  # the same sequence: not timed again
-    policy.plan([_Seq(0), _Seq(1)])  # a new one: timed again, the cheapest timing stands
+    assert policy.plan([_Seq(0)]).ks == [0] and policy.draft_step == 1.0
+    assert policy.plan([_Seq(0), _Seq(1)]).ks[1] > 0 and policy.draft_step == 0.01
+    policy.plan([_Seq(1)])  # the same sequence: not timed again
+    policy.plan([_Seq(1), _Seq(2)])  # a new one: timed again, the cheapest timing stands
     assert policy.draft_step == 0.01
     # A draft that really is that dear stays off.
     dear = AutoK(8, lambda rows: 0.05 + 0.004 * (rows - 1), lambda: 1.0)

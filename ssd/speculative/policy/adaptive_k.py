@@ -133,12 +133,14 @@ class FixedK(KPolicy):
 class AutoK(KPolicy):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
-    def __init__(self, k_max: int, verify_time: Callable[[int], float], draft_step_s: float | Callable[[], float],
+    def __init__(self, k_max: int, verify_time: Callable[[int], float],
+                 draft_step_s: float | Callable[[], float | None],
                  steps_measured: bool = False, lookup: PromptLookup | None = None, window: int | None = None,
                  siblings: bool = False, stop: DraftStop | None = None, lookup_trees: bool = False):
         """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup), or what
-        times one now (then timed again for each new sequence until a round measures it: module doc);
+        times one now, None where it cannot (then timed again for each new sequence until a round
+        measures it: module doc);
         steps_measured: the draft times its steps itself (the rounds' step_s; SD), else a round's
         wait per draft token is the step's cost (SSD, prompt lookup); lookup: prompt lookup
         beside the draft (module doc); window: the most tokens a catch-up reads (draft_window);
@@ -160,7 +162,7 @@ class AutoK(KPolicy):
         sizes = list(range(1, k_max + 2)) + wider
         self.verify = Timings({r: verify_time(r) for r in sorted(set(sizes))})
         self.time_draft = draft_step_s if callable(draft_step_s) else None
-        self.draft_step = self.time_draft() if self.time_draft else draft_step_s  # D(K) = K x draft_step
+        self.draft_step = (self.time_draft() or 0.0) if self.time_draft else draft_step_s  # D(K) = K x draft_step
         self.draft_measured = False
         self.catchup = CatchupCost()  # the draft's cost of reading tokens it has not seen
         self.overall = Acceptance(ENGINE_DECAY)  # engine-wide, over every sequence's rounds
@@ -172,7 +174,8 @@ class AutoK(KPolicy):
 
     def plan(self, seqs: list[Sequence]) -> Plan:
         if self.time_draft and not self.draft_measured and any(s.seq_id not in self.seqs for s in seqs):
-            self.draft_step = min(self.draft_step, self.time_draft())  # (module doc: a spiked start-up timing)
+            timed = self.time_draft()  # (module doc: a spiked start-up timing)
+            self.draft_step = self.draft_step if timed is None else min(self.draft_step, timed)
         prior = self.overall.rates(self.k_max, [PRIOR_RATE] * self.k_max, PRIOR_WEIGHT)
         rates = [self._state(s).acceptance.rates(self.k_max, prior, SEQ_WEIGHT) for s in seqs]
         gains = [expected_tokens(r) for r in rates]

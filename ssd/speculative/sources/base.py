@@ -58,9 +58,10 @@ class DraftSource:
     def wait_ready(self) -> None:
         """Return once the draft can answer (SSD: its worker has loaded the model)."""
 
-    def step_cost(self) -> float:
+    def step_cost(self) -> float | None:
         """Seconds the target waits per draft token, as first guessed before any round is
-        timed (SSD: 0, its drafting is meant to be hidden; prompt lookup: 0)."""
+        timed (SSD: 0, its drafting is meant to be hidden; prompt lookup: 0); None where no
+        step can be timed now."""
         return 0.0
 
     def kv_blocks_in_use(self) -> int | None:

@@ -2,6 +2,7 @@
 passes (ssd/speculative/draft/draft_engine.py); SSD's worker drafts the same way in this
 process when it fails over (ssd_worker.py)."""
 from ssd.request.sequence import Sequence
+from ssd.runner.kv_cache import CacheFullError
 from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.plan import SeqPlan
 from ssd.speculative.records import Proposal
@@ -21,8 +22,11 @@ class DraftModel(DraftSource):
     def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
         return propose_locally(self, self.engine, seqs, plans)
 
-    def step_cost(self) -> float:
-        return self.engine.runner.timed_pass(1, repeat=2)
+    def step_cost(self) -> float | None:
+        try:
+            return self.engine.runner.timed_pass(1, repeat=2)
+        except CacheFullError:  # every block of the draft's cache held: no pass to time now
+            return None
 
     def release(self, seq_id: int) -> None:
         super().release(seq_id)

@@ -7,7 +7,9 @@ position, which is not how llama.cpp's users speculate).
     python bench/llamacpp_spec.py --bin "$(bash bench/llamacpp.sh)" --all --num-prompts 4 --k 3,5,8 --threads 2
 
 With --lookup, llama.cpp's prompt lookup instead (`llama-lookup`, n-gram drafting from the
-context, no draft model; bench/llamacpp.sh builds it). With --requests FILE (written by
+context, no draft model; bench/llamacpp.sh builds it), its dynamic n-gram cache (`-lcd`) kept
+across the run's prompts in order, one per K, as the engine's suffix index is kept across the
+prompts of an `ssd bench` run. With --requests FILE (written by
 bench/suffix_decoding.py --requests-out), the requests of that run in its order, as rendered
 there, through llama-lookup with its dynamic n-gram cache (`-lcd`) kept across them as its
 users keep it (one cache per group of sets the engine run served with the same engines, so
@@ -73,11 +75,14 @@ def main() -> None:
     tool = "llama-lookup" if args.lookup else "llama-speculative"
     sets = list(PROMPT_SETS) if args.all else args.sets or ["humaneval"]
     print("| set | config | thr | n | tok/s all | accept |\n|---|---|---:|---:|---:|---:|")
+    caches = tempfile.TemporaryDirectory()
+    tool += " -lcd" if args.lookup else ""
     for name in sets:
         prompts = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
                                            tokenize=False) for p in load_prompt_set(name, args.num_prompts)]
         for k in map(int, args.k.split(",")):
-            runs = [run(args.bin, target, draft, p, k, args.max_tokens, args.threads) for p in prompts]
+            cache = Path(caches.name) / f"k{k}.bin" if args.lookup else None
+            runs = [run(args.bin, target, draft, p, k, args.max_tokens, args.threads, cache) for p in prompts]
             tokens, seconds = sum(r[0] for r in runs), sum(r[1] for r in runs)
             drafted, accepted = sum(r[2] for r in runs), sum(r[3] for r in runs)
             print(f"| {name} | {tool} k={k} | {args.threads} | {len(runs)} | {tokens / seconds:.1f} | "

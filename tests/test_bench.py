@@ -209,7 +209,7 @@ def test_a_peer_skips_only_the_sets_with_a_schema(smollm_dir):
     schema = {"type": "object", "required": ["city"], "properties": {"city": {"type": "string"}}}
     prompts = {"json": [BenchPrompt("file", "j/0", "Name a capital city as JSON.", schema=schema)],
                "plain": [BenchPrompt("file", "p/0", "Name a capital city.")]}
-    configs = [c for c in expand_configs(["ar"], 2, peers=["hf"]) if c.mode == "ar" or c.mode == "hf"]
+    configs = [c for c in expand_configs(["ar"], 2, peers=["hf"]) if c.mode in ("ar", "hf")]
     spec = BenchSpec(str(smollm_dir), None, configs, max_tokens=8, threads=2)
     result = run_bench(spec, prompts, progress=False)
     rows = {(r.set, r.config): r for r in summarise(result)}

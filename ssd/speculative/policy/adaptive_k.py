@@ -17,7 +17,7 @@ tokens per second, sum E_s(K_s) / (D(max K_s) + V(sum (K_s + 1))); K = 0 is plai
 chosen when drafting does not pay.
 
 The draft step's start-up timing is one pass, and a pass caught in a spike of the host's load
-(seen on a fresh machine's first run: every round at K = 0, the draft never ran) would stand
+(seen on a fresh machine's first run: the draft never ran) would stand
 for good: at K = 0 no round measures the draft again, and a step priced that high rules out
 even the probes below. Until a round has measured it, each new sequence times one draft step
 again and the cheapest timing stands (load only makes a pass slower).

@@ -72,14 +72,21 @@ def test_sampled_sd_is_reproducible_with_a_seed(smollm_dir, truncated_draft):
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
 
 
-def test_a_draft_with_another_vocabulary_drafts_through_text_in_sd_only(smollm_dir, tmp_path, ar_outputs):
-    """Another token table: SD drafts through text (sources/cross_vocab.py), exactly; SSD's
-    worker cannot yet, and says so."""
+@pytest.fixture
+def other_vocab(smollm_dir, tmp_path):
+    """The test model with one token added to its table: the same text, another vocabulary."""
     other = tmp_path / "other-vocab"
     shutil.copytree(smollm_dir, other)
     tok = AutoTokenizer.from_pretrained(smollm_dir)
     tok.add_tokens(["<not-in-the-target>"])
     tok.save_pretrained(other)
+    return other
+
+
+def test_a_draft_with_another_vocabulary_drafts_through_text_in_sd_only(smollm_dir, other_vocab, ar_outputs):
+    """Another token table: SD drafts through text (sources/cross_vocab.py), exactly; SSD's
+    worker cannot yet, and says so."""
+    other = other_vocab
     params = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
     prompts = ["def fibonacci(n):", "The capital of France is"]
     with LLM(smollm_dir, draft=other, mode="sd", speculate_k=3) as llm:
@@ -89,6 +96,23 @@ def test_a_draft_with_another_vocabulary_drafts_through_text_in_sd_only(smollm_d
     assert sum(o.metrics.accepted for o in outs) > 10  # the same model: most of its text is taken
     with pytest.raises(VocabularyMismatchError, match="token tables differ.*mode 'sd' only"):
         LLM(smollm_dir, draft=other, mode="ssd")
+
+
+def test_a_draft_with_another_vocabulary_proposes_k_tokens_a_round(smollm_dir, other_vocab, ar_outputs):
+    """The crossing drops the last target token of the draft's text (it may merge with the
+    next), so the draft drafts one more of its own: a K of 1 proposes a token (it proposed
+    nothing, and auto-K, which chose it, never learnt why). Auto-K leaves the draft's stopping
+    rule out: its confidences are in the draft's tokens."""
+    params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
+    prompt = "def fibonacci(n):"
+    with LLM(smollm_dir, draft=other_vocab, mode="sd", speculate_k=1) as llm:
+        out = llm.generate(prompt, params)[0]
+        assert out.metrics.accepted >= out.metrics.rounds // 2  # the same model: its token is mostly taken
+        assert llm.engine.source.ratio == pytest.approx(1.0)  # the same text cuts into as many tokens
+    assert out.token_ids == ar_outputs([prompt], params)[0]
+    with LLM(smollm_dir, draft=other_vocab, mode="sd", speculate_k="auto") as llm:
+        assert llm.engine.k_policy.stop is None
+        assert llm.generate(prompt, params)[0].token_ids == out.token_ids
 
 
 def test_mode_and_draft_must_agree(smollm_dir):

@@ -44,7 +44,7 @@ from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.records import Proposal, Round
 from ssd.speculative.round import speculative_round
 from ssd.speculative.sources.base import DraftSource
-from ssd.speculative.sources.cross_vocab import CrossVocab
+from ssd.speculative.sources.cross_vocab import CrossVocab, draft_steps
 from ssd.speculative.sources.draft_model import DraftModel
 from ssd.speculative.sources.feature_head import FeatureHead
 from ssd.speculative.sources.named import NAMED
@@ -150,8 +150,8 @@ class LLMEngine:
             # tree, alone or beside a draft, unless turned off.
             trees = opts.draft_siblings is not False
             siblings = (bool(opts.draft_siblings) and local) or (trees and isinstance(self.source, SuffixLookup))
-            # The draft's stopping rule (draft_stop.py), where the draft is in this process.
-            stop = DraftStop() if opts.draft_stop is not False and local else None
+            # The draft's stopping rule (draft_stop.py), where the draft can take it.
+            stop = DraftStop() if opts.draft_stop is not False and self.source.stops_by_confidence else None
             self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
                                   self.source.step_cost, self.source.measures_steps, lookup,
                                   opts.draft_window, siblings, stop, trees)
@@ -309,7 +309,8 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
     """What the draft side builds for the engine of `config`, its draft model in `folder`
     (same_vocabulary False: a draft of another tokenizer, whose head the target's token
     counts cannot reduce)."""
-    opts, k = config.speculation, config.speculation.k_max
+    opts = config.speculation
+    k = opts.k_max if same_vocabulary else draft_steps(opts.k_max)  # (another tokenizer's tokens: cross_vocab.py)
     head = head_tokens(config.model, opts.draft_vocab, draft_model.vocab_size, eos_ids) if same_vocabulary else None
     fan = FanOut(k, opts.fan_out, opts.fan_out_miss, opts.tree_budget)
     # The target's tokens, K proposals and a partial block per sequence, and in SSD each

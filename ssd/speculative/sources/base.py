@@ -25,9 +25,12 @@ class DraftSource:
     # adaptive_k.py takes a round's wait per draft token).
     measures_steps = False
     # Whether it drafts in this process between the target's passes (SD's draft model, a
-    # feature head): auto-K then offers it prompt lookup beside it, sibling leaves and the
-    # draft's stopping rule (adaptive_k.py), and its proposals answer them.
+    # feature head): auto-K then offers it prompt lookup beside it and sibling leaves
+    # (adaptive_k.py), and its proposals answer them.
     in_process = False
+    # Whether, in this process, its rounds may end where the draft's confidence in its own
+    # tokens says (draft_stop.py): a draft whose tokens are the target's.
+    stops_by_confidence = False
     weights: str | None = None  # how a draft model's weights are held, "auto" resolved (None: no model)
     # The target layers whose entering hidden states it reads (a feature head): the target's
     # passes then give them, to `states` and in each round's record.

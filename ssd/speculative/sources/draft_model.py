@@ -14,6 +14,7 @@ class DraftModel(DraftSource):
 
     measures_steps = True
     in_process = True
+    stops_by_confidence = True
 
     def __init__(self, engine: DraftEngine, context: int, weights: str):
         super().__init__(context)

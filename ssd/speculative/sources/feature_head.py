@@ -97,6 +97,7 @@ class _Tree:
 class FeatureHead(DraftSource):
     measures_steps = True
     in_process = True
+    stops_by_confidence = True
 
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
                  device: torch.device, context: int, seed: int | None = None):

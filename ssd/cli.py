@@ -331,6 +331,10 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--hours", type=float, default=1.0, help="time budget of this call (default: 1)")
     t.add_argument("--data", type=Path, nargs="*", default=[], metavar="FILE",
                    help="your prompts: JSONL files, one {\"prompt\": ...} a line (answered by the model first)")
+    t.add_argument("--text", type=Path, nargs="*", default=[], metavar="PATH",
+                   help="your texts, read by the model as they are (no answering: about 3x the sequences an hour): "
+                        "JSONL lines {\"text\": ...} or {\"messages\": [...]} (a whole conversation), any other "
+                        "text file, or a folder of them")
     t.add_argument("--answer-share", type=float, default=0.5,
                    help="share of the budget spent answering prompts before training (default: 0.5)")
     t.add_argument("--answer-draft", help="a draft model to answer with SD: the same answers, sooner (default: "
@@ -446,7 +450,8 @@ def _train_draft(args: argparse.Namespace) -> None:
     if args.hours <= 0 or not 0 <= args.answer_share <= 1 or args.draft_vocab < 1 or args.steps < 1:
         raise SSDError("--hours must be > 0, --answer-share in 0..1, --draft-vocab and --steps >= 1")
     answer_draft = args.answer_draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
-    state = run(TrainSettings(args.model, args.out, args.hours, args.data, args.answer_share, answer_draft,
+    state = run(TrainSettings(args.model, args.out, args.hours, files=args.data, texts=args.text,
+                              answer_share=args.answer_share, answer_draft=answer_draft,
                               draft_vocab=args.draft_vocab, intermediate=args.intermediate, steps=args.steps,
                               restart=args.restart, init=args.init, precision=args.precision))
     last = state["curve"][-1]

@@ -100,6 +100,45 @@ def test_a_shard_holds_the_targets_states_and_choices(features):
     assert seq.choice[n - 1:len(seq.tokens) - 1].tolist() == seq.tokens[n:].tolist()
 
 
+def test_texts_are_read_as_they_are_and_once(features, tmp_path, smollm_dir):
+    """--text: a folder's text files (a binary and a hidden folder's left out), JSONL lines of
+    text or of a whole conversation in the chat template, pieces of at most max_len tokens;
+    read again, nothing new; their shards hold the target's states and choices over the text."""
+    from transformers import AutoTokenizer
+    home, model, _ = features
+    tok = AutoTokenizer.from_pretrained(smollm_dir)
+    corpus = tmp_path / "corpus"
+    (corpus / ".git").mkdir(parents=True)
+    (corpus / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (corpus / "image.png").write_bytes(bytes(range(256)))
+    code = "def add(a, b):\n    return a + b\n\n" * 20
+    (corpus / "add.py").write_text(code)
+    chat = [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello, how can I help?"}]
+    lines = tmp_path / "lines.jsonl"
+    lines.write_text(json.dumps({"text": "The sea is calm tonight."}) + "\n\n" + json.dumps({"messages": chat}) + "\n")
+    out = tmp_path / "texts.jsonl"
+    pieces = data.read_texts([corpus, lines], tok, out, max_len=64)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    code_ids = tok(code, add_special_tokens=False).input_ids
+    assert len(code_ids) > 64 and pieces == len(records) == -(-len(code_ids) // 64) + 2
+    assert [i for r in records[:-2] for i in r["answer_ids"]] == code_ids
+    assert all(len(r["answer_ids"]) <= 64 and r["prompt_ids"] == [] for r in records)
+    assert records[-1]["answer_ids"] == tok(tok.apply_chat_template(chat, tokenize=False),
+                                            add_special_tokens=False).input_ids
+    assert data.read_texts([lines, corpus], tok, out, max_len=64) == pieces  # read before: nothing new
+    taps = (2, model.config.num_layers // 2, model.config.num_layers - 3)
+    assert data.extract(model, taps, out, tmp_path / "features", 64, prefix="text-", budget_s=0.0) == 0
+    assert data.extract(model, taps, out, tmp_path / "features", 64, prefix="text-") == pieces
+    seq = data.load(tmp_path / "features" / "text-00000.pt")
+    assert seq.tokens.tolist() == records[0]["answer_ids"]
+    assert seq.states.shape == (64, 3 * model.config.hidden_size)
+    # the target's choices over code it did not write: mostly the text's own next token
+    assert (seq.choice[:-1] == seq.tokens[1:]).float().mean() > 0.5
+    lines.write_text('{"prompt": "no text here"}\n')
+    with pytest.raises(SSDError, match="line 1"):
+        data.read_texts([lines], tok, tmp_path / "other.jsonl", max_len=64)
+
+
 def test_training_goes_on_from_its_checkpoint(features, tmp_path, smollm_dir):
     home, model, eos = features
     paths = data.shards(home / "features")

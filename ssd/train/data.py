@@ -9,14 +9,25 @@ share), science questions (GPQA's, which no benchmark reads), long input (ACLSum
 benchmarks' share, where there is any) and writing (instructions of MT-Bench's kinds, made from
 WRITING's templates and subjects: no instruction set but MT-Bench's installs, and its 80
 questions are the benchmark's). `ssd bench` takes each set's first N in a fixed order:
-training starts at HELD_BACK. Everything is written under the run's folder as it is made, so a
-stopped run goes on where it stopped: answers.jsonl a line per prompt, features/NNNNN.pt a
-shard per sequence.
+training starts at HELD_BACK.
+
+Texts (`--text`): the user's text as it is, read by the target without answering (its states
+and next-token choices over the text are the labels, as EAGLE-1 trained on fixed chats): a
+target pass over a text costs about a third of answering as many tokens (a prefill against
+decoding), so an hour makes ~3x the sequences, at the price of text the target did not write.
+A JSONL line {"text": ...} is read as it is, {"messages": [...]} as the whole conversation in
+the model's chat template (the assistant's turns included); any other file is one text; a
+folder, each text file under it. Each text is cut into pieces of at most max_len tokens.
+
+Everything is written under the run's folder as it is made, so a stopped run goes on where it
+stopped: answers.jsonl a line per prompt, texts.jsonl a line per piece of text, features/
+a shard per sequence (NNNNN.pt an answer's, text-NNNNN.pt a text's).
 """
 import ast
 import csv
 import importlib.metadata
 import json
+import math
 import random
 import sysconfig
 import time
@@ -143,15 +154,71 @@ class Sequence:
     choice: torch.Tensor
 
 
-def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: int, progress: bool = False) -> int:
-    """A shard in `folder` for each answer line without one (prompt + answer, cut to max_len
-    tokens): one target pass reads the states and the choices. Returns the shards there."""
+def read_texts(files: list[Path], tokenizer, out: Path, max_len: int) -> int:
+    """The texts of `files` (module doc), cut into pieces of at most max_len tokens, appended to
+    `out` (JSONL: source, prompt_ids [] and the piece's ids as answer_ids, the form answers
+    have); a file already read is skipped. Returns the pieces there."""
+    done = {json.loads(line)["source"] for line in out.read_text().splitlines()} if out.exists() else set()
+    with open(out, "a") as f:
+        for path in map(Path.resolve, _text_files(files)):
+            for n, ids in enumerate(_text_ids(path, tokenizer)):
+                for j in range(0, len(ids), max_len):
+                    source = f"{path}:{n}:{j}"
+                    if source not in done and len(ids[j:j + max_len]) > 1:
+                        f.write(json.dumps({"source": source, "prompt_ids": [], "answer_ids": ids[j:j + max_len]})
+                                + "\n")
+    return len(out.read_text().splitlines()) if out.exists() else 0
+
+
+def _text_files(files: list[Path]) -> Iterator[Path]:
+    for path in files:
+        if not path.exists():
+            raise SSDError(f"--text: {path} does not exist")
+        if path.is_dir():  # its text files, hidden folders (.git) left out
+            yield from (p for p in sorted(path.rglob("*")) if p.is_file()
+                        and not any(part.startswith(".") for part in p.relative_to(path).parts))
+        else:
+            yield path
+
+
+def _text_ids(path: Path, tokenizer) -> Iterator[list[int]]:
+    """A file's texts as the model's token ids (module doc); a file that is not UTF-8 text
+    (in a folder: an image, a binary) gives none."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return
+    if path.suffix != ".jsonl":
+        yield tokenizer(text, add_special_tokens=False).input_ids
+        return
+    for i, line in enumerate(text.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if "messages" in rec:
+                text = tokenizer.apply_chat_template(rec["messages"], tokenize=False)
+            else:
+                text = rec["text"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise SSDError(f"{path}, line {i + 1}: a JSON object with \"text\" or \"messages\" ({e})") from None
+        yield tokenizer(text, add_special_tokens=False).input_ids
+
+
+def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: int, progress: bool = False,
+            prefix: str = "", budget_s: float = math.inf) -> int:
+    """A shard `folder`/{prefix}NNNNN.pt for each line of `answers` without one (prompt +
+    answer, cut to max_len tokens), until all have one or budget_s is spent: one target pass
+    reads the states and the choices. Returns the shards there."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = answers.read_text().splitlines() if answers.exists() else []
     device = torch.device("cpu")
-    todo = [i for i in range(len(lines)) if not (folder / f"{i:05d}.pt").exists()]
+    start = time.perf_counter()
+    todo = [i for i in range(len(lines)) if not (folder / f"{prefix}{i:05d}.pt").exists()]
     for i in tqdm(todo, unit="sequence", desc="target states", disable=not progress, dynamic_ncols=True):
-        path = folder / f"{i:05d}.pt"
+        if time.perf_counter() - start > budget_s:
+            break
+        path = folder / f"{prefix}{i:05d}.pt"
         rec = json.loads(lines[i])
         ids = (rec["prompt_ids"] + rec["answer_ids"])[:max_len]
         cache = PagedKVCache(model.config, len(ids) + 16, 16, device, torch.float32)

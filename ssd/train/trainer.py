@@ -7,7 +7,8 @@ by Ctrl-C, SIGTERM, SIGHUP, a closed laptop or a time budget loses at most the m
 the last checkpoint); `--restart` starts the head over and keeps the answers and feature
 shards (they depend only on the target and the prompts). The budget (`--hours`) is split: answering first
 (`--answer-share` of it, until every prompt is answered), then the feature pass over new
-answers, then training for the rest; each later call spends its own budget the same way.
+answers, then over the user's texts (`--text`, data.py; at most half of what is left), then
+training for the rest; each later call spends its own budget the same way.
 The head is written to --out (config.json and model.safetensors in the EAGLE-3 authors'
 layout, which `draft=` takes) at every checkpoint, with train.json: the command's settings,
 the data, and validation acceptance against tokens trained.
@@ -43,7 +44,8 @@ class TrainSettings:
     model: str
     out: Path
     hours: float = 1.0
-    files: list[Path] = field(default_factory=list)
+    files: list[Path] = field(default_factory=list)  # prompts to answer
+    texts: list[Path] = field(default_factory=list)  # texts to read as they are (data.py)
     answer_share: float = 0.5
     answer_draft: str | None = None  # a draft model to answer with SD (the same outputs as AR, sooner)
     answer_tokens: int = 256
@@ -76,6 +78,9 @@ def run(s: TrainSettings, progress: bool = True) -> dict:
         cfg = model.config
         taps = (2, cfg.num_layers // 2, cfg.num_layers - 3)
         data.extract(model, taps, home / "answers.jsonl", home / "features", s.max_len, progress)
+        if data.read_texts(s.texts, llm.tokenizer, home / "texts.jsonl", s.max_len):
+            left = budget - (time.perf_counter() - start)
+            data.extract(model, taps, home / "texts.jsonl", home / "features", s.max_len, progress, "text-", left / 2)
         paths = data.shards(home / "features")
         if s.init is not None:
             shape, ids, init = start_head(s.init, cfg, taps)
@@ -239,9 +244,10 @@ class Trainer:
                     "shape": asdict(self.shape), "ids": self.ids}, tmp)
         tmp.rename(self.checkpoint)
         self.head.save(s.out)
-        settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items() if k != "files"}
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(s).items()
+                    if k not in ("files", "texts")}
         (s.out / "train.json").write_text(json.dumps({
-            "settings": settings, "files": [str(f) for f in s.files],
+            "settings": settings, "files": [str(f) for f in s.files], "texts": [str(f) for f in s.texts],
             "sequences": {"train": len(self.fit), "validation": len(self.val)}, "curve": self.state["curve"]},
             indent=2) + "\n")
 

@@ -337,8 +337,8 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
                         "text file, or a folder of them")
     t.add_argument("--answer-share", type=float, default=0.5,
                    help="share of the budget spent answering prompts before training (default: 0.5)")
-    t.add_argument("--answer-draft", help="a draft model to answer with SD: the same answers, sooner (default: "
-                   f"{DEFAULT_DRAFT} for {DEFAULT_TARGET}, else none)")
+    t.add_argument("--answer-draft", help="a draft model to answer with SD, the same answers (default: none: "
+                   "answers come in batches of plain decoding, about 1.7x SD's tokens/s on a CPU)")
     t.add_argument("--draft-vocab", type=int, default=16384, help="the head's vocabulary (default: 16384)")
     t.add_argument("--intermediate", type=int, help="the head's MLP width (default: 2x the model's width)")
     t.add_argument("--steps", type=int, default=3, help="training-time-test depth (default: 3)")
@@ -449,9 +449,8 @@ def _train_draft(args: argparse.Namespace) -> None:
     from ssd.train.trainer import TrainSettings, run
     if args.hours <= 0 or not 0 <= args.answer_share <= 1 or args.draft_vocab < 1 or args.steps < 1:
         raise SSDError("--hours must be > 0, --answer-share in 0..1, --draft-vocab and --steps >= 1")
-    answer_draft = args.answer_draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
     state = run(TrainSettings(args.model, args.out, args.hours, files=args.data, texts=args.text,
-                              answer_share=args.answer_share, answer_draft=answer_draft,
+                              answer_share=args.answer_share, answer_draft=args.answer_draft,
                               draft_vocab=args.draft_vocab, intermediate=args.intermediate, steps=args.steps,
                               restart=args.restart, init=args.init, precision=args.precision))
     last = state["curve"][-1]

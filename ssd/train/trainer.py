@@ -47,7 +47,7 @@ class TrainSettings:
     files: list[Path] = field(default_factory=list)  # prompts to answer
     texts: list[Path] = field(default_factory=list)  # texts to read as they are (data.py)
     answer_share: float = 0.5
-    answer_draft: str | None = None  # a draft model to answer with SD (the same outputs as AR, sooner)
+    answer_draft: str | None = None  # a draft model to answer with SD (the same outputs; data.answer: slower)
     answer_tokens: int = 256
     max_len: int = 768
     steps: int = 3  # training-time-test depth

@@ -178,7 +178,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
             print(f"[{m.rounds} rounds, acceptance {m.acceptance_rate:.0%}, mean accepted length "
                   f"{m.mean_accepted_length:.2f}, accepted by length {m.accepted_hist}, K asked {m.k_hist} "
                   f"(mean {m.mean_k:.1f})" + (f", {m.empty_rounds} rounds without a proposal" if m.empty_rounds else "")
-                  + (f", {m.lookup_rounds} prompt-lookup rounds ({m.tokens_on_lookup} tokens)" if m.lookup_rounds else "")
+                  + (f", {m.lookup_rounds} prompt-lookup rounds ({m.tokens_on_lookup} tokens)"
+                     if m.lookup_rounds else "")
                   + (f", {m.sibling_rows} branch rows ({m.rescues} tokens taken from them)" if m.sibling_rows else "")
                   + f", draft {m.draft_s:.2f} s, verify {m.verify_s:.2f} s]", file=sys.stderr)
         if m.hits + m.misses:
@@ -230,7 +231,8 @@ def _check_prompts(path: str) -> list:
                 record = json.loads(line)
                 prompts.append(record["messages"] if "messages" in record else record["prompt"])
             except (ValueError, KeyError, TypeError):
-                raise SSDError(f"--prompts {path}, line {n}: expected {{\"prompt\": ...}} or {{\"messages\": [...]}}") from None
+                raise SSDError(f"--prompts {path}, line {n}: expected {{\"prompt\": ...}} or "
+                               f"{{\"messages\": [...]}}") from None
     if not prompts:
         raise SSDError(f"--prompts {path} holds no prompt")
     return prompts

@@ -352,6 +352,9 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--precision", choices=("auto", "bf16", "fp32"), default="auto",
                    help="the arithmetic of training's passes (the weights and the optimiser stay fp32); auto: "
                         "bf16 where the CPU multiplies bf16 natively (AVX512-BF16, AMX: about 3x faster), else fp32")
+    t.add_argument("--labels", choices=("soft", "hard"), default="soft",
+                   help="what the head learns at each position: soft, the target's distribution over the head's "
+                        "vocabulary (EAGLE-3's loss), or hard, the target's choice alone (default: soft)")
     t.set_defaults(func=_train_draft)
 
 
@@ -454,7 +457,7 @@ def _train_draft(args: argparse.Namespace) -> None:
     state = run(TrainSettings(args.model, args.out, args.hours, files=args.data, texts=args.text,
                               answer_share=args.answer_share, answer_draft=args.answer_draft,
                               draft_vocab=args.draft_vocab, intermediate=args.intermediate, steps=args.steps,
-                              restart=args.restart, init=args.init, precision=args.precision))
+                              restart=args.restart, init=args.init, precision=args.precision, labels=args.labels))
     last = state["curve"][-1]
     print(f"ssd train-draft: {state['tokens']} tokens trained in {last['trained_s']:.0f} s; validation: "
           f"{last['acc_len']} tokens a target pass at K = {args.steps}; the head is in {args.out}")

@@ -18,7 +18,7 @@ from ssd.models.config import ModelConfig
 from ssd.speculative.draft.eagle import EagleHead, load_eagle
 from ssd.train import data
 from ssd.train.head import HeadShape, TrainHead
-from ssd.train.trainer import (TrainSettings, Trainer, accepted_length, draft_ids, start_head, train,
+from ssd.train.trainer import (TrainSettings, Trainer, _loss, accepted_length, draft_ids, start_head, train,
                                training_precision)
 
 PROMPTS = ["def add(a, b):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,",
@@ -98,6 +98,34 @@ def test_a_shard_holds_the_targets_states_and_choices(features):
     # greedy answers: the target's choice after each answer token but the last is the next token
     n = len(rec["prompt_ids"])
     assert seq.choice[n - 1:len(seq.tokens) - 1].tolist() == seq.tokens[n:].tolist()
+    # the target's likeliest next tokens, its choice first, with their probabilities
+    assert seq.top_ids.shape == seq.top_p.shape == (len(seq.tokens), data.TOP_K)
+    assert torch.equal(seq.top_ids[:, 0], seq.choice)
+    assert (seq.top_p[:, :-1] >= seq.top_p[:, 1:]).all() and (seq.top_p.sum(-1) <= 1.001).all()
+
+
+def test_soft_labels_are_the_targets_distribution_over_the_heads_vocabulary(features, smollm_dir):
+    """EAGLE-3's loss: where the target is sure (its choice has all the probability) it is the
+    hard labels' cross-entropy; where it is not, the runners-up weigh in, renormalised over
+    the head's vocabulary (a token outside it takes nothing)."""
+    home, model, eos = features
+    seq = data.load(data.shards(home / "features")[0])
+    cfg = model.config
+    ids = draft_ids(smollm_dir, data.shards(home / "features"), 256, cfg.vocab_size, eos)
+    head = TrainHead(_shape(cfg, len(ids)), ids, 128)
+    to_draft = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
+    to_draft[ids] = torch.arange(len(ids))
+    embed = model.embed_tokens
+    hard = _loss(head, embed, seq, to_draft, 2, soft=False)
+    sure = replace(seq, top_p=torch.zeros_like(seq.top_p).index_fill_(1, torch.tensor([0]), 1.0))
+    assert torch.allclose(_loss(head, embed, sure, to_draft, 2), hard, rtol=1e-5)
+    assert not torch.allclose(_loss(head, embed, seq, to_draft, 2), hard, rtol=1e-3)
+    # the same mass on a token outside the head's vocabulary changes nothing
+    outside = next(t for t in range(cfg.vocab_size) if to_draft[t] < 0)
+    split = replace(seq, top_ids=seq.top_ids.clone().index_fill_(1, torch.tensor([1]), outside))
+    moved = replace(split, top_p=split.top_p.clone().index_fill_(1, torch.tensor([1]), 0.5))
+    assert torch.allclose(_loss(head, embed, split, to_draft, 2), _loss(head, embed, moved, to_draft, 2))
+    assert torch.allclose(_loss(head, embed, replace(seq, top_ids=None, top_p=None), to_draft, 2), hard)
 
 
 def test_texts_are_read_as_they_are_and_once(features, tmp_path, smollm_dir):

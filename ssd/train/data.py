@@ -55,6 +55,10 @@ MIN_DOC = 60  # characters: a shorter docstring does not describe a task
 # running batch) reads the weights once for 16 rows: on a 2-core Xeon 111 tokens/s against 65
 # for SD with the 0.5B draft at 4 and 90 at 16 (SD's gain is a single request's latency).
 ANSWER_BATCH = 32
+# The target's next-token distribution kept per position: its likeliest TOP_K tokens (192
+# bytes a token against the states' 9 KB for a 1.5B target; the whole distribution over a
+# 16k-token head vocabulary would be 32 KB).
+TOP_K = 32
 # The writing family: each template with each subject (MT-Bench's kinds: writing, roleplay,
 # reasoning, extraction, humanities, STEM explained).
 WRITING = (
@@ -151,12 +155,16 @@ def answer(llm, prompts: list[str], out: Path, max_tokens: int, budget_s: float,
 
 @dataclass
 class Sequence:
-    """One training sequence: its tokens, the target's states at the head's layers [T, 3H]
-    and the target's next-token choice at every position [T]."""
+    """One training sequence: its tokens, the target's states at the head's layers [T, 3H],
+    the target's next-token choice at every position [T], and its TOP_K likeliest next tokens
+    with their probabilities [T, TOP_K] (EAGLE-3's soft targets; None in shards written
+    before they were kept)."""
 
     tokens: torch.Tensor
     states: torch.Tensor
     choice: torch.Tensor
+    top_ids: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
 
 
 def read_texts(files: list[Path], tokenizer, out: Path, max_len: int) -> int:
@@ -214,7 +222,7 @@ def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: 
             prefix: str = "", budget_s: float = math.inf) -> int:
     """A shard `folder`/{prefix}NNNNN.pt for each line of `answers` without one (prompt +
     answer, cut to max_len tokens), until all have one or budget_s is spent: one target pass
-    reads the states and the choices. Returns the shards there."""
+    reads the states, the choices and the likeliest next tokens. Returns the shards there."""
     folder.mkdir(parents=True, exist_ok=True)
     lines = answers.read_text().splitlines() if answers.exists() else []
     device = torch.device("cpu")
@@ -231,7 +239,9 @@ def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: 
         logits, states = ModelRunner(model, cache, device).forward([Chunk(0, ids, 0, len(ids))], taps=taps)
         joined = states.permute(1, 0, 2).reshape(len(ids), -1)  # [T, taps x H], low to high
         tmp = path.with_suffix(".tmp")
-        torch.save({"tokens": torch.tensor(ids), "states": joined.half(), "choice": logits.argmax(-1)}, tmp)
+        top = logits.float().softmax(-1).topk(TOP_K, dim=-1)
+        torch.save({"tokens": torch.tensor(ids), "states": joined.half(), "choice": logits.argmax(-1),
+                    "top_ids": top.indices.int(), "top_p": top.values.half()}, tmp)
         tmp.rename(path)  # a stopped run never leaves half a shard
     return len(list(folder.glob("*.pt")))
 
@@ -245,7 +255,8 @@ def shards(folder: Path) -> list[Path]:
 
 def load(path: Path) -> Sequence:
     d = torch.load(path, weights_only=True)
-    return Sequence(d["tokens"], d["states"].float(), d["choice"])
+    top = (d["top_ids"].long(), d["top_p"].float()) if "top_ids" in d else (None, None)
+    return Sequence(d["tokens"], d["states"].float(), d["choice"], *top)
 
 
 def epochs(paths: list[Path], seed: int) -> Iterator[Path]:

@@ -59,6 +59,7 @@ class TrainSettings:
     restart: bool = False
     init: Path | None = None  # a head to start from (its shape and vocabulary), instead of a new one
     precision: str = "auto"  # training passes' arithmetic: "bf16", "fp32", or auto (bf16 where the CPU has it)
+    labels: str = "soft"  # what a row learns: "soft" (the target's distribution, EAGLE-3's) or "hard" (its choice)
 
 
 def run(s: TrainSettings, progress: bool = True) -> dict:
@@ -219,7 +220,7 @@ class Trainer:
         for _ in range(self.s.accumulate):
             seq = data.load(next(self.order))
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.s.precision == "bf16"):
-                loss = _loss(self.head, self.embed, seq, self.to_draft, self.s.steps)
+                loss = _loss(self.head, self.embed, seq, self.to_draft, self.s.steps, self.s.labels == "soft")
             (loss / self.s.accumulate).backward()
             tokens += len(seq.tokens)
         for g in self.opt.param_groups:
@@ -257,15 +258,31 @@ def _lr(base: float, step: int, done: float) -> float:
     return base * min(1.0, (step + 1) / 20) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(done, 1.0))))
 
 
-def _loss(head: TrainHead, embed, seq: data.Sequence, to_draft: torch.Tensor, steps: int) -> torch.Tensor:
+def _loss(head: TrainHead, embed, seq: data.Sequence, to_draft: torch.Tensor, steps: int,
+          soft: bool = True) -> torch.Tensor:
+    """The training-time test's loss over one sequence. A row whose target choice is in the
+    head's vocabulary learns, soft, the target's distribution over that vocabulary (its likeliest
+    TOP_K tokens there, renormalised: EAGLE-3's loss, which carries the runners-up too), else
+    (hard, or a shard without the distribution) the choice alone."""
     with torch.no_grad():
         embeds = embed(seq.tokens).float()
     outs = head(embeds, seq.states, steps)
     total = torch.zeros(())
     for s, logits in enumerate(outs):
-        labels = to_draft[seq.choice[s + 1:s + 1 + len(logits)]]
-        if (labels >= 0).any():
-            total = total + STEP_WEIGHT ** s * F.cross_entropy(logits, labels, ignore_index=-100)
+        rows = slice(s + 1, s + 1 + len(logits))
+        labels = to_draft[seq.choice[rows]]
+        kept = labels >= 0
+        if not kept.any():
+            continue
+        if soft and seq.top_ids is not None:
+            ids = to_draft[seq.top_ids[rows]][kept]  # [rows, TOP_K] in the head's vocabulary, -100 outside
+            p = seq.top_p[rows][kept] * (ids >= 0)
+            p = p / p.sum(-1, keepdim=True)  # (each row holds its choice: the sum is > 0)
+            logp = logits[kept].float().log_softmax(-1).gather(-1, ids.clamp_min(0))
+            loss = -(p * logp).sum(-1).mean()
+        else:
+            loss = F.cross_entropy(logits, labels, ignore_index=-100)
+        total = total + STEP_WEIGHT ** s * loss
     return total
 
 

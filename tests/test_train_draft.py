@@ -118,14 +118,16 @@ def test_soft_labels_are_the_targets_distribution_over_the_heads_vocabulary(feat
     embed = model.embed_tokens
     hard = _loss(head, embed, seq, to_draft, 2, soft=False)
     sure = replace(seq, top_p=torch.zeros_like(seq.top_p).index_fill_(1, torch.tensor([0]), 1.0))
-    assert torch.allclose(_loss(head, embed, sure, to_draft, 2), hard, rtol=1e-5)
-    assert not torch.allclose(_loss(head, embed, seq, to_draft, 2), hard, rtol=1e-3)
+    assert torch.equal(_loss(head, embed, seq, to_draft, 2), hard)  # hard: the default
+    assert torch.allclose(_loss(head, embed, sure, to_draft, 2, soft=True), hard, rtol=1e-5)
+    assert not torch.allclose(_loss(head, embed, seq, to_draft, 2, soft=True), hard, rtol=1e-3)
     # the same mass on a token outside the head's vocabulary changes nothing
     outside = next(t for t in range(cfg.vocab_size) if to_draft[t] < 0)
     split = replace(seq, top_ids=seq.top_ids.clone().index_fill_(1, torch.tensor([1]), outside))
     moved = replace(split, top_p=split.top_p.clone().index_fill_(1, torch.tensor([1]), 0.5))
-    assert torch.allclose(_loss(head, embed, split, to_draft, 2), _loss(head, embed, moved, to_draft, 2))
-    assert torch.allclose(_loss(head, embed, replace(seq, top_ids=None, top_p=None), to_draft, 2), hard)
+    assert torch.allclose(_loss(head, embed, split, to_draft, 2, soft=True),
+                          _loss(head, embed, moved, to_draft, 2, soft=True))
+    assert torch.allclose(_loss(head, embed, replace(seq, top_ids=None, top_p=None), to_draft, 2, soft=True), hard)
 
 
 def test_texts_are_read_as_they_are_and_once(features, tmp_path, smollm_dir):

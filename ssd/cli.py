@@ -462,7 +462,8 @@ def _train_draft(args: argparse.Namespace) -> None:
                               restart=args.restart, init=args.init, precision=args.precision, labels=args.labels))
     last = state["curve"][-1]
     print(f"ssd train-draft: {state['tokens']} tokens trained in {last['trained_s']:.0f} s; validation: "
-          f"{last['acc_len']} tokens a target pass at K = {args.steps}; the head is in {args.out}")
+          f"{last['answer_acc_len']} tokens a target pass at K = {args.steps} in held-out answers "
+          f"({last['acc_len']} over the whole sequences, prompts included); the head is in {args.out}")
 
 
 def _chat(args: argparse.Namespace) -> None:

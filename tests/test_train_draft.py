@@ -184,11 +184,11 @@ def test_training_goes_on_from_its_checkpoint(features, tmp_path, smollm_dir):
     assert steps >= 1 and len(first["curve"]) == 1 and (tmp_path / "head" / "model.safetensors").exists()
     again = Trainer(model, shape, ids, paths, checkpoint, s)
     assert again.state["step"] == steps and again.state["tokens"] == tokens
-    before = accepted_length(again.head, model.embed_tokens, again.fit, again.to_draft, 3)
+    before = accepted_length(again.head, model.embed_tokens, again.fit, again.to_draft, 3)[1]
     for _ in range(30):  # the training sequences themselves: their loss falls, their chains grow
         again.step(total_s=1e9)
     assert again.state["step"] == steps + 30
-    assert accepted_length(again.head, model.embed_tokens, again.fit, again.to_draft, 3) > before
+    assert accepted_length(again.head, model.embed_tokens, again.fit, again.to_draft, 3)[1] > before
     again.save()
     assert len(json.loads((tmp_path / "head" / "train.json").read_text())["curve"]) == 2
     # SD with the trained head as the draft: every token AR's
@@ -294,6 +294,35 @@ def test_sequences_answered_later_train_and_the_held_out_ones_stay(features, tmp
     assert later.val == paths[3:4] and later.fit == paths[:3] + paths[4:]
 
 
+def test_validation_counts_the_rounds_that_decode_answers(tmp_path):
+    """Validation's chains in the answers start at the prompt's last token (the round after the
+    prefill drafts the answer's second token); a text's shard counts every position; prompt
+    lengths come from answers.jsonl by shard name."""
+    tokens, prompt, vocab = 10, 5, 20
+    choice = torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(0))
+    (tmp_path / "features").mkdir()
+    torch.save({"tokens": torch.arange(tokens), "states": torch.zeros(tokens, 3).half(), "choice": choice},
+               tmp_path / "features" / "00000.pt")
+    (tmp_path / "answers.jsonl").write_text(json.dumps({"prompt_ids": list(range(prompt)),
+                                                        "answer_ids": list(range(tokens - prompt))}) + "\n")
+
+    def head(embeds, states, steps):  # step s, base t: right from base prompt - 1 on, but at the last base
+        out = []
+        for s in range(steps):
+            rows = torch.arange(tokens - 1 - s)
+            right = (rows >= prompt - 1) & (rows != tokens - 4)
+            guess = torch.where(right, choice[s + 1 + rows], (choice[s + 1 + rows] + 1) % vocab)
+            out.append(torch.nn.functional.one_hot(guess, vocab).float())
+        return out
+    starts = data.prompt_lengths(tmp_path / "answers.jsonl")
+    assert starts == {"00000.pt": prompt}
+    paths = data.shards(tmp_path / "features")
+    answers, whole = accepted_length(head, lambda t: torch.zeros(len(t), 3), paths, torch.arange(vocab), 3, starts)
+    # bases 0..6 (a chain of 3 needs 3 tokens after its base); in the answer 4, 5 (3 right) and 6 (none)
+    assert answers == pytest.approx(1 + 6 / 3) and whole == pytest.approx(1 + 6 / 7)
+    assert accepted_length(head, lambda t: torch.zeros(len(t), 3), paths, torch.arange(vocab), 3) == (whole, whole)
+
+
 def test_bf16_passes_train_fp32_weights(features, tmp_path, smollm_dir):
     """--precision bf16: the passes under autocast, the weights and AdamW's state fp32, and the
     training sequences' chains grow as with fp32."""
@@ -303,10 +332,10 @@ def test_bf16_passes_train_fp32_weights(features, tmp_path, smollm_dir):
     ids = draft_ids(smollm_dir, paths, 128, cfg.vocab_size, eos)
     s = TrainSettings(str(smollm_dir), tmp_path / "head", max_len=64, accumulate=2, lr=1e-3, precision="bf16")
     t = Trainer(model, _shape(cfg, len(ids)), ids, paths, tmp_path / "c.pt", s)
-    before = accepted_length(t.head, model.embed_tokens, t.fit, t.to_draft, 3)
+    before = accepted_length(t.head, model.embed_tokens, t.fit, t.to_draft, 3)[1]
     for _ in range(30):
         t.step(total_s=1e9)
-    assert accepted_length(t.head, model.embed_tokens, t.fit, t.to_draft, 3) > before
+    assert accepted_length(t.head, model.embed_tokens, t.fit, t.to_draft, 3)[1] > before
     assert {p.dtype for p in t.head.parameters()} == {torch.float32}
     assert {v.dtype for st in t.opt.state.values() for v in st.values() if v.dim()} == {torch.float32}
     assert training_precision("fp32") == "fp32" and training_precision("auto") in ("bf16", "fp32")

@@ -249,6 +249,13 @@ def extract(model, taps: tuple[int, ...], answers: Path, folder: Path, max_len: 
     return len(list(folder.glob("*.pt")))
 
 
+def prompt_lengths(answers: Path) -> dict[str, int]:
+    """Each answer shard's prompt length, by shard name (NNNNN.pt is answers' line NNNNN): the
+    position its answer starts at. A text's shard has no prompt and is not listed."""
+    lines = answers.read_text().splitlines() if answers.exists() else []
+    return {f"{i:05d}.pt": len(json.loads(line)["prompt_ids"]) for i, line in enumerate(lines)}
+
+
 def shards(folder: Path) -> list[Path]:
     paths = sorted(folder.glob("*.pt"))
     if not paths:

@@ -166,7 +166,7 @@ def train(target, shape: HeadShape, ids: torch.Tensor, paths: list[Path], checkp
                 bar.update(int(t.state["trained_s"]) - bar.n)
                 curve = t.state["curve"]
                 bar.set_postfix_str(f"loss {loss:.3f} | {rate:.0f} tok/s | val acc len "
-                                    f"{curve[-1]['acc_len'] if curve else '-'}")
+                                    f"{curve[-1].get('answer_acc_len', '-') if curve else '-'}")
                 if time.perf_counter() - last_save > CHECKPOINT_S:
                     t.save()
                     last_save = time.perf_counter()
@@ -224,6 +224,7 @@ class Trainer:
         self.val = [p for p in paths if p.name in names] or paths[:1]
         self.fit = [p for p in paths if p.name not in names] or paths
         self.state["validation"] = [p.name for p in self.val]
+        self.starts = data.prompt_lengths(checkpoint.parent / "answers.jsonl")
         self.to_draft = torch.full((shape.vocab_size,), -100, dtype=torch.long)
         self.to_draft[ids] = torch.arange(len(ids))
         self.order = data.epochs(self.fit, s.seed + self.state["step"])
@@ -252,9 +253,9 @@ class Trainer:
     def save(self) -> None:
         """The checkpoint (atomically), the head in --out, and a point of the learning curve."""
         s = self.s
+        answers, whole = accepted_length(self.head, self.embed, self.val, self.to_draft, s.steps, self.starts)
         self.state["curve"].append({"tokens": self.state["tokens"], "trained_s": round(self.state["trained_s"], 1),
-                                    "acc_len": round(accepted_length(self.head, self.embed, self.val, self.to_draft,
-                                                                     s.steps), 3)})
+                                    "answer_acc_len": round(answers, 3), "acc_len": round(whole, 3)})
         tmp = self.checkpoint.with_suffix(".tmp")
         torch.save({"head": self.head.state_dict(), "opt": self.opt.state_dict(), "state": self.state,
                     "shape": asdict(self.shape), "ids": self.ids}, tmp)
@@ -302,18 +303,27 @@ def _loss(head: TrainHead, embed, seq: data.Sequence, to_draft: torch.Tensor, st
 
 
 @torch.no_grad()
-def accepted_length(head: TrainHead, embed, paths: list[Path], to_draft: torch.Tensor, steps: int) -> float:
+def accepted_length(head: TrainHead, embed, paths: list[Path], to_draft: torch.Tensor, steps: int,
+                    starts: dict[str, int] | None = None) -> tuple[float, float]:
     """Tokens per target pass a greedy chain of `steps` drafts would give on these sequences:
-    1 + the mean number of leading steps whose choice is the target's, over every position."""
-    chains, bases = 0.0, 0
+    1 + the mean number of leading steps whose choice is the target's, over the rounds of
+    decoding their answers (bases from the prompt's last token on: `starts`, a shard's prompt
+    length by name; a text's every position), and over every position, prompts included.
+    Prompts share a chat template and system prompt that a head learns by heart: over the 44
+    held-out answers of a 1.5B target, 1.48 in the answers against 1.64 over whole sequences."""
+    starts = starts or {}
+    chains, bases, answer_chains, answer_bases = 0.0, 0, 0.0, 0
     for p in paths:
         seq = data.load(p)
         outs = head(embed(seq.tokens).float(), seq.states, steps)
         n = len(outs[-1])
+        first = min(n, max(0, starts.get(p.name, 0) - 1))  # base P - 1 drafts the answer's second token
         alive = torch.ones(n, dtype=torch.bool)
         for s, logits in enumerate(outs):
             right = to_draft[seq.choice[s + 1:s + 1 + n]] == logits[:n].argmax(-1)
             alive &= right
             chains += float(alive.sum())
+            answer_chains += float(alive[first:].sum())
         bases += n
-    return 1.0 + chains / max(bases, 1)
+        answer_bases += n - first
+    return 1.0 + answer_chains / max(answer_bases, 1), 1.0 + chains / max(bases, 1)

@@ -60,8 +60,7 @@ class TrainSettings:
     init: Path | None = None  # a head to start from (its shape and vocabulary), instead of a new one
     precision: str = "auto"  # training passes' arithmetic: "bf16", "fp32", or auto (bf16 where the CPU has it)
     # What a row learns: "hard", the target's choice, or "soft", its distribution (EAGLE-3's loss;
-    # on 840 sequences, 12 minutes each, greedy chains of 3 took 1.605 tokens a pass against
-    # hard's 1.635, a little behind at every checkpoint: it may pay for sampled requests).
+    # measured a little behind hard for greedy chains: docs/algorithm.md, "EAGLE-3 heads").
     labels: str = "hard"
 
 
@@ -309,8 +308,8 @@ def accepted_length(head: TrainHead, embed, paths: list[Path], to_draft: torch.T
     1 + the mean number of leading steps whose choice is the target's, over the rounds of
     decoding their answers (bases from the prompt's last token on: `starts`, a shard's prompt
     length by name; a text's every position), and over every position, prompts included.
-    Prompts share a chat template and system prompt that a head learns by heart: over the 44
-    held-out answers of a 1.5B target, 1.48 in the answers against 1.64 over whole sequences."""
+    Only the first is what SD sees: prompts share a chat template and a system prompt that a
+    head learns by heart (docs/algorithm.md, "EAGLE-3 heads", has the gap measured)."""
     starts = starts or {}
     chains, bases, answer_chains, answer_bases = 0.0, 0, 0.0, 0
     for p in paths:

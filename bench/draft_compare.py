@@ -7,7 +7,9 @@ tokens, and a drafted token's cost in plain decoding steps (the round's wait for
 proposals per drafted token, against AR's seconds a token). `--ks auto,3,5` runs each draft at
 each K (auto-K against fixed ones); `--siblings off,on` each draft without and with branches off
 its chain (sibling leaves; a head's tree), with their rows and tokens taken a round; `--prompt
-TEXT` (repeatable) adds a set of one's own.
+TEXT` (repeatable) adds a set of one's own, `--prompts FILE` one from a JSONL of {"prompt": ...} (as
+`ssd bench --prompts` reads); `--chat-template off` sends every prompt as plain text (random-weight
+models on a GPU run so, with `--ignore-eos`: bench/gpu_run.sh).
 
     python bench/draft_compare.py --drafts qwen2.5-coder-0.5b-instruct,HEAD_DIR [--sets humaneval,gsm8k,mtbench]
         [--num-prompts 4] [--max-tokens 128] [--model qwen2.5-coder-1.5b-instruct] [--out FILE.json]
@@ -30,6 +32,10 @@ def main() -> None:
     ap.add_argument("--sets", default="humaneval,gsm8k,mtbench", help="prompt sets, comma-separated; none: only "
                     "--prompt's")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt of one's own (repeatable): the set 'own'")
+    ap.add_argument("--prompts", type=Path, help="a JSONL file of {\"prompt\": ...}: these too, in the set 'own'")
+    ap.add_argument("--ignore-eos", action="store_true", help="every answer runs to --max-tokens")
+    ap.add_argument("--chat-template", choices=("on", "off"), default="on",
+                    help="each prompt as a user message in the chat template, or as plain text (default: on)")
     ap.add_argument("--ks", default="auto", help="K per draft, comma-separated: auto (auto-K) or a number")
     ap.add_argument("--siblings", default="default", help="branches off the chain per draft, comma-separated: "
                     "default, on, off")
@@ -43,14 +49,16 @@ def main() -> None:
                for d in drafts for k in ks for b in sibs}
     engines = {"ar": LLM(args.model)} | {label: LLM(args.model, draft=d, mode="sd", speculate_k=k, draft_siblings=b)
                                          for label, (d, k, b) in configs.items()}
-    own = [[{"role": "user", "content": text}] for text in args.prompt]
-    sets = [("own", own)] * bool(own) + [
-        (name, [[{"role": "user", "content": p.text}] for p in load_prompt_set(name, args.num_prompts)])
-        for name in args.sets.split(",") if name != "none"]
-    params = SamplingParams.greedy(max_tokens=args.max_tokens)
+    texts = args.prompt + ([json.loads(line)["prompt"] for line in args.prompts.read_text().splitlines()
+                            if line.strip()] if args.prompts else [])
+    chat = (lambda text: [{"role": "user", "content": text}]) if args.chat_template == "on" else (lambda text: text)
+    own = [chat(text) for text in texts]
+    sets = [("own", own)] * bool(own) + [(name, [chat(p.text) for p in load_prompt_set(name, args.num_prompts)])
+                                         for name in args.sets.split(",") if name != "none"]
+    params = SamplingParams.greedy(max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
     for llm in engines.values():  # warm-up: first calls' allocations out of the timings
         llm.generate(["Hello"], SamplingParams.greedy(max_tokens=8))
-    rows = []
+    rows, wrong = [], []
     for name, prompts in sets:
         # tokens, s, drafted, accepted, rounds, draft s, lookup rounds, branch rows, branch tokens taken
         totals = {label: [0, 0.0, 0, 0, 0, 0.0, 0, 0, 0] for label in engines}
@@ -69,9 +77,8 @@ def main() -> None:
                 t[6] += m.lookup_rounds
                 t[7] += m.sibling_rows
                 t[8] += m.rescues
-            wrong = [label for label, out in outputs.items() if out.token_ids != outputs["ar"].token_ids]
-            if wrong:
-                sys.exit(f"{', '.join(wrong)} differ from AR on {name} prompt {i}")
+            wrong += [f"{label} on {name} prompt {i}" for label, out in outputs.items()
+                      if out.token_ids != outputs["ar"].token_ids]
         ar = totals["ar"][0] / totals["ar"][1]
         first = next(iter(configs))
         ref = totals[first][0] / totals[first][1]
@@ -101,6 +108,9 @@ def main() -> None:
     if args.out:
         out = {"model": args.model, "drafts": drafts, "ks": ks, "siblings": sibs, "rows": rows}
         args.out.write_text(json.dumps(out, indent=2))
+    if wrong:
+        sys.exit(f"differ from AR: {'; '.join(wrong)}")
+    print("every output token-identical to AR")
 
 
 if __name__ == "__main__":

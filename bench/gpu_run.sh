@@ -7,6 +7,9 @@
 #
 # LIKE holds target/ and draft/: the config and tokenizer files of a real pair (no weights;
 # e.g. qwen2.5-coder-1.5b-instruct and -0.5b-instruct), PROMPTS a JSONL of {"prompt": ...}.
+# Each prompt is sent as plain text with a keyword of its own at its end: a planted model's answer
+# follows from the last token alone, so prompts that end alike (as every chat template does) get the
+# same answer, which suffix decoding's index over earlier requests would then predict whole.
 # OLD: a folder holding an earlier commit's ssd/ package (`git archive REV ssd | tar -x -C DIR`),
 # run beside this one's in the part `owed` (before/after on one machine, in one call).
 # OUT gets run.log (everything printed) and results.tgz (each run's results.json and table.md).
@@ -15,6 +18,10 @@
 #             first) beside the target on the GPU, against SD and SSD with the draft on the GPU;
 #             Llama-3.1-8B's shapes, a draft of Qwen2.5-0.5B's shapes; and the CPU draft's pass
 #             cost on the host (bench/pass_cost.py), the kernels' parallel build time
+#   head      SD with an EAGLE-3 head of the 8B's layer shape (a 32,000-token vocabulary, planted as the
+#             1B draft is: bench/synthetic_models.py --head) beside SD with the 1B draft, K = 4 and auto,
+#             the target's passes captured with the layers the head reads (bench/draft_compare.py:
+#             interleaved, a drafted token's cost in target steps)
 #   owed      AR, SD and SSD at K = 4 and auto (auto-K after the start-up captures); 8B / 1B shapes
 #   thread    SSD's worker as a thread of the target's process against a process, one GPU
 #   batches   64, 16 and 4 concurrent requests, AR / SD / SSD with K = auto, 128 tokens each
@@ -23,7 +30,8 @@
 set -uo pipefail
 LIKE=$1 PROMPTS=$2 OUT=$3
 PARTS=" ${*:4} "
-[ "$PARTS" = "  " ] && PARTS=" cpudraft owed thread batches profile "
+[ "$PARTS" = "  " ] && PARTS=" cpudraft head owed thread batches profile "
+BATCHES=${BATCHES:-64 16 4}  # the part batches' sizes
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
 START=$SECONDS BUDGET=${BUDGET:-540}  # seconds; a part that might not end within it is skipped
@@ -47,6 +55,7 @@ bench() {  # bench NAME LIMIT_S [ssd bench options]: target $SYN/target, greedy,
     local name=$1 limit=$2
     shift 2
     timeout "$limit" "${SSD[@]}" bench --model $SYN/target --prompts "$PROMPTS" --ignore-eos --no-progress \
+        --chat-template off \
         --out "$RES/$name" "$@" >"$RES/$name.log" 2>&1
     local rc=$?
     sed -n '/^set /,/^$/p' "$RES/$name.log"
@@ -65,21 +74,35 @@ if [[ $PARTS == *" cpudraft "* ]]; then
     BUILD=$!
 fi
 timeout 150 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
-    --target-shape llama3.1-8b --draft-shape llama3.2-1b --cpu-draft-shape qwen2.5-0.5b --out $SYN --accept 0.8 \
+    --target-shape llama3.1-8b --draft-shape llama3.2-1b --out $SYN --accept 0.8 \
+    $([[ $PARTS == *" cpudraft "* ]] && echo --cpu-draft-shape qwen2.5-0.5b) $([[ $PARTS == *" head "* ]] && echo --head) \
     2>&1 | tail -2
 [ -z "$BUILD" ] || wait $BUILD
-python3 - "$PROMPTS" <<'EOF'  # 64 prompts for the batches: the given ones, numbered
+python3 - "$PROMPTS" <<'EOF'  # the given prompts with a keyword each (above), 64 for the batches
 import json, sys
 base = [json.loads(line) for line in open(sys.argv[1]) if line.strip()]
-with open("/tmp/prompts64.jsonl", "w") as f:
-    for i in range(64):
-        f.write(json.dumps({"prompt": f"({i + 1}) " + base[i % len(base)]["prompt"]}) + "\n")
+words = ("apple river stone cloud tiger piano rocket garden silver window bridge candle forest marble orange pepper "
+         "violet winter summer castle dragon falcon harbor island jungle kettle ladder meadow needle ocean palace "
+         "quartz rabbit saddle temple umbrella valley wagon yellow zebra anchor basket copper desert engine feather "
+         "glacier hammer iron jacket kitten lemon mirror nickel oyster pillow quiver ribbon shadow thunder velvet "
+         "walnut crystal meteor").split()  # each a last token of its own in Qwen2.5's tokenizer
+lines = [json.dumps({"prompt": f"{base[i % len(base)]['prompt']} Keyword: {w}"}) + "\n" for i, w in enumerate(words)]
+open("/tmp/prompts64.jsonl", "w").writelines(lines)
+open("/tmp/prompts.jsonl", "w").writelines(lines[:len(base)])
 EOF
+PROMPTS=/tmp/prompts.jsonl
 
 if part cpudraft 200; then
     timeout 60 python3 bench/pass_cost.py --model $SYN/draft-cpu --weights int8 --m 1,4,8,16 --threads 15,8 \
         --repeats 3 2>&1 | tail -6
     bench cpudraft 150 --draft $SYN/draft-cpu --modes ar,sd,ssd --k 4 --max-tokens 256 --sweep ddev=cuda:0,cpu
+fi
+if part head 160; then
+    timeout 160 python3 bench/draft_compare.py --model $SYN/target --drafts $SYN/draft,$SYN/head --ks 4,auto \
+        --sets none --prompts "$PROMPTS" --chat-template off --max-tokens 256 --ignore-eos --out "$RES/head.json" \
+        >"$RES/head.log" 2>&1
+    echo "(head: exit $?)"
+    grep -v "incorrect regex" "$RES/head.log" | tail -9
 fi
 if part owed 100; then
     bench owed-new 100 --draft $SYN/draft --modes ar,sd,ssd --max-tokens 256 --sweep k=4,auto
@@ -88,7 +111,7 @@ if part thread 90; then
     bench thread 90 --draft $SYN/draft --modes ar,ssd --k 4 --max-tokens 256 --sweep thread=on,off
 fi
 if part batches 180; then
-    for b in 64 16 4; do
+    for b in $BATCHES; do
         PROMPTS=/tmp/prompts64.jsonl bench batch$b 60 --draft $SYN/draft --modes ar,sd,ssd --k auto \
             --max-tokens 128 --batch-size $b --num-prompts $b
     done

@@ -122,11 +122,13 @@ class EngineConfig:
         self.model_config = ModelConfig.from_folder(self.model)
         named = self.draft is None or self.draft in NAMED
         self.feature_head = not named and is_eagle_head(resolve_model(self.draft))
-        if self.feature_head and (self.mode != "sd" or self.device.type != "cpu" or self.tensor_parallel_size > 1):
-            raise SSDError("an EAGLE-3 head drafts in mode 'sd' on the CPU, without tensor parallelism, so far")
-        if self.feature_head and spec.draft_quantization in ("gguf", "q4_0"):
-            raise SSDError(f"draft_quantization={spec.draft_quantization!r} is for a draft model's GGUF blocks; an "
-                           "EAGLE-3 head's weights are int8 ('auto' or 'int8' on the CPU) or fp32 (None)")
+        if self.feature_head and (self.mode != "sd" or self.tensor_parallel_size > 1):
+            raise SSDError("an EAGLE-3 head drafts in mode 'sd', without tensor parallelism, so far")
+        if self.feature_head and spec.draft_quantization in ("gguf", "q4_0") or \
+                self.feature_head and self.device.type != "cpu" and spec.draft_quantization == "int8":
+            raise SSDError(f"draft_quantization={spec.draft_quantization!r} is not for this draft: an EAGLE-3 head's "
+                           "weights are int8 ('auto' or 'int8' on the CPU) or fp32 (None), on a GPU in the target's "
+                           "dtype ('auto' or None)")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         self.weights = resolve_weights(self.model, self.device, self.weights)  # fail now, before a worker starts

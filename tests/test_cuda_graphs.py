@@ -150,22 +150,25 @@ def test_interpreted_attention_is_batch_invariant(interpreted):
             assert torch.equal(alone[0], together[t])
 
 
-def passes(runner: ModelRunner, cache: PagedKVCache, ids: list[int]) -> list[torch.Tensor]:
+def passes(runner: ModelRunner, cache: PagedKVCache, ids: list[int], taps: tuple[int, ...] = ()) -> list:
     """A prompt chunk (longer than the buckets: eager), decode steps, a verify pass, two
-    sequences in one pass, and a tree-like pass with a row of its own."""
+    sequences in one pass, and a tree-like pass with a row of its own; with taps, each pass's
+    logits and the states of those layers."""
     cache.reserve(0, 64)
     cache.reserve(1, 64)
-    out = [runner.forward([Chunk(0, ids[:20], 0, 20)]), runner.forward([Chunk(0, ids[20:21], 20, 1)]),
-           runner.forward([Chunk(0, ids[21:26], 21, 5)]), runner.forward([Chunk(1, ids[5:12], 0, 7)]),
-           runner.forward([Chunk(1, ids[12:13], 7, 1), Chunk(0, ids[26:29], 26, 2)])]
-    for i in range(3):  # decode steps of both
-        out.append(runner.forward([Chunk(0, ids[29 + i:30 + i], 29 + i, 1), Chunk(1, ids[13 + i:14 + i], 13 + i, 1)]))
-    return out
+    steps = [[Chunk(0, ids[:20], 0, 20)], [Chunk(0, ids[20:21], 20, 1)], [Chunk(0, ids[21:26], 21, 5)],
+             [Chunk(1, ids[5:12], 0, 7)], [Chunk(1, ids[12:13], 7, 1), Chunk(0, ids[26:29], 26, 2)]]
+    steps += [[Chunk(0, ids[29 + i:30 + i], 29 + i, 1), Chunk(1, ids[13 + i:14 + i], 13 + i, 1)]
+              for i in range(3)]  # decode steps of both
+    return [runner.forward(chunks, taps=taps) for chunks in steps]
 
 
-def test_padded_static_steps_keep_the_bits(smollm_dir):
+@pytest.mark.parametrize("taps", [(), (2, 15, 30)], ids=["logits", "and-a-head's-states"])
+def test_padded_static_steps_keep_the_bits(smollm_dir, taps):
     """The captured-step path (its pinned inputs, padding to a bucket, the scratch slot) gives
-    the eager path's logits and KV cache bit for bit on the CPU."""
+    the eager path's logits and KV cache bit for bit on the CPU; and where an EAGLE-3 head
+    reads the target, the states of its layers at each of the pass's own tokens (a padded
+    pass holds more rows)."""
     model = load_model(smollm_dir, CPU, torch.float32, "dequantized")
     ids = torch.randint(0, model.config.vocab_size, (40,), generator=torch.Generator().manual_seed(5)).tolist()
     results = []
@@ -173,14 +176,18 @@ def test_padded_static_steps_keep_the_bits(smollm_dir):
         cache = PagedKVCache(model.config, 512, 16, CPU, torch.float32)
         cache.kv.zero_()
         runner = ModelRunner(model, cache, CPU, buckets, max_keys=80)
-        out = passes(runner, cache, ids)
+        out = passes(runner, cache, ids, taps)
         lengths = (32, 16)  # what each sequence has written
         if buckets:
             assert runner.steps is not None and runner.steps.failed is None and runner.steps.passes == 7
             assert all(cache.scratch_slot() not in cache.slots(o, 0, 64).tolist() for o in (0, 1))
+            assert {key[2] for key in runner.steps.graphs} == {taps}
         results.append((out, [cache.kv[:, :, cache.slots(o, 0, n)] for o, n in enumerate(lengths)]))
     (eager, kv_eager), (captured, kv_captured) = results
     for a, b in zip(eager, captured):
+        if taps:
+            (a, a_states), (b, b_states) = a, b
+            assert torch.equal(a_states, b_states)  # eagerly: [3, the pass's tokens, hidden]
         assert torch.equal(a, b)
     for a, b in zip(kv_eager, kv_captured):
         assert torch.equal(a, b)
@@ -222,5 +229,5 @@ def test_warm_up_runs_every_bucket(smollm_dir):
     runner = ModelRunner(model, cache, CPU, [1, 2, 4], max_keys=64)
     before = cache.held()  # the padding tokens' scratch block
     runner.warm_up(head=False)
-    assert set(runner.steps.graphs) == {(1, False), (2, False), (4, False)}
+    assert set(runner.steps.graphs) == {(1, False, ()), (2, False, ()), (4, False, ())}
     assert cache.held() == before  # the warm-up's slots are free again

@@ -15,6 +15,7 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from ssd.checks import check_int
@@ -91,7 +92,8 @@ class LLMEngine:
         self.k_max = config.speculation.k_max
         self.runner = ModelRunner(model, self.cache, config.device, target_buckets(config, self.k_max),
                                   max_keys=config.max_model_len + self.k_max + 1)
-        self.runner.warm_up()
+        self.taps = self.source.taps if self.source else ()  # what a feature head reads of every target pass
+        self.runner.warm_up(taps=self.taps)
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: KPolicy | None = None
         # Earlier requests' text for suffix decoding, kept across K policies: draft="suffix"'s
@@ -152,7 +154,7 @@ class LLMEngine:
             siblings = (bool(opts.draft_siblings) and local) or (trees and isinstance(self.source, SuffixLookup))
             # The draft's stopping rule (draft_stop.py), where the draft can take it.
             stop = DraftStop() if opts.draft_stop is not False and self.source.stops_by_confidence else None
-            self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2),
+            self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2, taps=self.taps),
                                   self.source.step_cost, self.source.measures_steps, lookup,
                                   opts.draft_window, siblings, stop, trees)
         self.registry.register("K policy", self.k_policy)
@@ -191,7 +193,7 @@ class LLMEngine:
         """Prompt chunks and plain decoding steps in one pass; a token is drawn for each chunk
         that ends at its sequence's newest token, from the request's processed logits. Returns
         (sequence, token, its logprobs or None)."""
-        taps = self.source.taps if self.source else ()
+        taps = self.taps
         out = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start,
                                          int(w.samples)) for w in work], taps=taps)
         logits = out[0] if taps else out
@@ -266,11 +268,18 @@ def start_feature_head(config: EngineConfig, target: DecoderLM) -> FeatureHead:
     embed = target.embed_tokens if own is None else nn.Embedding.from_pretrained(own.float())
     k = config.speculation.k_max
     head = EagleHead(weights, embed, config.max_model_len + k + 2)
-    if config.speculation.draft_quantization in ("auto", "int8"):  # a quarter of the bytes a step reads
-        head.quantize_int8()
+    if config.device.type == "cpu":
+        dtype = torch.float32
+        if config.speculation.draft_quantization in ("auto", "int8"):  # a quarter of the bytes a step reads
+            head.quantize_int8()
+    else:  # on a GPU the head's weights are in the target's dtype, as the states it reads; its RoPE tables fp32
+        dtype = config.dtype
+        head.to(config.device)
+        for p in head.parameters():
+            p.data = p.data.to(dtype)
     return FeatureHead(head, config.model_config.num_layers,
                        config.kv_cache_tokens + config.max_num_seqs * (k + 2 * config.block_size), config.block_size,
-                       config.device, config.max_model_len, config.seed)
+                       config.device, config.max_model_len, config.seed, dtype)
 
 
 def start_source(config: EngineConfig, tokenizer) -> DraftSource:

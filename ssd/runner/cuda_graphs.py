@@ -61,16 +61,19 @@ class CapturedSteps:
         return next((b for b in self.buckets if b >= tokens and (b > rows or b == tokens >= rows)), None)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
-            logits_index: torch.Tensor | None, head: bool) -> torch.Tensor:
-        """The pass's logits (or hidden states) for logits_index (all its tokens if None); the
+            logits_index: torch.Tensor | None, head: bool, taps: tuple[int, ...] = ()
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The pass's logits (or hidden states) for logits_index (all its tokens if None), and
+        with taps the states entering those layers at every token (DecoderLM.forward); the
         caller checked fits(). Inputs on any device (a draft tree keeps its own on the GPU)."""
         t = len(input_ids)
         host = [x.cpu().numpy() for x in (input_ids, positions, batch.slot_mapping, batch.q_row, batch.q_len,
                                           batch.rows)]
         wanted = np.arange(t) if logits_index is None else logits_index.cpu().numpy()
-        return self._launch(*host[:5], wanted, host[5], head)
+        return self._launch(*host[:5], wanted, host[5], head, taps)
 
-    def run_chunks(self, chunks: list, cache, head: bool) -> torch.Tensor:
+    def run_chunks(self, chunks: list, cache, head: bool, taps: tuple[int, ...] = ()
+                   ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """ModelRunner.forward's causal chunks (one attention row each), their slots read from
         the cache's block tables as numpy: the decode step's host work is a few numpy writes."""
         rows = [cache.slot_array(c.owner, c.start + len(c.tokens)) for c in chunks]
@@ -81,9 +84,10 @@ class CapturedSteps:
         wanted = np.concatenate([np.arange(end - c.num_logits, end) for c, end in zip(chunks, ends)])
         ids = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=int(ends[-1]))
         q_row = np.repeat(np.arange(len(chunks)), lengths)
-        return self._launch(ids, pos, slots, q_row, pos + 1, wanted, rows, head)
+        return self._launch(ids, pos, slots, q_row, pos + 1, wanted, rows, head, taps)
 
-    def _launch(self, ids, pos, slots, q_row, q_len, wanted, rows, head: bool) -> torch.Tensor:
+    def _launch(self, ids, pos, slots, q_row, q_len, wanted, rows, head: bool, taps: tuple[int, ...]
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         t, r = len(ids), len(rows)
         b = self._bucket(t, r)
         self.passes += 1
@@ -106,15 +110,19 @@ class CapturedSteps:
         self.static_rows[b][:width * b].copy_(self.host_rows[:width * b], non_blocking=True)
         if self.copied is not None:
             self.copied.record()
-        key = (b, head)
+        key = (b, head, taps)
         if key not in self.graphs:  # its warm-up runs this very pass; the replay below writes the same K/V again
-            self.graphs[key] = self._capture(b, head)
+            self.graphs[key] = self._capture(b, head, taps)
         graph, out = self.graphs[key]
         if graph is None:  # a CPU, or capture failed: the padded pass eagerly
-            out = self._forward(b, head)
+            out = self._forward(b, head, taps)
         else:
             graph.replay()
-        return out[self.static[WANTED * p:WANTED * p + len(wanted)]]
+        picked = self.static[WANTED * p:WANTED * p + len(wanted)]
+        if not taps:
+            return out[picked]
+        # The states of the pass's own tokens, copied out of the graph's output (the next replay overwrites it).
+        return out[0][picked], out[1][:, :t].clone()
 
     def _views(self, b: int) -> tuple[torch.Tensor, torch.Tensor, AttentionBatch]:
         p, x = self.rows_max, self.static
@@ -124,25 +132,25 @@ class CapturedSteps:
             rows = rows.contiguous().long()
         return ids, pos, AttentionBatch(slots, rows, q_row, q_len)
 
-    def _forward(self, b: int, head: bool) -> torch.Tensor:
+    def _forward(self, b: int, head: bool, taps: tuple[int, ...]) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         ids, pos, batch = self._views(b)
-        return self.model(ids, pos, batch, self.kv, None, head)
+        return self.model(ids, pos, batch, self.kv, None, head, taps)
 
-    def _capture(self, b: int, head: bool) -> tuple[torch.cuda.CUDAGraph | None, torch.Tensor | None]:
+    def _capture(self, b: int, head: bool, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph | None, object]:
         if not self.kv.is_cuda:  # a CPU (tests): the same padded static inputs, run eagerly
             return None, None
         # Warm up on a side stream first (kernel builds, cuBLAS handles), as torch.cuda.graph asks.
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(b, head)
+            self._forward(b, head, taps)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: an SSD worker thread (draft_thread) may run or capture its own passes
             # meanwhile; "global" would fail its CUDA calls during this capture.
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = self._forward(b, head)
+                out = self._forward(b, head, taps)
         except RuntimeError as e:  # a host sync inside the model (e.g. a mixture's routing)
             self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
             return None, None

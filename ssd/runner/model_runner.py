@@ -43,7 +43,7 @@ class ModelRunner:
         self.steps = None if not graph_buckets else CapturedSteps(model, cache.kv, cache.scratch_slot(), max_keys,
                                                                   graph_buckets)
 
-    def warm_up(self, head: bool = True) -> None:
+    def warm_up(self, head: bool = True, taps: tuple[int, ...] = ()) -> None:
         """Throw-away forward passes: every kernel the model calls is built (or loaded) now, with
         its message on stderr, not inside the first request's time or streamed text; first-call
         allocations happen here too. With captured steps, one pass per bucket, so that each
@@ -52,26 +52,28 @@ class ModelRunner:
         for what drafting costs (on an H200, SD with auto K drafted nothing while the draft's
         graphs were captured in its first rounds: docs/kernels.md, "GPU")."""
         for rows in self.steps.buckets if self.steps is not None else [1]:
-            self.timed_pass(rows, head=head)
+            self.timed_pass(rows, head=head, taps=taps)
         if self.steps is not None:
             # And one eager pass past them (a prompt's chunk, a draft's catch-up), whose kernels
             # Triton may build on first use: a first catch-up that built them, read by auto-K as
             # what every catch-up costs, is the likely reason SD with auto K drafted nothing for
             # its first requests on an H200 (docs/kernels.md, "GPU").
-            self.timed_pass(self.steps.buckets[-1] + 1, head=head)
+            self.timed_pass(self.steps.buckets[-1] + 1, head=head, taps=taps)
 
     @torch.inference_mode()
-    def timed_pass(self, rows: int, repeat: int = 1, head: bool = True) -> float:
+    def timed_pass(self, rows: int, repeat: int = 1, head: bool = True, taps: tuple[int, ...] = ()) -> float:
         """Seconds of a throw-away forward pass over `rows` tokens of one sequence, all with
-        logits (as a verify pass of rows - 1 drafts; head=False: final hidden states); the
-        fastest of `repeat` passes."""
+        logits (as a verify pass of rows - 1 drafts; head=False: final hidden states; taps: with
+        those layers' states, as a target read by a feature head runs); the fastest of `repeat`
+        passes."""
         owner = WARM_UP_OWNER
         self.cache.reserve(owner, rows)
         try:
             best = float("inf")
             for _ in range(repeat):
                 t0 = time.perf_counter()
-                self.forward([Chunk(owner, [0] * rows, 0, rows)], head).cpu()  # .cpu(): waits for a GPU
+                out = self.forward([Chunk(owner, [0] * rows, 0, rows)], head, taps)
+                (out[0] if taps else out).cpu()  # .cpu(): waits for a GPU
                 best = min(best, time.perf_counter() - t0)
             return best
         finally:
@@ -82,14 +84,14 @@ class ModelRunner:
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits [sum of num_logits, vocab] in chunk order (head=False: final hidden states);
         with taps, also the residual stream entering those layers at every token of the pass,
-        [len(taps), tokens, hidden] in chunk order (DecoderLM.forward; an eager pass)."""
+        [len(taps), tokens, hidden] in chunk order (DecoderLM.forward)."""
         lengths = [len(c.tokens) for c in chunks]
         ends = [c.start + n for c, n in zip(chunks, lengths)]
-        if self.steps is not None and not taps and not any(c.forks for c in chunks) and \
+        if self.steps is not None and not any(c.forks for c in chunks) and \
                 self.steps.fits(sum(lengths), len(chunks), max(ends)):
             for c, end in zip(chunks, ends):
                 self.cache.prepare_write(c.owner, c.start, end)
-            out = self.steps.run_chunks(chunks, self.cache, head)
+            out = self.steps.run_chunks(chunks, self.cache, head, taps)
             for c, end in zip(chunks, ends):
                 self.cache.written(c.owner, end)
             return out
@@ -132,8 +134,8 @@ class ModelRunner:
             logits_index: torch.Tensor | None = None, head: bool = True, taps: tuple[int, ...] = ()
             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward pass over tokens placed by an explicit attention batch (a draft tree)."""
-        if self.steps is not None and not taps and self.steps.fits(len(input_ids), *batch.rows.shape):
-            return self.steps.run(input_ids, positions, batch, logits_index, head)
+        if self.steps is not None and self.steps.fits(len(input_ids), *batch.rows.shape):
+            return self.steps.run(input_ids, positions, batch, logits_index, head, taps)
         if taps and self.model.tp_group is not None:
             raise SSDError("the hidden states of chosen layers (an EAGLE-3 head's features) are not read from a "
                            "tensor-parallel target yet")

@@ -100,7 +100,7 @@ class FeatureHead(DraftSource):
     stops_by_confidence = True
 
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
-                 device: torch.device, context: int, seed: int | None = None):
+                 device: torch.device, context: int, seed: int | None = None, dtype: torch.dtype = torch.float32):
         super().__init__(context)
         cfg = head.config
         self.head, self.device = head, device
@@ -108,7 +108,7 @@ class FeatureHead(DraftSource):
         shape = ModelConfig("eagle3", cfg.draft_vocab_size, cfg.hidden_size, cfg.intermediate_size, 1,
                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta,
                             context, False, cfg.attention_bias, cfg.qk_norm)
-        self.kv = PagedKVCache(shape, cache_tokens, block_size, device, torch.float32)
+        self.kv = PagedKVCache(shape, cache_tokens, block_size, device, dtype)
         self.seqs: dict[int, HeadSeq] = {}
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
@@ -249,9 +249,21 @@ class FeatureHead(DraftSource):
             table[i, :len(n.keys)] = n.keys
         batch = AttentionBatch(torch.stack([n.keys[-1] for n in nodes]), table, torch.arange(len(nodes)),
                                torch.tensor([len(n.keys) for n in nodes]))
-        logits, out = self.head(torch.tensor([n.token for n in nodes]), torch.cat([n.state for n in nodes]),
-                                torch.tensor([n.position for n in nodes]), batch, self.kv.kv[0])
+        logits, out = self._head(torch.tensor([n.token for n in nodes]), torch.cat([n.state for n in nodes]),
+                                 torch.tensor([n.position for n in nodes]), batch)
         return [(logits[i:i + 1], out[i:i + 1]) for i in range(len(nodes))]
+
+    def _head(self, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A head pass, its host-built inputs on the head's device (a GPU's: the states are there).
+        On a GPU it returns when the pass is done, so that its callers' timings (auto-K's price
+        of a drafted token) hold the pass, not its launch."""
+        dev = self.device
+        batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
+        out = self.head(tokens.to(dev), states, positions.to(dev), batch, self.kv.kv[0])
+        if dev.type == "cuda":
+            torch.cuda.current_stream(dev).synchronize()
+        return out
 
     def _ready(self, seq: Sequence) -> bool:
         """Whether the head has the target's states of every position before the newest token."""
@@ -272,7 +284,7 @@ class FeatureHead(DraftSource):
             table[i, :len(k)] = k
         q_row = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, (_, _, ids, _) in enumerate(rows)])
         batch = AttentionBatch(slots, table, q_row, positions + 1)
-        logits, out = self.head(tokens, torch.cat([states for *_, states in rows]), positions, batch, self.kv.kv[0])
+        logits, out = self._head(tokens, torch.cat([states for *_, states in rows]), positions, batch)
         for owner, start, ids, _ in rows:
             self.kv.written(owner, start + len(ids))
         ends = torch.tensor([len(ids) for _, _, ids, _ in rows]).cumsum(0) - 1
@@ -290,7 +302,7 @@ class FeatureHead(DraftSource):
             torch.softmax(logits, -1) if alts is not None or confs is not None else None
         picked = logits.argmax(-1) if greedy else sample(q, self.seqs[seq.seq_id].generator)
         if not greedy:
-            whole = torch.zeros(self.head.config.vocab_size)
+            whole = torch.zeros(self.head.config.vocab_size, device=q.device)
             whole[ids] = q[0]
             qs.append(whole)
         if alts is not None:

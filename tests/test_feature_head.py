@@ -50,6 +50,29 @@ def test_sd_with_a_head_is_exact_and_reads_the_targets_states(smollm_dir, tmp_pa
                 assert after is None or after == start + len(rows)
 
 
+def test_a_heads_captured_passes_draft_what_its_eager_ones_do(smollm_dir, tmp_path, monkeypatch):
+    """On a GPU the head's passes run as CUDA graphs of padded buckets (HeadPasses); on the CPU
+    the same padded static inputs run eagerly, with the same bits (batch-invariant kernels):
+    the same proposals, round by round, and greedy output AR's."""
+    import ssd.engine.llm_engine as engine
+    write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
+    params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
+    prompts = [REPEATING, "The capital of France is"]
+    runs = []
+    for buckets in (None, [1, 2, 4, 8]):
+        monkeypatch.setattr(engine, "head_buckets", lambda config: buckets)
+        with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3, draft_stop=False) as llm:
+            outs = llm.generate(prompts, params)
+            steps = llm.engine.source.steps
+            if buckets:  # the first passes and the draft steps went through the buckets' static inputs
+                assert steps.passes > 2 * len(prompts) and {(b, f, ()) for b in buckets for f in (True, False)} \
+                    == set(steps.graphs)
+            else:
+                assert steps is None
+            runs.append([(o.token_ids, o.metrics.drafted, o.metrics.accepted, o.metrics.accepted_hist) for o in outs])
+    assert runs[0] == runs[1] and all(drafted for _, drafted, _, _ in runs[0])
+
+
 def test_sd_with_a_head_samples_the_target(tiny_pair, tmp_path):
     """A speculators-layout head over the tiny target's whole vocabulary, reading its layers
     0, 1 and the stream after the last: 4000 samples of the first tokens against the exact

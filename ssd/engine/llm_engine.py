@@ -277,9 +277,18 @@ def start_feature_head(config: EngineConfig, target: DecoderLM) -> FeatureHead:
         head.to(config.device)
         for p in head.parameters():
             p.data = p.data.to(dtype)
+    # Its rows' keys: positions up to the context and K drafts, and a tree candidate's own.
     return FeatureHead(head, config.model_config.num_layers,
                        config.kv_cache_tokens + config.max_num_seqs * (k + 2 * config.block_size), config.block_size,
-                       config.device, config.max_model_len, config.seed, dtype)
+                       config.device, config.max_model_len, config.seed, dtype, head_buckets(config),
+                       config.max_model_len + k + 3)
+
+
+def head_buckets(config: EngineConfig) -> list[int] | None:
+    """A head's CUDA-graph buckets (rows 1, 2, 4, ... up to a batch's first pass, K + 1 rows a
+    sequence, at most 256); None on a CPU."""
+    rows = config.max_num_seqs * (config.speculation.k_max + 1)
+    return [1 << i for i in range(9) if 1 << i < 2 * rows] if config.device.type == "cuda" else None
 
 
 def start_source(config: EngineConfig, tokenizer) -> DraftSource:

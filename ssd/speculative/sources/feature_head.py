@@ -27,17 +27,24 @@ itself), offering their likeliest tokens one depth down. Each candidate promises
 of the head's probabilities along its path; the round takes the ones worth a verify row
 (siblings.py) and greedy verification walks the tree. The candidates' rows leave the head's
 KV cache with the chain's.
+
+On a GPU the head's passes run as CUDA graphs (ssd/runner/cuda_graphs.py), as the target's
+do: eagerly, a pass of one layer launches a few dozen kernels from Python and the GPU waits
+on the host between them.
 """
 import time
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from ssd.layers.attention import AttentionBatch
 from ssd.models.config import ModelConfig
 from ssd.request.sampler import probs_from_logits, sample
 from ssd.request.sequence import Sequence
+from ssd.runner.cuda_graphs import CapturedSteps
 from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.model_runner import WARM_UP_OWNER
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.eagle import EagleHead
 from ssd.speculative.plan import SeqPlan
@@ -94,13 +101,37 @@ class _Tree:
         return [Branch(p if p >= 0 else chain + 1 + (-1 - p), t, w) for p, t, w in self.candidates]
 
 
+class HeadPasses(nn.Module):
+    """The head as CapturedSteps runs a model: the states a pass reads come from one of two
+    static buffers, filled before each launch, the target's joined states (a first pass,
+    CapturedSteps' `head` flag True) or the head's own output states (a draft step, False);
+    the logits and output states leave as one tensor [T, Vd + H]."""
+
+    def __init__(self, head: EagleHead, rows: int, device: torch.device, dtype: torch.dtype):
+        super().__init__()
+        cfg = head.config
+        self.head = head
+        self.target = torch.zeros(rows, 3 * cfg.target_hidden_size, device=device, dtype=dtype)
+        self.own = torch.zeros(rows, cfg.hidden_size, device=device, dtype=dtype)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
+                logits_index: torch.Tensor | None, first: bool, taps: tuple[int, ...] = ()) -> torch.Tensor:
+        logits, out = self.head(tokens, (self.target if first else self.own)[:len(tokens)], positions, batch, kv)
+        both = torch.cat([logits, out], dim=-1)
+        return both if logits_index is None else both[logits_index]
+
+
 class FeatureHead(DraftSource):
     measures_steps = True
     in_process = True
     stops_by_confidence = True
 
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
-                 device: torch.device, context: int, seed: int | None = None, dtype: torch.dtype = torch.float32):
+                 device: torch.device, context: int, seed: int | None = None, dtype: torch.dtype = torch.float32,
+                 graph_buckets: list[int] | None = None, max_keys: int = 0):
+        """graph_buckets: the head's passes of up to max(graph_buckets) rows, whose attention
+        rows hold at most max_keys keys, run as CUDA graphs (on a CPU: padded, eagerly);
+        None: every pass eagerly."""
         super().__init__(context)
         cfg = head.config
         self.head, self.device = head, device
@@ -113,6 +144,27 @@ class FeatureHead(DraftSource):
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
             self._seeds.seed()
+        self.passes = self.steps = None
+        if graph_buckets:
+            self.passes = HeadPasses(head, max(graph_buckets), device, dtype)
+            self.steps = CapturedSteps(self.passes, self.kv.kv[0], self.kv.scratch_slot(), max_keys, graph_buckets)
+            self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Each bucket's graphs captured now, a first pass's and a draft step's, not inside a
+        request's rounds (whose time auto-K reads as what drafting costs)."""
+        self.kv.reserve(WARM_UP_OWNER, self.steps.buckets[-1])
+        try:
+            for rows in self.steps.buckets:
+                slots = self.kv.slots(WARM_UP_OWNER, 0, rows)
+                batch = AttentionBatch(slots, slots.view(1, rows), torch.zeros(rows, dtype=torch.long),
+                                       torch.arange(1, rows + 1))
+                for first in (True, False):
+                    states = (self.passes.target if first else self.passes.own)[:rows]
+                    self._head(torch.zeros(rows, dtype=torch.long), states, torch.arange(rows), batch, first)
+        finally:
+            self.kv.release(WARM_UP_OWNER)
 
     def states(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
         s = self._seq(seq)
@@ -250,17 +302,23 @@ class FeatureHead(DraftSource):
         batch = AttentionBatch(torch.stack([n.keys[-1] for n in nodes]), table, torch.arange(len(nodes)),
                                torch.tensor([len(n.keys) for n in nodes]))
         logits, out = self._head(torch.tensor([n.token for n in nodes]), torch.cat([n.state for n in nodes]),
-                                 torch.tensor([n.position for n in nodes]), batch)
+                                 torch.tensor([n.position for n in nodes]), batch, first=False)
         return [(logits[i:i + 1], out[i:i + 1]) for i in range(len(nodes))]
 
-    def _head(self, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A head pass, its host-built inputs on the head's device (a GPU's: the states are there).
-        On a GPU it returns when the pass is done, so that its callers' timings (auto-K's price
-        of a drafted token) hold the pass, not its launch."""
+    def _head(self, tokens: torch.Tensor, states: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+              first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A head pass (first: over the target's states, else the head's own), captured where
+        it fits, else eagerly with its host-built inputs on the head's device (a GPU's: the
+        states are there). On a GPU it returns when the pass is done, so that its callers'
+        timings (auto-K's price of a drafted token) hold the pass, not its launch."""
         dev = self.device
-        batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
-        out = self.head(tokens.to(dev), states, positions.to(dev), batch, self.kv.kv[0])
+        if self.steps is not None and self.steps.fits(len(tokens), *batch.rows.shape):
+            (self.passes.target if first else self.passes.own)[:len(tokens)].copy_(states)
+            both = self.steps.run(tokens, positions, batch, None, first)
+            out = both.split([self.head.config.draft_vocab_size, self.head.config.hidden_size], dim=-1)
+        else:
+            batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
+            out = self.head(tokens.to(dev), states, positions.to(dev), batch, self.kv.kv[0])
         if dev.type == "cuda":
             torch.cuda.current_stream(dev).synchronize()
         return out
@@ -284,7 +342,7 @@ class FeatureHead(DraftSource):
             table[i, :len(k)] = k
         q_row = torch.cat([torch.full((len(ids),), i, dtype=torch.long) for i, (_, _, ids, _) in enumerate(rows)])
         batch = AttentionBatch(slots, table, q_row, positions + 1)
-        logits, out = self._head(tokens, torch.cat([states for *_, states in rows]), positions, batch)
+        logits, out = self._head(tokens, torch.cat([states for *_, states in rows]), positions, batch, first=True)
         for owner, start, ids, _ in rows:
             self.kv.written(owner, start + len(ids))
         ends = torch.tensor([len(ids) for _, _, ids, _ in rows]).cumsum(0) - 1

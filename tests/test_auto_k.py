@@ -204,6 +204,39 @@ def test_probes_on_the_engine_budget_cost_little_with_a_useless_draft():
     assert 0 < probe_s <= PROBE_BUDGET * plain_s, (probe_s, plain_s)
 
 
+def test_a_plan_that_drafts_nothing_holds_where_planning_is_a_large_part_of_a_step(monkeypatch):
+    """64 sequences and a useless draft on a GPU-like target (a step of 64 rows in ~16 ms): a
+    plan that takes 4 ms and drafts nothing holds for the rounds that keep planning within 3 %
+    of them; the held rounds' time reaches every sequence's idle time when planning resumes
+    (probes come as before), and a sequence joining ends a hold."""
+    from types import SimpleNamespace
+    import ssd.speculative.policy.adaptive_k as adaptive_k
+    clock = iter(range(10**6))
+    monkeypatch.setattr(adaptive_k, "time", SimpleNamespace(perf_counter=lambda: next(clock) * 0.004))
+    step = lambda rows: 0.01 + 0.0001 * rows  # noqa: E731
+    policy, seqs = AutoK(8, step, 0.002), [_Seq(i) for i in range(64)]
+    planned = []
+    real = policy._plan
+    monkeypatch.setattr(policy, "_plan", lambda batch: planned.append(len(batch)) or real(batch))
+    for _ in range(200):  # until the draft is off for all and a plan holds
+        ks = policy.plan(seqs).ks
+        _observe(policy, seqs, ks, [0] * len(ks), 0.002 * max(ks), step(sum(ks) + len(ks)))
+        if policy.hold:
+            break
+    hold = policy.hold
+    assert hold == int(0.004 / (0.03 * step(64))) == 8 and not any(ks)
+    idle, planned[:] = policy.seqs[0].idle_s, []
+    for _ in range(hold):
+        assert policy.plan(seqs).ks == [0] * 64
+        _observe(policy, seqs, [0] * 64, [0] * 64, 0.0, step(64))
+    assert planned == [] and policy.seqs[0].idle_s == idle  # held: no planning, idle time kept aside
+    policy.plan(seqs)
+    assert planned == [64] and policy.seqs[0].idle_s == pytest.approx(idle + hold * step(64))
+    policy.hold, planned[:] = 5, []
+    policy.plan(seqs + [_Seq(64)])
+    assert planned == [65]
+
+
 def test_a_draft_that_is_always_accepted_drafts_deep():
     policy, seqs = _policy(), [_Seq(0)]
     assert _rounds(policy, seqs, lambda k: k, 30) == [policy.k_max]

@@ -61,7 +61,16 @@ V(K + 1) with no draft step: the batch's choice weighs them with the draft's K a
 decoding. Lookup rounds leave the draft behind, so its next drafting round catches up on what they
 added (a catch-up as above). On a summary of a long document the draft's prefill never pays
 and lookup rounds carry the speed-up; on code, lookup takes the rounds that copy a span.
+
+Planning is host time (Python, about 0.1 ms a sequence), which at a large batch on a GPU is a
+large part of a step: 64 sequences of an 8B target on an H200 decode in ~16 ms a step, and SD
+with every K at 0 ran 0.74x AR's speed there. So where a plan drafts nothing (no K, no lookup,
+no probe) and took more than HOLD_SHARE of the step it planned (V(n), at least HOLD_MIN_S),
+it holds for as many rounds as keep planning within that share, unless a new sequence joins.
+Those rounds learn only their time: V(n), and the idle time that every sequence (and the
+engine) is credited with when planning resumes, so probes come as they would have.
 """
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -88,6 +97,9 @@ EXPLORE_EVIDENCE = 1.0  # ... while its own (decayed) rounds that reached that p
 # Prompt lookup's acceptance assumed before any is measured, by match length 1, 2, 3, 4+
 # (replayed on the bench sets, bench/studies/lookup_headroom.py: a 1-token match is rarely a copy).
 LOOKUP_PRIOR = (0.2, 0.4, 0.6, 0.75)
+HOLD_SHARE = 0.03  # planning's share of the rounds where a plan that drafts nothing holds (module doc)
+HOLD_MIN_S = 0.5e-3  # a plan quicker than this never holds
+HOLD_MAX = 32  # rounds a plan holds for at most
 
 
 @dataclass
@@ -171,8 +183,28 @@ class AutoK(KPolicy):
         self.engine_idle_s = 0.0  # seconds since any sequence drafted
         self.engine_backoff = 1  # the engine's probes double their wait as the sequences' do
         self.engine_probe: int | None = None  # the sequence probing on the engine's budget this round
+        self.hold = 0  # rounds the last plan (one that drafts nothing) still holds for (module doc)
+        self.holding = False  # this round's plan is a held one
+        self.held_s = 0.0  # those rounds' time, not yet credited as idle
 
     def plan(self, seqs: list[Sequence]) -> Plan:
+        if self.hold and all(s.seq_id in self.seqs for s in seqs):
+            self.hold -= 1
+            self.holding = True
+            return Plan([SeqPlan(0)] * len(seqs))
+        self.hold = 0
+        for state in self.seqs.values():
+            state.idle_s += self.held_s
+        self.engine_idle_s += self.held_s
+        self.held_s = 0.0
+        t0 = time.perf_counter()
+        plan = self._plan(seqs)
+        took = time.perf_counter() - t0
+        if took > HOLD_MIN_S and not any(plan.ks):
+            self.hold = min(HOLD_MAX, int(took / max(HOLD_SHARE * self.verify(len(seqs)), 1e-9)))
+        return plan
+
+    def _plan(self, seqs: list[Sequence]) -> Plan:
         if self.time_draft and not self.draft_measured and any(s.seq_id not in self.seqs for s in seqs):
             timed = self.time_draft()  # (module doc: a spiked start-up timing)
             self.draft_step = self.draft_step if timed is None else min(self.draft_step, timed)
@@ -343,6 +375,11 @@ class AutoK(KPolicy):
         per draft token without catch-up (a prompt's prefill, tokens missed at K = 0: counting
         those would make drafting look dearer the longer it was off) and its catch-up."""
         draft_s, verify_s, step_s, catchup = rounds[0].draft_s, rounds[0].verify_s, rounds[0].step_s, rounds[0].catchup
+        if self.holding:  # a held plan's round (module doc)
+            self.holding = False
+            self.held_s += draft_s + verify_s
+            self.verify.observe(len(rounds), verify_s)
+            return
         drafted = [0 if r.proposal.lookup else r.drafted for r in rounds]  # by the draft model
         for r in rounds:
             s, d, a, state = r.seq, r.drafted, r.accepted, self._state(r.seq)

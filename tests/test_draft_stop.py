@@ -98,9 +98,20 @@ def test_the_rule_takes_a_round_where_one_greedy_sequence_drafts_alone():
 def test_sd_with_the_stop_is_exact_and_drafts_rounds_of_many_lengths(smollm_dir, truncated_draft, ar_outputs):
     params = SamplingParams.greedy(max_tokens=64, ignore_eos=True)
     prompts = [REPEATING, "List three prime numbers and say why they are prime."]
-    with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_stop=True) as llm:
-        stop = llm.engine.k_policy.stop
+    # The rule is offered in the rounds a draft model drafts for a sequence alone. Lookup off
+    # (on the repeating prompt it takes the rounds), and the draft's step priced at a tenth of
+    # the target's whatever the timings say: on a loaded machine auto-K once left the rule no
+    # round, and without lookup this draft is priced out of most rounds on some CPUs.
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_stop=True, prompt_lookup=False) as llm:
+        policy = llm.engine.k_policy
+        stop, learn = policy.stop, policy.learn
         assert stop is not None
+
+        def priced(rounds):
+            learn(rounds)
+            policy.draft_step = policy.verify(1) / 10
+        policy.learn = priced
+        policy.draft_step = policy.verify(1) / 10
         outs = [llm.generate(p, params)[0] for p in prompts]  # one at a time: the rule's rounds
     assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
     lengths = [k for o in outs for k, n in enumerate(o.metrics.k_hist) if n and k]

@@ -204,11 +204,16 @@ class LLMEngine:
                 self.source.states(w.seq, w.start, states[at:at + w.num_new])
                 at += w.num_new
         out = []
-        for row, seq in enumerate(w.seq for w in work if w.samples):
+        seqs = [w.seq for w in work if w.samples]
+        # The greedy rows' choices read at once: one host read a batch (on a GPU each read
+        # waits for the pass), the others row by row.
+        plain = [s.params.greedy_decoding and s.processor is None for s in seqs]
+        best = logits.argmax(-1).tolist() if any(plain) else None
+        for row, seq in enumerate(seqs):
             rows = logits[row:row + 1]
             if seq.processor is not None:
                 rows = seq.processor.process(rows, seq.token_ids)
-            token = int(next_tokens(rows, seq.params, seq.generator)[0])
+            token = best[row] if plain[row] else int(next_tokens(rows, seq.params, seq.generator)[0])
             lps = None if seq.params.logprobs is None else token_logprobs(rows, [token], seq.params.logprobs)
             out.append((seq, token, lps))
         return out

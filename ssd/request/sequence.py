@@ -13,7 +13,7 @@ from ssd.sampling_params import SamplingParams
 _ids = count()
 
 
-@dataclass
+@dataclass(eq=False)  # one request is one object: `seq in running` compares identities, not every field
 class Sequence:
     """One request: its tokens and its progress (how many of its tokens the target's KV cache
     holds is the cache's to say: PagedKVCache.cached)."""

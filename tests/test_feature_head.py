@@ -50,27 +50,53 @@ def test_sd_with_a_head_is_exact_and_reads_the_targets_states(smollm_dir, tmp_pa
                 assert after is None or after == start + len(rows)
 
 
-def test_a_heads_captured_passes_draft_what_its_eager_ones_do(smollm_dir, tmp_path, monkeypatch):
-    """On a GPU the head's passes run as CUDA graphs of padded buckets (HeadPasses); on the CPU
-    the same padded static inputs run eagerly, with the same bits (batch-invariant kernels):
-    the same proposals, round by round, and greedy output AR's."""
+class _Varied(StopRule):
+    """A stopping rule that ends a chain after about a third of its tokens, by their top-1
+    probability's digits (a random head's are all near 1 / its vocabulary)."""
+
+    def chance(self, confidence: float) -> float:
+        return 0.0 if int(confidence * 1e6) % 3 == 0 else 1.0
+
+
+VARIED = _Varied((1.0,) * 10, (0.5,) * 4)
+
+
+@pytest.mark.parametrize("rule", [None, VARIED], ids=["chains", "cut-by-the-stopping-rule"])
+def test_a_heads_captured_passes_draft_what_its_eager_ones_do(smollm_dir, tmp_path, monkeypatch, rule):
+    """On a GPU the head's passes run as CUDA graphs of padded buckets (HeadPasses), and a
+    greedy chain's steps after the first as one graph (HeadChain), cut afterwards by the
+    stopping rule; on the CPU the same padded static inputs run eagerly, with the same bits
+    (batch-invariant kernels): the same proposals, round by round, and greedy output AR's."""
     import ssd.engine.llm_engine as engine
     write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
     params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
     prompts = [REPEATING, "The capital of France is"]
+    real, proposed = FeatureHead.propose, []
+
+    def ruled(self, seqs, plans):
+        proposed.append(real(self, seqs, [replace(p, stop=rule) for p in plans]))
+        return proposed[-1]
+    monkeypatch.setattr(FeatureHead, "propose", ruled)
     runs = []
     for buckets in (None, [1, 2, 4, 8]):
         monkeypatch.setattr(engine, "head_buckets", lambda config: buckets)
-        with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3, draft_stop=False) as llm:
+        proposed.clear()
+        with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=5, draft_stop=False) as llm:
             outs = llm.generate(prompts, params)
-            steps = llm.engine.source.steps
-            if buckets:  # the first passes and the draft steps went through the buckets' static inputs
-                assert steps.passes > 2 * len(prompts) and {(b, f, ()) for b in buckets for f in (True, False)} \
-                    == set(steps.graphs)
+            source = llm.engine.source
+            if buckets:  # the first passes went through the buckets' static inputs, the steps after as chains
+                assert source.steps.passes >= 2 * len(prompts)
+                assert set(source.steps.graphs) == {(b, f, ()) for b in buckets for f in (True, False)}
+                assert set(source.chain.graphs) == {(b, s) for b in buckets for s in range(1, 5)}
+                assert source.chain.passes > len(source.chain.graphs)  # (the start-up's: one each)
             else:
-                assert steps is None
-            runs.append([(o.token_ids, o.metrics.drafted, o.metrics.accepted, o.metrics.accepted_hist) for o in outs])
-    assert runs[0] == runs[1] and all(drafted for _, drafted, _, _ in runs[0])
+                assert source.steps is None and source.chain is None
+            runs.append(([[(p.tokens, p.confidences) for p in props] for props in proposed],
+                         [(o.token_ids, o.metrics.drafted, o.metrics.accepted) for o in outs]))
+    assert runs[0][1] == runs[1][1] and all(drafted for _, drafted, _ in runs[0][1])
+    assert runs[0][0] == runs[1][0]  # tokens and confidences
+    lengths = {len(t) for props in runs[0][0] for t, _ in props}
+    assert len(lengths) >= (3 if rule else 1), lengths
 
 
 def test_sd_with_a_head_samples_the_target(tiny_pair, tmp_path):

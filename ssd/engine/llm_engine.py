@@ -286,7 +286,7 @@ def start_feature_head(config: EngineConfig, target: DecoderLM) -> FeatureHead:
     return FeatureHead(head, config.model_config.num_layers,
                        config.kv_cache_tokens + config.max_num_seqs * (k + 2 * config.block_size), config.block_size,
                        config.device, config.max_model_len, config.seed, dtype, head_buckets(config),
-                       config.max_model_len + k + 3)
+                       config.max_model_len + k + 3, k - 1)
 
 
 def head_buckets(config: EngineConfig) -> list[int] | None:

@@ -28,15 +28,13 @@ of the head's probabilities along its path; the round takes the ones worth a ver
 (siblings.py) and greedy verification walks the tree. The candidates' rows leave the head's
 KV cache with the chain's.
 
-On a GPU the head's passes run as CUDA graphs (ssd/runner/cuda_graphs.py), as the target's
-do: eagerly, a pass of one layer launches a few dozen kernels from Python and the GPU waits
-on the host between them.
+On a GPU the head's passes run as CUDA graphs (head_graphs.py), and a greedy chain's steps
+after the first as one graph, its tokens picked on the GPU.
 """
 import time
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 
 from ssd.layers.attention import AttentionBatch
 from ssd.models.config import ModelConfig
@@ -51,9 +49,11 @@ from ssd.speculative.plan import SeqPlan
 from ssd.speculative.policy.siblings import eligible
 from ssd.speculative.records import Alternative, Branch, Proposal, Round, argmax_chain
 from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.head_graphs import HeadChain, HeadPasses
 
 TREE_WIDTH = 3  # a tree node's likeliest tokens offered below it (the chain's node: its own, then others)
 TREE_EXPAND = 3  # candidates expanded a depth (the likeliest of that depth), beside the chain's node
+CHAIN_ROWS = 8  # the most sequences whose chains run as one graph (head_graphs.HeadChain)
 MIN_PROMISE = 1e-3  # a candidate less likely than this is not offered
 
 
@@ -101,26 +101,6 @@ class _Tree:
         return [Branch(p if p >= 0 else chain + 1 + (-1 - p), t, w) for p, t, w in self.candidates]
 
 
-class HeadPasses(nn.Module):
-    """The head as CapturedSteps runs a model: the states a pass reads come from one of two
-    static buffers, filled before each launch, the target's joined states (a first pass,
-    CapturedSteps' `head` flag True) or the head's own output states (a draft step, False);
-    the logits and output states leave as one tensor [T, Vd + H]."""
-
-    def __init__(self, head: EagleHead, rows: int, device: torch.device, dtype: torch.dtype):
-        super().__init__()
-        cfg = head.config
-        self.head = head
-        self.target = torch.zeros(rows, 3 * cfg.target_hidden_size, device=device, dtype=dtype)
-        self.own = torch.zeros(rows, cfg.hidden_size, device=device, dtype=dtype)
-
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch, kv: torch.Tensor,
-                logits_index: torch.Tensor | None, first: bool, taps: tuple[int, ...] = ()) -> torch.Tensor:
-        logits, out = self.head(tokens, (self.target if first else self.own)[:len(tokens)], positions, batch, kv)
-        both = torch.cat([logits, out], dim=-1)
-        return both if logits_index is None else both[logits_index]
-
-
 class FeatureHead(DraftSource):
     measures_steps = True
     in_process = True
@@ -128,9 +108,10 @@ class FeatureHead(DraftSource):
 
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
                  device: torch.device, context: int, seed: int | None = None, dtype: torch.dtype = torch.float32,
-                 graph_buckets: list[int] | None = None, max_keys: int = 0):
+                 graph_buckets: list[int] | None = None, max_keys: int = 0, chain_steps: int = 0):
         """graph_buckets: the head's passes of up to max(graph_buckets) rows, whose attention
-        rows hold at most max_keys keys, run as CUDA graphs (on a CPU: padded, eagerly);
+        rows hold at most max_keys keys, run as CUDA graphs (on a CPU: padded, eagerly), and
+        with chain_steps greedy chains of up to that many steps after the first (head_graphs.py);
         None: every pass eagerly."""
         super().__init__(context)
         cfg = head.config
@@ -144,17 +125,20 @@ class FeatureHead(DraftSource):
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
             self._seeds.seed()
-        self.passes = self.steps = None
+        self.passes = self.steps = self.chain = None
         if graph_buckets:
             self.passes = HeadPasses(head, max(graph_buckets), device, dtype)
             self.steps = CapturedSteps(self.passes, self.kv.kv[0], self.kv.scratch_slot(), max_keys, graph_buckets)
+            if chain_steps:
+                self.chain = HeadChain(head, self.kv.kv[0], self.kv.scratch_slot(), max_keys,
+                                       [b for b in graph_buckets if b <= CHAIN_ROWS], chain_steps, dtype)
             self._warm_up()
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
         """Each bucket's graphs captured now, a first pass's and a draft step's, not inside a
         request's rounds (whose time auto-K reads as what drafting costs)."""
-        self.kv.reserve(WARM_UP_OWNER, self.steps.buckets[-1])
+        self.kv.reserve(WARM_UP_OWNER, max(self.steps.buckets[-1], self.chain.steps if self.chain else 0))
         try:
             for rows in self.steps.buckets:
                 slots = self.kv.slots(WARM_UP_OWNER, 0, rows)
@@ -163,6 +147,10 @@ class FeatureHead(DraftSource):
                 for first in (True, False):
                     states = (self.passes.target if first else self.passes.own)[:rows]
                     self._head(torch.zeros(rows, dtype=torch.long), states, torch.arange(rows), batch, first)
+            for rows in self.chain.buckets if self.chain is not None else []:
+                keys = self.kv.slot_array(WARM_UP_OWNER, self.chain.steps)
+                for steps in range(1, self.chain.steps + 1):
+                    self.chain.run([0] * rows, self.passes.own[:rows], [0] * rows, [keys] * rows, steps)
         finally:
             self.kv.release(WARM_UP_OWNER)
 
@@ -217,7 +205,13 @@ class FeatureHead(DraftSource):
                      if plans[b].alternatives and argmax_chain(seqs[b]) and eligible(seqs[b])}
             for b, t in trees.items():
                 self.kv.reserve(seqs[b].seq_id, t.free + TREE_EXPAND * max(ks))
-            for step in range(max(ks)):
+            chain = self.chain is not None and not trees and self.chain.fits(
+                len(drafting), max(ks) - 1, max(seqs[b].num_tokens for b in drafting) - 2 + max(ks)) and all(
+                seqs[b].params.greedy_decoding and not plans[b].alternatives for b in drafting)
+            if chain:
+                took, n = self._draft_chains(seqs, drafting, ks, last, tokens, qs, confs, rules, survival)
+                step_s, steps = step_s + took, steps + n
+            for step in range(0 if chain else max(ks)):
                 picked = {}
                 for b, (logits, _) in last.items():
                     picked[b] = self._pick(seqs[b], logits, tokens[b], qs[b], alts[b] if plans[b].alternatives and
@@ -257,6 +251,45 @@ class FeatureHead(DraftSource):
         return [Proposal(t, torch.stack(q) if q else None, alternatives=a, candidates=cand,
                          confidences=c if rule is not None else None, step_s=step, catchup=catchup)
                 for t, q, a, cand, c, rule in zip(tokens, qs, alts, cands, confs, rules)]
+
+    def _draft_chains(self, seqs: list[Sequence], drafting: list[int], ks: list[int],
+                      last: dict[int, tuple[torch.Tensor, torch.Tensor]], tokens: list[list[int]],
+                      qs: list[list[torch.Tensor]], confs: list[list[float]], rules: list, survival: list[float]
+                      ) -> tuple[float, int]:
+        """Greedy chains (head_graphs.HeadChain): each one's first token from the first pass's
+        logits, the rest in one graph of as many steps as the longest asks; the stopping rule
+        then cuts each where it would have stopped it. Returns the graph's seconds and steps."""
+        going = []
+        for b in drafting:
+            self._pick(seqs[b], last[b][0], tokens[b], qs[b], None, confs[b] if rules[b] is not None else None)
+            if rules[b] is not None:
+                survival[b] *= rules[b].chance(confs[b][-1])
+                if not rules[b].keep_going(survival[b], 1):
+                    ks[b] = 1
+            if ks[b] > 1:
+                going.append(b)
+        if not going:
+            return 0.0, 0
+        n = max(ks[b] for b in going) - 1
+        starts = [seqs[b].num_tokens - 1 for b in going]
+        for b, start in zip(going, starts):
+            self.kv.reserve(seqs[b].seq_id, start + n)
+        keys = [self.kv.slot_array(seqs[b].seq_id, start + n) for b, start in zip(going, starts)]
+        t0 = time.perf_counter()
+        picked, conf = self.chain.run([tokens[b][-1] for b in going], torch.cat([last[b][1] for b in going]),
+                                      starts, keys, n)
+        took = time.perf_counter() - t0
+        for i, (b, start) in enumerate(zip(going, starts)):
+            self.kv.written(seqs[b].seq_id, start + n)
+            for token, c in zip(picked[i][:ks[b] - 1], conf[i]):
+                tokens[b].append(token)
+                if rules[b] is not None:
+                    confs[b].append(c)
+                    survival[b] *= rules[b].chance(c)
+                    if not rules[b].keep_going(survival[b], len(tokens[b])):
+                        ks[b] = len(tokens[b])
+                        break
+        return took, n
 
     def _grow(self, tree: _Tree, owner: int, step: int, chain: tuple[torch.Tensor, torch.Tensor],
               expand: bool) -> list[tuple[int, _Node]]:

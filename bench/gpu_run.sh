@@ -19,7 +19,7 @@
 #             Llama-3.1-8B's shapes, a draft of Qwen2.5-0.5B's shapes; and the CPU draft's pass
 #             cost on the host (bench/pass_cost.py), the kernels' parallel build time
 #   head      SD with an EAGLE-3 head of the 8B's layer shape (a 32,000-token vocabulary, planted as the
-#             1B draft is: bench/synthetic_models.py --head) beside SD with the 1B draft, K = 4 and auto,
+#             1B draft is: bench/synthetic_models.py --head) beside SD with the 1B draft, K = 4, 6 and auto,
 #             the target's passes captured with the layers the head reads (bench/draft_compare.py:
 #             interleaved, a drafted token's cost in target steps)
 #   owed      AR, SD and SSD at K = 4 and auto (auto-K after the start-up captures); 8B / 1B shapes
@@ -98,7 +98,7 @@ if part cpudraft 200; then
     bench cpudraft 150 --draft $SYN/draft-cpu --modes ar,sd,ssd --k 4 --max-tokens 256 --sweep ddev=cuda:0,cpu
 fi
 if part head 160; then
-    timeout 160 python3 bench/draft_compare.py --model $SYN/target --drafts $SYN/draft,$SYN/head --ks 4,auto \
+    timeout 160 python3 bench/draft_compare.py --model $SYN/target --drafts $SYN/draft,$SYN/head --ks 4,6,auto \
         --sets none --prompts "$PROMPTS" --chat-template off --max-tokens 256 --ignore-eos --out "$RES/head.json" \
         >"$RES/head.log" 2>&1
     echo "(head: exit $?)"

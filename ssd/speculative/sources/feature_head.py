@@ -29,7 +29,7 @@ of the head's probabilities along its path; the round takes the ones worth a ver
 KV cache with the chain's.
 
 On a GPU the head's passes run as CUDA graphs (head_graphs.py), and a greedy chain's steps
-after the first as one graph, its tokens picked on the GPU.
+after the first as one graph, its tokens picked on the GPU (ssd/runner/chain_graphs.py).
 """
 import time
 from dataclasses import dataclass, field
@@ -40,6 +40,7 @@ from ssd.layers.attention import AttentionBatch
 from ssd.models.config import ModelConfig
 from ssd.request.sampler import probs_from_logits, sample
 from ssd.request.sequence import Sequence
+from ssd.runner.chain_graphs import ChainSteps
 from ssd.runner.cuda_graphs import CapturedSteps
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import WARM_UP_OWNER
@@ -49,11 +50,11 @@ from ssd.speculative.plan import SeqPlan
 from ssd.speculative.policy.siblings import eligible
 from ssd.speculative.records import Alternative, Branch, Proposal, Round, argmax_chain
 from ssd.speculative.sources.base import DraftSource
-from ssd.speculative.sources.head_graphs import HeadChain, HeadPasses
+from ssd.speculative.sources.head_graphs import HeadPasses
 
 TREE_WIDTH = 3  # a tree node's likeliest tokens offered below it (the chain's node: its own, then others)
 TREE_EXPAND = 3  # candidates expanded a depth (the likeliest of that depth), beside the chain's node
-CHAIN_ROWS = 8  # the most sequences whose chains run as one graph (head_graphs.HeadChain)
+CHAIN_ROWS = 8  # the most sequences whose chains run as one graph (ChainSteps)
 MIN_PROMISE = 1e-3  # a candidate less likely than this is not offered
 
 
@@ -111,7 +112,7 @@ class FeatureHead(DraftSource):
                  graph_buckets: list[int] | None = None, max_keys: int = 0, chain_steps: int = 0):
         """graph_buckets: the head's passes of up to max(graph_buckets) rows, whose attention
         rows hold at most max_keys keys, run as CUDA graphs (on a CPU: padded, eagerly), and
-        with chain_steps greedy chains of up to that many steps after the first (head_graphs.py);
+        with chain_steps greedy chains of up to that many steps after the first (ChainSteps);
         None: every pass eagerly."""
         super().__init__(context)
         cfg = head.config
@@ -130,8 +131,13 @@ class FeatureHead(DraftSource):
             self.passes = HeadPasses(head, max(graph_buckets), device, dtype)
             self.steps = CapturedSteps(self.passes, self.kv.kv[0], self.kv.scratch_slot(), max_keys, graph_buckets)
             if chain_steps:
-                self.chain = HeadChain(head, self.kv.kv[0], self.kv.scratch_slot(), max_keys,
-                                       [b for b in graph_buckets if b <= CHAIN_ROWS], chain_steps, dtype)
+                kv = self.kv.kv[0]
+
+                def step(tokens, states, positions, batch):  # one of the head's draft steps
+                    return head(tokens, states, positions, batch, kv)
+                self.chain = ChainSteps(step, head.draft_to_target, kv, self.kv.scratch_slot(), max_keys,
+                                        [b for b in graph_buckets if b <= CHAIN_ROWS], chain_steps,
+                                        (cfg.hidden_size, dtype))
             self._warm_up()
 
     @torch.inference_mode()
@@ -147,10 +153,8 @@ class FeatureHead(DraftSource):
                 for first in (True, False):
                     states = (self.passes.target if first else self.passes.own)[:rows]
                     self._head(torch.zeros(rows, dtype=torch.long), states, torch.arange(rows), batch, first)
-            for rows in self.chain.buckets if self.chain is not None else []:
-                keys = self.kv.slot_array(WARM_UP_OWNER, self.chain.steps)
-                for steps in range(1, self.chain.steps + 1):
-                    self.chain.run([0] * rows, self.passes.own[:rows], [0] * rows, [keys] * rows, steps)
+            if self.chain is not None:
+                self.chain.warm_up(self.kv.slot_array(WARM_UP_OWNER, self.chain.steps), self.passes.own)
         finally:
             self.kv.release(WARM_UP_OWNER)
 
@@ -256,7 +260,7 @@ class FeatureHead(DraftSource):
                       last: dict[int, tuple[torch.Tensor, torch.Tensor]], tokens: list[list[int]],
                       qs: list[list[torch.Tensor]], confs: list[list[float]], rules: list, survival: list[float]
                       ) -> tuple[float, int]:
-        """Greedy chains (head_graphs.HeadChain): each one's first token from the first pass's
+        """Greedy chains (ChainSteps): each one's first token from the first pass's
         logits, the rest in one graph of as many steps as the longest asks; the stopping rule
         then cuts each where it would have stopped it. Returns the graph's seconds and steps."""
         going = []
@@ -274,6 +278,7 @@ class FeatureHead(DraftSource):
         starts = [seqs[b].num_tokens - 1 for b in going]
         for b, start in zip(going, starts):
             self.kv.reserve(seqs[b].seq_id, start + n)
+            self.kv.prepare_write(seqs[b].seq_id, start, start + n)
         keys = [self.kv.slot_array(seqs[b].seq_id, start + n) for b, start in zip(going, starts)]
         t0 = time.perf_counter()
         picked, conf = self.chain.run([tokens[b][-1] for b in going], torch.cat([last[b][1] for b in going]),

@@ -231,3 +231,39 @@ def test_warm_up_runs_every_bucket(smollm_dir):
     runner.warm_up(head=False)
     assert set(runner.steps.graphs) == {(1, False, ()), (2, False, ()), (4, False, ())}
     assert cache.held() == before  # the warm-up's slots are free again
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["chains", "cut-by-the-stopping-rule"])
+def test_a_draft_models_chains_draft_what_its_passes_do(smollm_dir, truncated_draft, monkeypatch, stop):
+    """On a GPU a greedy chain's steps after its first token run as one graph (ChainSteps), cut
+    afterwards by the stopping rule; on the CPU the same padded static inputs run eagerly with
+    the bits of the passes one at a time: the same proposals and confidences, round by round,
+    and greedy output AR's."""
+    import ssd.speculative.draft.draft_engine as draft_engine
+    from ssd import LLM, SamplingParams
+    from ssd.speculative.draft.draft_engine import DraftEngine
+    from test_feature_head import VARIED
+    real, proposed = DraftEngine.draft, []
+
+    def ruled(self, seqs, ks, alternatives=False, stops=None):
+        proposed.append(real(self, seqs, ks, alternatives, [VARIED if stop else None] * len(seqs)))
+        return proposed[-1]
+    monkeypatch.setattr(DraftEngine, "draft", ruled)
+    params = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
+    prompts = ["def add(a, b):", "The capital of France is"]
+    runs = []
+    for buckets in (None, [1, 2, 4, 8]):
+        monkeypatch.setattr(draft_engine, "chain_buckets", lambda device: buckets)
+        proposed.clear()
+        with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=5) as llm:
+            outs = llm.generate(prompts, params)
+            engine = llm.engine.source.engine
+            if buckets:  # (the start-up ran each graph once)
+                assert engine.chain.passes > len(engine.chain.graphs) == len(buckets) * 4
+            else:
+                assert engine.chain is None
+        runs.append(([[(p.tokens, p.confidences) for p in props] for props in proposed],
+                     [(o.token_ids, o.metrics.drafted, o.metrics.accepted) for o in outs]))
+    assert runs[0] == runs[1]
+    lengths = {len(t) for props in runs[0][0] for t, _ in props}
+    assert len(lengths) >= (3 if stop else 1), lengths

@@ -5,6 +5,9 @@ them, the draft's paged KV cache, and drafting K tokens one forward pass at a ti
 After a round where the target accepted k of the draft's tokens and added its own token t,
 the draft's first `confirmed + k` tokens are still right: `sync` keeps those, appends the
 target's tokens, and rolls the draft's KV cache back to the part that is still valid.
+
+On a GPU the steps of greedy chains after each one's first token run as one CUDA graph
+(ssd/runner/chain_graphs.py), each token picked on the GPU: no host read between steps.
 """
 import time
 from dataclasses import dataclass, field
@@ -16,8 +19,9 @@ from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.request.logits_process import LogitsProcessor
 from ssd.request.sampler import probs_from_logits, sample, saguaro
+from ssd.runner.chain_graphs import ChainSteps
 from ssd.runner.kv_cache import PagedKVCache
-from ssd.runner.model_runner import Chunk, ModelRunner
+from ssd.runner.model_runner import WARM_UP_OWNER, Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.spec_cache import SpeculationCache
 from ssd.speculative.draft.vocab import DraftHead, ExtraTokens
@@ -36,6 +40,13 @@ GUESS_ROWS = 3
 # was measured, worth this many passes; decayed per pass.
 GUESS_PRIOR, GUESS_WEIGHT, GUESS_DECAY = 0.5, 4.0, 0.99
 GUESS_PROBE = 16  # where no guess pays, every this many passes guess one row anyway (to learn)
+CHAIN_ROWS = 8  # the most sequences whose chains run as one graph (ChainSteps)
+
+
+def chain_buckets(device: torch.device) -> list[int] | None:
+    """The sequences a chain graph holds, by bucket (None: no chain graphs; on a CPU, where the
+    passes are the host's own work, there is nothing to save)."""
+    return [1, 2, 4, CHAIN_ROWS] if device.type == "cuda" else None
 
 
 def agreed(picked: list[int], guess: list[int]) -> int:
@@ -115,11 +126,19 @@ class DraftEngine:
         self.kv = PagedKVCache(cfg, cache_tokens, block_size, device, next(model.parameters()).dtype, prefix_salt)
         # A draft's bits need not match anything: buckets of every size, each its own graph.
         buckets = [1 << i for i in range(7)] if device.type == "cuda" else None
-        self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=min(self.max_len, cache_tokens) + k_max + 1)
+        max_keys = min(self.max_len, cache_tokens) + k_max + 1
+        self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=max_keys)
         self.runner.warm_up(head=False)  # the draft's passes stop at hidden states (DraftHead)
         # The draft's pass by rows, timed now and then measured, to price its guesses (_guess_rows).
         self.pass_time = Timings({r: self.runner.timed_pass(r, repeat=2, head=False)
                                   for r in range(1, GUESS_ROWS + 2)}) if guesses else None
+        chains = chain_buckets(device)
+        self.chain = None if not chains or k_max < 2 else ChainSteps(
+            self._step, self.head.ids, self.kv.kv, self.kv.scratch_slot(), max_keys, chains, k_max - 1)
+        if self.chain is not None:
+            self.kv.reserve(WARM_UP_OWNER, k_max)
+            self.chain.warm_up(self.kv.slot_array(WARM_UP_OWNER, k_max))
+            self.kv.release(WARM_UP_OWNER)
         self.seqs: dict[int, DraftSeq] = {}
         self._seeds = torch.Generator().manual_seed(seed) if seed is not None else torch.Generator()
         if seed is None:
@@ -222,6 +241,10 @@ class DraftEngine:
             live = [b for b, k in enumerate(ks) if len(tokens[b]) < k]
             if not live:
                 break
+            if self._chainable([seqs[b] for b in live], [ks[b] - len(tokens[b]) for b in live], alternatives):
+                took, steps = self._draft_chains(seqs, live, ks, tokens, confs, rules, survival)
+                step_s, step_tokens = step_s + took, step_tokens + steps
+                break
             start = time.perf_counter()
             chunks, guesses = [], []
             for b in live:
@@ -279,6 +302,50 @@ class DraftEngine:
         catchup = (catchup_s, catchup_tokens, catchup_keys) if catchup_tokens else None
         return [Proposal(t, torch.stack(q) if q else None, alternatives=a, confidences=c if rule is not None else None,
                          step_s=step, catchup=catchup) for t, q, a, c, rule in zip(tokens, qs, alts, confs, rules)]
+
+    def _step(self, tokens: torch.Tensor, states: None, positions: torch.Tensor, batch) -> tuple[torch.Tensor, None]:
+        """One draft step of a chain (ChainSteps): the logits of the head's columns (a chain
+        runs only where no sequence has extra columns: _chainable)."""
+        return self.head.model.logits(self.head.model(tokens, positions, batch, self.kv.kv, None, False)), None
+
+    def _chainable(self, seqs: list[DraftSeq], left: list[int], alternatives: bool) -> bool:
+        """Whether the sequences' next tokens come from one chain graph: each has drafted its
+        first token this call (one token unread), is greedy with its logits unchanged and has
+        no extra columns in a reduced head, no runner-ups are asked for, and it fits."""
+        return self.chain is not None and not alternatives and all(
+            len(s.tokens) - s.fed == 1 and s.tokens[s.confirmed:] and argmax_chain(s) and not s.extra.known
+            for s in seqs) and self.chain.fits(len(seqs), max(left), max(len(s.tokens) for s in seqs) - 1 + max(left))
+
+    def _draft_chains(self, seqs: list[DraftSeq], live: list[int], ks: list[int], tokens: list[list[int]],
+                      confs: list[list[float]], rules: list[StopRule | None], survival: list[float]
+                      ) -> tuple[float, int]:
+        """The rest of the live sequences' chains as one graph of as many steps as the longest
+        asks; the stopping rule then cuts each where it would have stopped it. Returns the
+        graph's seconds and steps."""
+        n = max(ks[b] - len(tokens[b]) for b in live)
+        starts = [len(seqs[b].tokens) - 1 for b in live]
+        for b, start in zip(live, starts):
+            self.kv.reserve(seqs[b].seq_id, start + n)
+            self.kv.prepare_write(seqs[b].seq_id, start, start + n)
+        keys = [self.kv.slot_array(seqs[b].seq_id, start + n) for b, start in zip(live, starts)]
+        t0 = time.perf_counter()
+        picked, conf = self.chain.run([seqs[b].tokens[-1] for b in live], None, starts, keys, n)
+        took = time.perf_counter() - t0
+        for i, (b, start) in enumerate(zip(live, starts)):
+            s = seqs[b]
+            self.kv.written(s.seq_id, start + n)
+            for token, c in zip(picked[i][:ks[b] - len(tokens[b])], conf[i]):
+                s.tokens.append(token)
+                tokens[b].append(token)
+                if rules[b] is not None:
+                    confs[b].append(c)
+                    survival[b] *= rules[b].chance(c)
+                    if not rules[b].keep_going(survival[b], len(tokens[b])):
+                        ks[b] = len(tokens[b])
+                        break
+            s.fed = len(s.tokens) - 1  # as after the passes one at a time: the newest token unread
+            self.kv.truncate(s.seq_id, s.fed)
+        return took, n
 
     def _guess_rows(self, fed: int, live: int) -> int:
         """The guessed rows per sequence this pass takes (at most GUESS_ROWS): the g that makes

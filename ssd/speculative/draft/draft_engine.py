@@ -27,7 +27,7 @@ from ssd.speculative.draft.spec_cache import SpeculationCache
 from ssd.speculative.draft.vocab import DraftHead, ExtraTokens
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.policy.costs import Acceptance, Timings, expected_tokens
-from ssd.speculative.policy.draft_stop import StopRule
+from ssd.speculative.policy.draft_stop import StopRule, take_chain
 from ssd.speculative.records import Alternative, Proposal, argmax_chain, round_k
 from ssd.speculative.sources.ngram_index import NgramIndex
 
@@ -332,17 +332,13 @@ class DraftEngine:
         picked, conf = self.chain.run([seqs[b].tokens[-1] for b in live], None, starts, keys, n)
         took = time.perf_counter() - t0
         for i, (b, start) in enumerate(zip(live, starts)):
-            s = seqs[b]
+            s, before = seqs[b], len(tokens[b])
             self.kv.written(s.seq_id, start + n)
-            for token, c in zip(picked[i][:ks[b] - len(tokens[b])], conf[i]):
-                s.tokens.append(token)
-                tokens[b].append(token)
-                if rules[b] is not None:
-                    confs[b].append(c)
-                    survival[b] *= rules[b].chance(c)
-                    if not rules[b].keep_going(survival[b], len(tokens[b])):
-                        ks[b] = len(tokens[b])
-                        break
+            survival[b], stopped = take_chain(rules[b], picked[i][:ks[b] - before], conf[i], tokens[b], confs[b],
+                                              survival[b])
+            if stopped:
+                ks[b] = len(tokens[b])
+            s.tokens += tokens[b][before:]
             s.fed = len(s.tokens) - 1  # as after the passes one at a time: the newest token unread
             self.kv.truncate(s.seq_id, s.fed)
         return took, n

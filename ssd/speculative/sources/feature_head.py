@@ -47,6 +47,7 @@ from ssd.runner.model_runner import WARM_UP_OWNER
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.eagle import EagleHead
 from ssd.speculative.plan import SeqPlan
+from ssd.speculative.policy.draft_stop import take_chain
 from ssd.speculative.policy.siblings import eligible
 from ssd.speculative.records import Alternative, Branch, Proposal, Round, argmax_chain
 from ssd.speculative.sources.base import DraftSource
@@ -286,14 +287,10 @@ class FeatureHead(DraftSource):
         took = time.perf_counter() - t0
         for i, (b, start) in enumerate(zip(going, starts)):
             self.kv.written(seqs[b].seq_id, start + n)
-            for token, c in zip(picked[i][:ks[b] - 1], conf[i]):
-                tokens[b].append(token)
-                if rules[b] is not None:
-                    confs[b].append(c)
-                    survival[b] *= rules[b].chance(c)
-                    if not rules[b].keep_going(survival[b], len(tokens[b])):
-                        ks[b] = len(tokens[b])
-                        break
+            survival[b], stopped = take_chain(rules[b], picked[i][:ks[b] - 1], conf[i], tokens[b], confs[b],
+                                              survival[b])
+            if stopped:
+                ks[b] = len(tokens[b])
         return took, n
 
     def _grow(self, tree: _Tree, owner: int, step: int, chain: tuple[torch.Tensor, torch.Tensor],

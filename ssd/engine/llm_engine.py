@@ -222,7 +222,8 @@ class LLMEngine:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding,
         by the K policy's plan; its records go to whoever learns from them: the K policy, the
         draft source and each request's metrics."""
-        plan = self.k_policy.plan(seqs).within(seqs, self.draft_context)
+        plan = self.k_policy.plan(seqs)
+        plan = plan.within(seqs, self.draft_context) if any(plan.ks) else plan  # (K = 0 everywhere: nothing to cut)
         if any(plan.ks):
             rounds = speculative_round(plan, self.source, self.runner, self.cache, seqs)
         else:  # plain decoding this round: no draft pass; the draft catches up when next asked

@@ -11,7 +11,7 @@
 # follows from the last token alone, so prompts that end alike (as every chat template does) get the
 # same answer, which suffix decoding's index over earlier requests would then predict whole.
 # OLD: a folder holding an earlier commit's ssd/ package (`git archive REV ssd | tar -x -C DIR`),
-# run beside this one's in the part `owed` (before/after on one machine, in one call).
+# run beside this one's in the parts `owed` and `head` (before/after on one machine, in one call).
 # OUT gets run.log (everything printed) and results.tgz (each run's results.json and table.md).
 # Parts, in the order they run (all when none is named; each under its own time limit):
 #   cpudraft  SSD with the draft on the host's CPU cores (--draft-device cpu: all but the
@@ -97,12 +97,15 @@ if part cpudraft 200; then
         --repeats 3 2>&1 | tail -6
     bench cpudraft 150 --draft $SYN/draft-cpu --modes ar,sd,ssd --k 4 --max-tokens 256 --sweep ddev=cuda:0,cpu
 fi
-if part head 160; then
+compare() {  # compare NAME: SD with the 1B draft and with the head beside AR (bench/draft_compare.py)
     timeout 160 python3 bench/draft_compare.py --model $SYN/target --drafts $SYN/draft,$SYN/head --ks 4,6,auto \
-        --sets none --prompts "$PROMPTS" --chat-template off --max-tokens 256 --ignore-eos --out "$RES/head.json" \
-        >"$RES/head.log" 2>&1
-    echo "(head: exit $?)"
-    grep -v "incorrect regex" "$RES/head.log" | tail -9
+        --sets none --prompts "$PROMPTS" --chat-template off --max-tokens 256 --ignore-eos --out "$RES/$1.json" \
+        >"$RES/$1.log" 2>&1
+    echo "($1: exit $?)"
+    grep -v "incorrect regex" "$RES/$1.log" | tail -9
+}
+if part head 160; then
+    compare head
 fi
 if part owed 100; then
     bench owed-new 100 --draft $SYN/draft --modes ar,sd,ssd --max-tokens 256 --sweep k=4,auto
@@ -124,6 +127,12 @@ if [ -n "${OLD:-}" ] && part owed 100; then
     use old
     echo "(old: $OLD)"
     bench owed-old 100 --draft $SYN/draft --modes ar,sd,ssd --max-tokens 256 --sweep k=4,auto
+    use new
+fi
+if [ -n "${OLD:-}" ] && part head 160; then
+    use old
+    echo "(old: $OLD)"
+    compare head-old
     use new
 fi
 rm -rf $SYN

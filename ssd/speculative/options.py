@@ -436,7 +436,8 @@ class DraftConfig:
         required = {f.name for f in fields(cls) if f.default is MISSING}
         if not isinstance(d, dict) or not required <= set(d) <= names:
             keys = set(d) if isinstance(d, dict) else set()
-            raise SSDError(f"bad draft configuration: missing {sorted(required - keys)}, unknown {sorted(keys - names)}")
+            raise SSDError(f"bad draft configuration: missing {sorted(required - keys)}, "
+                           f"unknown {sorted(keys - names)}")
         cfg = cls(**d)
         check_fan_out(cfg.k_max, cfg.fan_out, cfg.fan_out_miss, cfg.tree_budget)
         return cfg

@@ -1,8 +1,7 @@
 """A greedy draft chain's steps as one CUDA graph (ssd/runner/cuda_graphs.py captures one pass):
 each step's token is the argmax of the step before, picked on the GPU and fed to the next, so
-no step waits for the host to read a token and launch the next pass (on an H200 a captured
-pass of an EAGLE-3 head cost 0.13 of an 8B target's step per drafted token, where its bytes
-alone would take ~0.05: bench/results/gpu-h200). Used by an EAGLE-3 head
+no step waits for the host to read a token and launch the next pass (docs/kernels.md, "GPU":
+what a captured pass a step cost against what its bytes take). Used by an EAGLE-3 head
 (ssd/speculative/sources/feature_head.py) and a draft model (ssd/speculative/draft/draft_engine.py)
 for greedy requests whose logits nothing changes.
 
@@ -19,6 +18,9 @@ import numpy as np
 import torch
 
 from ssd.layers.attention import AttentionBatch
+from ssd.runner.cuda_graphs import capture
+
+CHAIN_ROWS = 8  # the most sequences whose chains run as one graph
 
 # step(tokens [b], states [b, H] or None, positions [b], batch) -> (logits [b, V'], next states or None)
 Step = Callable[[torch.Tensor, torch.Tensor | None, torch.Tensor, AttentionBatch],
@@ -115,13 +117,6 @@ class ChainSteps:
     def _capture(self, b: int, s: int) -> tuple[torch.cuda.CUDAGraph | None, tuple | None]:
         if not self.kv.is_cuda:
             return None, None
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._chain(b, s)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._chain(b, s)
+        graph, out = capture(lambda: self._chain(b, s), self.pool)
         self.pool = graph.pool()
         return graph, out

@@ -29,6 +29,22 @@ INPUTS = 6  # token ids, positions, slots, q_row, q_len, the rows wanted out: P 
 WANTED = 5  # the index of the last
 
 
+def capture(forward, pool) -> tuple[torch.cuda.CUDAGraph, object]:
+    """forward() captured as a CUDA graph in `pool` (None: a new one): warmed up on a side
+    stream first (kernel builds, cuBLAS handles), as torch.cuda.graph asks; returns the graph
+    and its static output. thread_local: an SSD worker thread (draft_thread) may run or capture
+    its own passes meanwhile; "global" would fail its CUDA calls during this capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        out = forward()
+    return graph, out
+
+
 class CapturedSteps:
     def __init__(self, model: torch.nn.Module, kv: torch.Tensor, scratch_slot: int, max_keys: int,
                  buckets: list[int]):
@@ -139,18 +155,8 @@ class CapturedSteps:
     def _capture(self, b: int, head: bool, taps: tuple[int, ...]) -> tuple[torch.cuda.CUDAGraph | None, object]:
         if not self.kv.is_cuda:  # a CPU (tests): the same padded static inputs, run eagerly
             return None, None
-        # Warm up on a side stream first (kernel builds, cuBLAS handles), as torch.cuda.graph asks.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward(b, head, taps)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: an SSD worker thread (draft_thread) may run or capture its own passes
-            # meanwhile; "global" would fail its CUDA calls during this capture.
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                out = self._forward(b, head, taps)
+            graph, out = capture(lambda: self._forward(b, head, taps), self.pool)
         except RuntimeError as e:  # a host sync inside the model (e.g. a mixture's routing)
             self.failed = f"{type(e).__name__}: {e}".splitlines()[0]
             return None, None

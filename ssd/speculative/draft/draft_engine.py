@@ -19,7 +19,7 @@ from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.request.logits_process import LogitsProcessor
 from ssd.request.sampler import probs_from_logits, sample, saguaro
-from ssd.runner.chain_graphs import ChainSteps
+from ssd.runner.chain_graphs import CHAIN_ROWS, ChainSteps
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import WARM_UP_OWNER, Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
@@ -40,7 +40,6 @@ GUESS_ROWS = 3
 # was measured, worth this many passes; decayed per pass.
 GUESS_PRIOR, GUESS_WEIGHT, GUESS_DECAY = 0.5, 4.0, 0.99
 GUESS_PROBE = 16  # where no guess pays, every this many passes guess one row anyway (to learn)
-CHAIN_ROWS = 8  # the most sequences whose chains run as one graph (ChainSteps)
 
 
 def chain_buckets(device: torch.device) -> list[int] | None:

@@ -40,7 +40,7 @@ from ssd.layers.attention import AttentionBatch
 from ssd.models.config import ModelConfig
 from ssd.request.sampler import probs_from_logits, sample
 from ssd.request.sequence import Sequence
-from ssd.runner.chain_graphs import ChainSteps
+from ssd.runner.chain_graphs import CHAIN_ROWS, ChainSteps
 from ssd.runner.cuda_graphs import CapturedSteps
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import WARM_UP_OWNER
@@ -55,7 +55,6 @@ from ssd.speculative.sources.head_graphs import HeadPasses
 
 TREE_WIDTH = 3  # a tree node's likeliest tokens offered below it (the chain's node: its own, then others)
 TREE_EXPAND = 3  # candidates expanded a depth (the likeliest of that depth), beside the chain's node
-CHAIN_ROWS = 8  # the most sequences whose chains run as one graph (ChainSteps)
 MIN_PROMISE = 1e-3  # a candidate less likely than this is not offered
 
 

@@ -1,8 +1,7 @@
 """An EAGLE-3 head's passes as CUDA graphs (ssd/runner/cuda_graphs.py), for FeatureHead on a
 GPU: eagerly, one decoder layer launches a few dozen kernels from Python and the GPU waits on
-the host between them (on an H200 a drafted token cost 0.68 of an 8B target's step eagerly,
-0.13 with each pass captured: bench/results/gpu-h200). Its greedy chains' steps after the
-first run as one graph (ssd/runner/chain_graphs.py).
+the host between them (docs/kernels.md, "GPU"). Its greedy chains' steps after the first run
+as one graph (ssd/runner/chain_graphs.py).
 """
 import torch
 from torch import nn

@@ -27,16 +27,20 @@
 #   batches   64, 16 and 4 concurrent requests, AR / SD / SSD with K = auto, 128 tokens each
 #   profile   captured steps of Qwen2.5-32B's shapes (no files: 65 GB built on the GPU):
 #             a verify pass's time V for the SSD bound 1 + K*d/V
+#   ssd32     SSD with a small draft (45M weights of body, a 32,000-token output layer) on the host's
+#             cores beside a target of Qwen2.5-32B's shapes on the GPU (its layers made at load:
+#             bench/synthetic_load.py), against SD and SSD with that draft on the GPU, K = 4 and 6;
+#             where each round's time goes and SSD's bound (bench/round_costs.py)
 set -uo pipefail
 LIKE=$1 PROMPTS=$2 OUT=$3
 PARTS=" ${*:4} "
-[ "$PARTS" = "  " ] && PARTS=" cpudraft head owed thread batches profile "
+[ "$PARTS" = "  " ] && PARTS=" cpudraft head owed thread batches profile ssd32 "
 BATCHES=${BATCHES:-64 16 4}  # the part batches' sizes
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
 START=$SECONDS BUDGET=${BUDGET:-540}  # seconds; a part that might not end within it is skipped
-RES=/tmp/gpu-results SYN=/tmp/synth8b
-SSD=(python3 -c "import sys; from ssd.cli import main; sys.argv[0] = 'ssd'; sys.exit(main())")
+RES=/tmp/gpu-results SYN=/tmp/synth8b SYN32=/tmp/synth32b
+SSD=(python3 bench/synthetic_load.py ssd)  # `ssd` (the package is not installed there), with layers made at load
 mkdir -p "$OUT" "$RES"
 exec > >(tee "$OUT/run.log") 2>&1
 use() {  # the ssd package of this commit (new) or OLD's (old)
@@ -51,10 +55,10 @@ part() {  # part NAME LIMIT_S: whether NAME was asked for and fits in what is le
     fi
     echo "== $1 (at $((SECONDS - START)) s)"
 }
-bench() {  # bench NAME LIMIT_S [ssd bench options]: target $SYN/target, greedy, 128 or 256 tokens
+bench() {  # bench NAME LIMIT_S [ssd bench options]: target $TARGET, greedy, 128 or 256 tokens
     local name=$1 limit=$2
     shift 2
-    timeout "$limit" "${SSD[@]}" bench --model $SYN/target --prompts "$PROMPTS" --ignore-eos --no-progress \
+    timeout "$limit" "${SSD[@]}" bench --model "$TARGET" --prompts "$PROMPTS" --ignore-eos --no-progress \
         --chat-template off \
         --out "$RES/$name" "$@" >"$RES/$name.log" 2>&1
     local rc=$?
@@ -68,15 +72,23 @@ use new
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 # The CPU draft's kernels build side by side (ssd/kernels/prebuild.py) while the models are written.
 BUILD=
-if [[ $PARTS == *" cpudraft "* ]]; then
+if [[ $PARTS == *" cpudraft "* || $PARTS == *" ssd32 "* ]]; then
     ( t=$SECONDS; python3 -c "from ssd.kernels.prebuild import prebuild; prebuild()" 2>&1 | tail -3
       echo "CPU kernels built in $((SECONDS - t)) s" ) &
     BUILD=$!
 fi
-timeout 150 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
-    --target-shape llama3.1-8b --draft-shape llama3.2-1b --out $SYN --accept 0.8 \
-    $([[ $PARTS == *" cpudraft "* ]] && echo --cpu-draft-shape qwen2.5-0.5b) $([[ $PARTS == *" head "* ]] && echo --head) \
-    2>&1 | tail -2
+TARGET=$SYN/target
+if [[ $PARTS == *" "@(cpudraft|head|owed|thread|batches)" "* ]]; then
+    timeout 150 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
+        --target-shape llama3.1-8b --draft-shape llama3.2-1b --out $SYN --accept 0.8 \
+        $([[ $PARTS == *" cpudraft "* ]] && echo --cpu-draft-shape qwen2.5-0.5b) \
+        $([[ $PARTS == *" head "* ]] && echo --head) 2>&1 | tail -2
+fi
+if [[ $PARTS == *" ssd32 "* ]]; then  # 3 GB written: the 32B's layers are made when it loads
+    timeout 100 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
+        --target-shape qwen2.5-32b --draft-shape qwen2.5-0.5b-3l --subset 32000 --target-layers-at-load \
+        --out $SYN32 --accept 0.8 2>&1 | tail -2
+fi
 [ -z "$BUILD" ] || wait $BUILD
 python3 - "$PROMPTS" <<'EOF'  # the given prompts with a keyword each (above), 64 for the batches
 import json, sys
@@ -123,6 +135,14 @@ if part profile 90; then
     timeout 90 python3 bench/gpu_profile.py --shapes qwen2.5-32b --repeat 10 --out "$RES/profile" \
         2>&1 | grep -v Warning | tail -5
 fi
+if part ssd32 260; then
+    # The draft's reduced output layer (its 32,000 rows: the target's counts) on both devices.
+    for k in 4 6; do
+        TARGET=$SYN32/target bench ssd32-k$k 125 --draft $SYN32/draft --modes ar,sd,ssd --k $k --max-tokens 128 \
+            --sweep ddev=cuda:0,cpu
+        python3 bench/round_costs.py "$RES/ssd32-k$k/results.json"
+    done
+fi
 if [ -n "${OLD:-}" ] && part owed 100; then
     use old
     echo "(old: $OLD)"
@@ -135,6 +155,6 @@ if [ -n "${OLD:-}" ] && part head 160; then
     compare head-old
     use new
 fi
-rm -rf $SYN
+rm -rf $SYN $SYN32
 tar czf "$OUT/results.tgz" -C "$RES" .
 echo "== done at $((SECONDS - START)) s"

@@ -21,8 +21,17 @@ normed embedding to the output, whose lm_head row f(v) is that embedding; its hi
 weight is 0, so the features it reads through fc (random) and its own states add nothing.
 Its cost per step is a real head's (every matrix of the shape, read at the target's dtype).
 
+With --subset N the planted map keeps to N tokens in the same way without a head, and the
+target's token counts (`ssd vocab`'s file, in the store under the target folder's name) rank
+exactly those first, so a draft run with `--draft-vocab N` (a reduced output layer) keeps them.
+
+With --target-layers-at-load the target's file holds only its embedding, output layer and final
+norm; bench/synthetic_load.py makes its random layers when the engine loads it, on the GPU (the
+64 GB of Qwen2.5-32B's shapes do not fit a lent machine's 64 GiB disk as a file).
+
     python bench/synthetic_models.py --target-like DIR --draft-like DIR --out DIR [--accept 0.8]
         [--target-shape llama3.1-8b --draft-shape llama3.2-1b] [--cpu-draft-shape qwen2.5-0.5b] [--head]
+        [--subset N] [--target-layers-at-load]
 
 DIR: a model folder whose config.json and tokenizer files are copied (the weights are not
 read), e.g. ~/.cache/ssd-engine/models/qwen2.5-coder-1.5b-instruct. A shape (bench/shapes.py)
@@ -37,16 +46,20 @@ import torch
 from safetensors.torch import save_file
 
 from shapes import SHAPES
+from ssd.speculative.draft.vocab import counts_path
 
 EMBED_STD = 10.0  # the planted map must dominate the ~N(0, 4) noise of 28 random layers
 INIT_STD = 0.02  # transformers' default initialiser range
 HEAD_QK = 2.0  # the head's q = k scale: a row's score on itself ~45 (head_dim 128), ~N(0, 4) on others
 HEAD_OUT = 10.0  # the head's attention output against its random MLP's ~N(0, 6) per coordinate
+AT_LOAD = "synthetic_layers.json"  # in a model folder whose layers bench/synthetic_load.py makes
 
 
 def build(like: Path, out: Path, f: torch.Tensor, disagree: torch.Tensor | None, g: torch.Tensor | None,
-          dtype: torch.dtype, device: str, seed: int, shape: str | None = None) -> tuple[dict, torch.Tensor]:
-    """Writes the model; returns its config and its embedding as written (float, on `device`)."""
+          dtype: torch.dtype, device: str, seed: int, shape: str | None = None,
+          layers_at_load: bool = False) -> tuple[dict, torch.Tensor]:
+    """Writes the model (its layers only if not `layers_at_load`: then AT_LOAD says how to
+    make them); returns its config and its embedding as written (float, on `device`)."""
     cfg = json.loads((like / "config.json").read_text())
     if shape:
         for key in ("sliding_window", "use_sliding_window", "max_window_layers", "layer_types", "rope_scaling",
@@ -59,32 +72,46 @@ def build(like: Path, out: Path, f: torch.Tensor, disagree: torch.Tensor | None,
             shutil.copy(p, out / p.name)
     cfg["tie_word_embeddings"] = False
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
-    V, H, inter = cfg["vocab_size"], cfg["hidden_size"], cfg["intermediate_size"]
-    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or H // heads
+    V, H = cfg["vocab_size"], cfg["hidden_size"]
     gen = torch.Generator(device).manual_seed(seed)
-
-    def randn(*shape: int, std: float = INIT_STD) -> torch.Tensor:
-        return (torch.randn(*shape, generator=gen, device=device) * std).to(dtype).cpu()
-
     embed = (torch.randn(V, H, generator=gen, device=device) * EMBED_STD).to(dtype).float()
     head = planted_rows(embed, f, disagree, g, V)
     w = {"model.embed_tokens.weight": embed.to(dtype).cpu(), "lm_head.weight": head.to(dtype).cpu(),
          "model.norm.weight": torch.ones(H, dtype=dtype)}
     del head
+    if layers_at_load:
+        (out / AT_LOAD).write_text(json.dumps({"seed": seed, "dtype": str(dtype).removeprefix("torch.")}))
+    else:
+        w |= layers(cfg, gen, dtype, device, "cpu")
+    save_file(w, out / "model.safetensors")
+    return cfg, embed
+
+
+def layers(cfg: dict, gen: torch.Generator, dtype: torch.dtype, device: str, to: str) -> dict[str, torch.Tensor]:
+    """Every decoder layer's tensors under their Hugging Face names: random matrices (drawn on
+    `device` from `gen`), unit norms, zero biases; held on `to`."""
+    H, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    heads, kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or H // heads
+
+    def randn(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * INIT_STD).to(dtype).to(to)
+
+    def const(value: float, n: int) -> torch.Tensor:
+        return torch.full((n,), value, dtype=dtype, device=to)
+
+    w = {}
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         w |= {p + "self_attn.q_proj.weight": randn(heads * hd, H), p + "self_attn.k_proj.weight": randn(kv * hd, H),
               p + "self_attn.v_proj.weight": randn(kv * hd, H), p + "self_attn.o_proj.weight": randn(H, heads * hd),
               p + "mlp.gate_proj.weight": randn(inter, H), p + "mlp.up_proj.weight": randn(inter, H),
               p + "mlp.down_proj.weight": randn(H, inter),
-              p + "input_layernorm.weight": torch.ones(H, dtype=dtype),
-              p + "post_attention_layernorm.weight": torch.ones(H, dtype=dtype)}
+              p + "input_layernorm.weight": const(1.0, H), p + "post_attention_layernorm.weight": const(1.0, H)}
         if cfg.get("model_type") == "qwen2":
-            w |= {p + f"self_attn.{n}_proj.bias": torch.zeros(d, dtype=dtype)
-                  for n, d in (("q", heads * hd), ("k", kv * hd), ("v", kv * hd))}
-    save_file(w, out / "model.safetensors")
-    return cfg, embed
+            w |= {p + f"self_attn.{n}_proj.bias": const(0.0, d) for n, d in (("q", heads * hd), ("k", kv * hd),
+                                                                           ("v", kv * hd))}
+    return w
 
 
 def planted_rows(vectors: torch.Tensor, f: torch.Tensor, disagree: torch.Tensor | None, g: torch.Tensor | None,
@@ -158,8 +185,10 @@ def main() -> None:
                     help="also OUT/draft-cpu: a draft of this shape with the same planted map, for a draft on the "
                          "host's CPU beside a GPU target")
     ap.add_argument("--head", action="store_true", help="also OUT/head: an EAGLE-3 head for the target (module doc)")
-    ap.add_argument("--head-vocab", type=int, default=32000, help="the head's draft vocabulary (default: 32000, "
-                    "EAGLE-3's Llama-3.1-8B head's)")
+    ap.add_argument("--subset", type=int, help="the tokens the planted map keeps to (module doc; default: 32000, "
+                    "EAGLE-3's Llama-3.1-8B head's vocabulary, with --head, else the whole vocabulary)")
+    ap.add_argument("--target-layers-at-load", action="store_true",
+                    help="the target's layers are made at load (bench/synthetic_load.py), not written")
     ap.add_argument("--accept", type=float, default=0.8, help="per-token greedy agreement (default: 0.8)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -167,7 +196,8 @@ def main() -> None:
     args = ap.parse_args()
     vocab = json.loads((args.target_like / "config.json").read_text())["vocab_size"]
     gen = torch.Generator().manual_seed(args.seed)
-    used = torch.randperm(vocab, generator=gen)[:args.head_vocab].sort().values if args.head else torch.arange(vocab)
+    subset = args.subset or (32000 if args.head else vocab)
+    used = torch.randperm(vocab, generator=gen)[:subset].sort().values if subset < vocab else torch.arange(vocab)
     n = len(used)
     where = torch.randint(n, (vocab,), generator=gen)  # f(v) = used[where[v]]: a permutation of `used` ...
     where[used] = torch.randperm(n, generator=gen)  # ... and any token of it for a token outside
@@ -176,7 +206,12 @@ def main() -> None:
     g = used[(where + 1 + torch.randint(n - 1, (vocab,), generator=gen)) % n]  # != f(v)
     dtype = getattr(torch, args.dtype)
     target_cfg, embed = build(args.target_like, args.out / "target", f.to(args.device), None, None, dtype,
-                              args.device, args.seed + 1, args.target_shape)
+                              args.device, args.seed + 1, args.target_shape, args.target_layers_at_load)
+    counts = counts_path(args.out / "target")  # (a draft's default reduced head follows a target's counts)
+    counts.unlink(missing_ok=True)
+    if args.subset:  # the target's "writing": the subset first, as `ssd vocab` would count it
+        counts.parent.mkdir(parents=True, exist_ok=True)
+        counts.write_text(json.dumps({"counts": {int(t): 1 for t in used}}))
     if args.head:
         build_head(target_cfg, embed, used.to(args.device), f.to(args.device), disagree.to(args.device),
                    g.to(args.device), args.out / "head", dtype, args.device, args.seed + 4)

@@ -87,7 +87,7 @@ fi
 if [[ $PARTS == *" ssd32 "* ]]; then  # 3 GB written: the 32B's layers are made when it loads
     timeout 100 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
         --target-shape qwen2.5-32b --draft-shape qwen2.5-0.5b-3l --subset 32000 --target-layers-at-load \
-        --out $SYN32 --accept 0.8 2>&1 | tail -2
+        --out $SYN32 --target-name qwen32b --accept 0.8 2>&1 | tail -2
 fi
 [ -z "$BUILD" ] || wait $BUILD
 python3 - "$PROMPTS" <<'EOF'  # the given prompts with a keyword each (above), 64 for the batches
@@ -138,7 +138,7 @@ fi
 if part ssd32 260; then
     # The draft's reduced output layer (its 32,000 rows: the target's counts) on both devices.
     for k in 4 6; do
-        TARGET=$SYN32/target bench ssd32-k$k 125 --draft $SYN32/draft --modes ar,sd,ssd --k $k --max-tokens 128 \
+        TARGET=$SYN32/qwen32b bench ssd32-k$k 125 --draft $SYN32/draft --modes ar,sd,ssd --k $k --max-tokens 128 \
             --sweep ddev=cuda:0,cpu
         python3 bench/round_costs.py "$RES/ssd32-k$k/results.json"
     done

@@ -178,7 +178,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target-like", type=Path, required=True)
     ap.add_argument("--draft-like", type=Path, required=True)
-    ap.add_argument("--out", type=Path, required=True, help="writes OUT/target and OUT/draft")
+    ap.add_argument("--out", type=Path, required=True, help="writes OUT/target (--target-name) and OUT/draft")
     ap.add_argument("--target-shape", choices=sorted(SHAPES), help="the target's layers (default: like's)")
     ap.add_argument("--draft-shape", choices=sorted(SHAPES), help="the draft's layers (default: like's)")
     ap.add_argument("--cpu-draft-shape", choices=sorted(SHAPES),
@@ -187,6 +187,8 @@ def main() -> None:
     ap.add_argument("--head", action="store_true", help="also OUT/head: an EAGLE-3 head for the target (module doc)")
     ap.add_argument("--subset", type=int, help="the tokens the planted map keeps to (module doc; default: 32000, "
                     "EAGLE-3's Llama-3.1-8B head's vocabulary, with --head, else the whole vocabulary)")
+    ap.add_argument("--target-name", default="target", help="the target's folder under OUT (the store keeps "
+                    "its token counts by that name; default: target)")
     ap.add_argument("--target-layers-at-load", action="store_true",
                     help="the target's layers are made at load (bench/synthetic_load.py), not written")
     ap.add_argument("--accept", type=float, default=0.8, help="per-token greedy agreement (default: 0.8)")
@@ -205,9 +207,11 @@ def main() -> None:
     disagree = torch.nonzero(torch.rand(vocab, generator=gen) >= args.accept).squeeze(1)
     g = used[(where + 1 + torch.randint(n - 1, (vocab,), generator=gen)) % n]  # != f(v)
     dtype = getattr(torch, args.dtype)
-    target_cfg, embed = build(args.target_like, args.out / "target", f.to(args.device), None, None, dtype,
+    target_cfg, embed = build(args.target_like, args.out / args.target_name, f.to(args.device), None, None, dtype,
                               args.device, args.seed + 1, args.target_shape, args.target_layers_at_load)
-    counts = counts_path(args.out / "target")  # (a draft's default reduced head follows a target's counts)
+    # The store keeps counts by the target folder's name, and a draft's default head (draft_vocab
+    # "auto") is reduced wherever a target has counts: a set without --subset must have none.
+    counts = counts_path(args.out / args.target_name)
     counts.unlink(missing_ok=True)
     if args.subset:  # the target's "writing": the subset first, as `ssd vocab` would count it
         counts.parent.mkdir(parents=True, exist_ok=True)
@@ -221,7 +225,7 @@ def main() -> None:
     if args.cpu_draft_shape:
         build(args.draft_like, args.out / "draft-cpu", f.to(args.device), disagree.to(args.device),
               g.to(args.device), dtype, args.device, args.seed + 3, args.cpu_draft_shape)
-    print(f"wrote {args.out}/target and {args.out}/draft: {len(disagree)} of {vocab} tokens "
+    print(f"wrote {args.out}/{args.target_name} and {args.out}/draft: {len(disagree)} of {vocab} tokens "
           f"({len(disagree) / vocab:.1%}) where the draft's first choice differs")
 
 

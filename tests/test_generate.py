@@ -1,4 +1,6 @@
 """What the engine promises a user of LLM.generate / LLM.stream, on SmolLM2-135M-Instruct."""
+import copy
+
 import pytest
 
 from ssd import LLM, SamplingParams
@@ -107,6 +109,20 @@ def test_text_stream_handles_multibyte_characters(smollm, text):
         stream.push([i])
         pieces.append(stream.take())
     assert "".join(pieces) == tok.decode(ids) and not any("\ufffd" in p for p in pieces)
+
+
+@pytest.mark.parametrize("clean_up", [False, True])
+def test_text_stream_decodes_as_the_tokenizer_does(smollm, clean_up):
+    """The stream's decoder (the fast tokenizer's own where transformers would add nothing) gives
+    the text `decode(..., skip_special_tokens=True)` gives, special tokens and spaces included."""
+    tok = copy.copy(smollm.tokenizer)
+    tok.clean_up_tokenization_spaces = clean_up
+    ids = tok("Hello , world . It 's  done :\n\tx = [1 , 2]", add_special_tokens=False).input_ids
+    ids = ids[:4] + [tok.eos_token_id] + ids[4:] + [tok.eos_token_id]
+    stream = TextStream(tok, [])
+    for i in ids:
+        stream.push([i])
+    assert stream.take(final=True) == tok.decode(ids, skip_special_tokens=True)
 
 
 def test_one_sampling_params_per_prompt(smollm):

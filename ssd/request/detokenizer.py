@@ -3,7 +3,13 @@
 Text is only released once it is stable: a token that ends inside a multi-byte
 character decodes to U+FFFD until the next token completes it, and text that could
 still become the start of a stop string is held back.
+
+Every new token decodes two short spans, for every running request: at a batch of 64 that is
+~130 decodes a step, so they go straight to the fast tokenizer's Rust decoder where
+transformers' `decode` would add nothing to its text (no clean-up of spaces), which is a
+third of the cost of going through it.
 """
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -18,6 +24,10 @@ class TextStream:
     matched: str | None = None  # the stop string that ended the text
     _prefix: int = 0  # ids[_prefix:_read] decode to the tail of text already counted
     _read: int = 0
+    _decoder: Callable[[list[int]], str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._decoder = decoder(self.tokenizer)
 
     def push(self, new_ids: list[int]) -> None:
         if self.stopped:
@@ -46,4 +56,12 @@ class TextStream:
         return piece
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        return self._decoder(ids) if ids else ""
+
+
+def decoder(tokenizer) -> Callable[[list[int]], str]:
+    """ids -> text as `tokenizer.decode(ids, skip_special_tokens=True)` gives it (module doc)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    return lambda ids: backend.decode(ids, skip_special_tokens=True)

@@ -87,21 +87,23 @@ class ModelRunner:
         [len(taps), tokens, hidden] in chunk order (DecoderLM.forward)."""
         lengths = [len(c.tokens) for c in chunks]
         ends = [c.start + n for c, n in zip(chunks, lengths)]
+        for c, end in zip(chunks, ends):
+            self.cache.prepare_write(c.owner, c.start, end)
         if self.steps is not None and not any(c.forks for c in chunks) and \
                 self.steps.fits(sum(lengths), len(chunks), max(ends)):
-            for c, end in zip(chunks, ends):
-                self.cache.prepare_write(c.owner, c.start, end)
             out = self.steps.run_chunks(chunks, self.cache, head, taps)
             for c, end in zip(chunks, ends):
                 self.cache.written(c.owner, end)
             return out
         input_ids = torch.tensor([t for c in chunks for t in c.tokens], dtype=torch.long)
-        positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)])
-        slot_mapping = torch.cat([self.cache.writable(c.owner, c.start, c.start + n)
-                                  for c, n in zip(chunks, lengths)])
-        kv = [self.cache.slots(c.owner, 0, c.start + n) for c, n in zip(chunks, lengths)]
+        kv = [self.cache.slots(c.owner, 0, end) for c, end in zip(chunks, ends)]  # every key, written ones last
+        slot_mapping = torch.cat([x[c.start:] for c, x in zip(chunks, kv)])
         # Causal: token i of chunk b sits at position start_b + i and sees keys 0..start_b + i.
-        q_row = torch.cat([torch.full((n,), i, dtype=torch.long) for i, n in enumerate(lengths)])
+        # (Built for the whole batch at once: at a batch of 64 a few ops per chunk are a host cost.)
+        sizes = torch.tensor(lengths)
+        q_row = torch.repeat_interleave(torch.arange(len(chunks)), sizes)
+        first = sizes.cumsum(0) - sizes  # each chunk's first row
+        positions = torch.arange(len(input_ids)) + (torch.tensor([c.start for c in chunks]) - first)[q_row]
         q_len = positions + 1
         # A branch sees its parent's keys and, in a row of its own, its own slot.
         at, fork_rows = 0, []
@@ -120,9 +122,10 @@ class ModelRunner:
         for i, x in enumerate(kv):
             rows[i, :len(x)] = x
 
-        row_ends = torch.tensor(lengths).cumsum(0)
-        logits_index = torch.cat([torch.arange(end - c.num_logits, end)
-                                  for c, end in zip(chunks, row_ends.tolist())])
+        # Each chunk's last num_logits rows.
+        want = torch.tensor([c.num_logits for c in chunks])
+        picked = torch.repeat_interleave(torch.arange(len(chunks)), want)
+        logits_index = torch.arange(int(want.sum())) + (first + sizes - want - (want.cumsum(0) - want))[picked]
         batch = AttentionBatch(slot_mapping, rows, q_row, q_len)
         out = self.run(input_ids, positions, batch, logits_index, head, taps)
         for c, n in zip(chunks, lengths):

@@ -27,6 +27,8 @@
 #   batches   64, 16 and 4 concurrent requests, AR / SD / SSD with K = auto, 128 tokens each
 #   profile   captured steps of Qwen2.5-32B's shapes (no files: 65 GB built on the GPU):
 #             a verify pass's time V for the SSD bound 1 + K*d/V
+#   host      where a decode step's host time goes at a batch of 64 (bench/host_profile.py: AR and
+#             SD at K = 0 with the 1B draft, each step's wall against its synchronised passes, cProfile)
 #   ssd32     SSD with a small draft (45M weights of body, a 32,000-token output layer) on the host's
 #             cores beside a target of Qwen2.5-32B's shapes on the GPU (its layers made at load:
 #             bench/synthetic_load.py), against SD and SSD with that draft on the GPU, K = 4 and 6;
@@ -34,7 +36,7 @@
 set -uo pipefail
 LIKE=$1 PROMPTS=$2 OUT=$3
 PARTS=" ${*:4} "
-[ "$PARTS" = "  " ] && PARTS=" cpudraft head owed thread batches profile ssd32 "
+[ "$PARTS" = "  " ] && PARTS=" cpudraft head owed thread batches host profile ssd32 "
 BATCHES=${BATCHES:-64 16 4}  # the part batches' sizes
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
@@ -78,7 +80,7 @@ if [[ $PARTS == *" cpudraft "* || $PARTS == *" ssd32 "* ]]; then
     BUILD=$!
 fi
 TARGET=$SYN/target
-if [[ $PARTS == *" "@(cpudraft|head|owed|thread|batches)" "* ]]; then
+if [[ $PARTS == *" "@(cpudraft|head|owed|thread|batches|host)" "* ]]; then
     timeout 150 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
         --target-shape llama3.1-8b --draft-shape llama3.2-1b --out $SYN --accept 0.8 \
         $([[ $PARTS == *" cpudraft "* ]] && echo --cpu-draft-shape qwen2.5-0.5b) \
@@ -130,6 +132,12 @@ if part batches 180; then
         PROMPTS=/tmp/prompts64.jsonl bench batch$b 60 --draft $SYN/draft --modes ar,sd,ssd --k auto \
             --max-tokens 128 --batch-size $b --num-prompts $b
     done
+fi
+if part host 90; then
+    timeout 90 python3 bench/host_profile.py --model $SYN/target --draft $SYN/draft --batch 64 --profile 25 \
+        >"$RES/host.log" 2>&1
+    echo "(host: exit $?)"
+    grep -E "^(AR|SD)" "$RES/host.log"
 fi
 if part profile 90; then
     timeout 90 python3 bench/gpu_profile.py --shapes qwen2.5-32b --repeat 10 --out "$RES/profile" \

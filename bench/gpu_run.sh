@@ -38,6 +38,8 @@ LIKE=$1 PROMPTS=$2 OUT=$3
 PARTS=" ${*:4} "
 [ "$PARTS" = "  " ] && PARTS=" cpudraft head owed thread batches host profile ssd32 "
 BATCHES=${BATCHES:-64 16 4}  # the part batches' sizes
+# The part ssd32's target shape and the SSD draft's devices (a dry run on a CPU: qwen2.5-0.5b and cpu)
+SHAPE32=${SHAPE32:-qwen2.5-32b} DDEVS=${DDEVS:-cuda:0,cpu}
 export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
 START=$SECONDS BUDGET=${BUDGET:-540}  # seconds; a part that might not end within it is skipped
@@ -88,7 +90,7 @@ if [[ $PARTS == *" "@(cpudraft|head|owed|thread|batches|host)" "* ]]; then
 fi
 if [[ $PARTS == *" ssd32 "* ]]; then  # 3 GB written: the 32B's layers are made when it loads
     timeout 100 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
-        --target-shape qwen2.5-32b --draft-shape qwen2.5-0.5b-3l --subset 32000 --target-layers-at-load \
+        --target-shape $SHAPE32 --draft-shape qwen2.5-0.5b-3l --subset 32000 --target-layers-at-load \
         --out $SYN32 --target-name qwen32b --accept 0.8 2>&1 | tail -2
 fi
 [ -z "$BUILD" ] || wait $BUILD
@@ -147,7 +149,7 @@ if part ssd32 260; then
     # The draft's reduced output layer (its 32,000 rows: the target's counts) on both devices.
     for k in 4 6; do
         TARGET=$SYN32/qwen32b bench ssd32-k$k 125 --draft $SYN32/draft --modes ar,sd,ssd --k $k --max-tokens 128 \
-            --sweep ddev=cuda:0,cpu
+            --sweep ddev=$DDEVS
         python3 bench/round_costs.py "$RES/ssd32-k$k/results.json"
     done
 fi

@@ -344,6 +344,9 @@ def _train_draft_args(t: argparse.ArgumentParser) -> None:
     t.add_argument("--draft-vocab", type=int, default=16384, help="the head's vocabulary (default: 16384)")
     t.add_argument("--intermediate", type=int, help="the head's MLP width (default: 2x the model's width)")
     t.add_argument("--steps", type=int, default=3, help="training-time-test depth (default: 3)")
+    t.add_argument("--lr", type=float, default=3e-4,
+                   help="AdamW's peak learning rate: warmed up over 20 steps, then down to a tenth of it over the "
+                        "budget (default: 3e-4)")
     t.add_argument("--restart", action="store_true",
                    help="start the head over (the answers and target states made so far are kept)")
     t.add_argument("--init", type=Path, metavar="HEAD_DIR",
@@ -454,12 +457,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
 def _train_draft(args: argparse.Namespace) -> None:
     from ssd.train.trainer import TrainSettings, run
-    if args.hours <= 0 or not 0 <= args.answer_share <= 1 or args.draft_vocab < 1 or args.steps < 1:
-        raise SSDError("--hours must be > 0, --answer-share in 0..1, --draft-vocab and --steps >= 1")
+    if args.hours <= 0 or not 0 <= args.answer_share <= 1 or args.draft_vocab < 1 or args.steps < 1 \
+            or not 0 < args.lr < 1:
+        raise SSDError("--hours must be > 0, --answer-share in 0..1, --draft-vocab and --steps >= 1, --lr in (0, 1)")
     state = run(TrainSettings(args.model, args.out, args.hours, files=args.data, texts=args.text,
                               answer_share=args.answer_share, answer_draft=args.answer_draft,
                               draft_vocab=args.draft_vocab, intermediate=args.intermediate, steps=args.steps,
-                              restart=args.restart, init=args.init, precision=args.precision, labels=args.labels))
+                              lr=args.lr, restart=args.restart, init=args.init, precision=args.precision,
+                              labels=args.labels))
     last = state["curve"][-1]
     print(f"ssd train-draft: {state['tokens']} tokens trained in {last['trained_s']:.0f} s; validation: "
           f"{last['answer_acc_len']} tokens a target pass at K = {args.steps} in held-out answers "

@@ -341,3 +341,21 @@ def test_bf16_passes_train_fp32_weights(features, tmp_path, smollm_dir):
     assert training_precision("fp32") == "fp32" and training_precision("auto") in ("bf16", "fp32")
     with pytest.raises(SSDError, match="fp16"):
         training_precision("fp16")
+
+
+def test_the_cli_passes_the_learning_rate_and_refuses_a_bad_one(monkeypatch, tmp_path, capsys):
+    import ssd.train.trainer as trainer
+    from ssd.cli import main
+    got = []
+
+    def run(settings):
+        got.append(settings)
+        return {"tokens": 0, "curve": [{"trained_s": 0.0, "answer_acc_len": 1.0, "acc_len": 1.0}]}
+    monkeypatch.setattr(trainer, "run", run)
+    assert main(["train-draft", "--model", "m", "--out", str(tmp_path), "--lr", "1e-3"]) == 0
+    assert got[0].lr == 1e-3
+    assert main(["train-draft", "--model", "m", "--out", str(tmp_path)]) == 0 and got[1].lr == TrainSettings.lr
+    for bad in ("0", "-1e-3", "2"):
+        assert main(["train-draft", "--model", "m", "--out", str(tmp_path), f"--lr={bad}"]) == 2
+        assert "--lr in (0, 1)" in capsys.readouterr().err
+    assert len(got) == 2

@@ -14,6 +14,10 @@
 # run beside this one's in the parts `owed` and `head` (before/after on one machine, in one call).
 # OUT gets run.log (everything printed) and results.tgz (each run's results.json and table.md).
 # Parts, in the order they run (all when none is named; each under its own time limit):
+#   ssd32     SSD with a small draft (45M weights of body, a 32,000-token output layer) on the host's
+#             cores beside a target of Qwen2.5-32B's shapes on the GPU (its layers made at load:
+#             bench/synthetic_load.py), against SD and SSD with that draft on the GPU, K = 4 and 6;
+#             where each round's time goes and SSD's bound (bench/round_costs.py)
 #   cpudraft  SSD with the draft on the host's CPU cores (--draft-device cpu: all but the
 #             first) beside the target on the GPU, against SD and SSD with the draft on the GPU;
 #             Llama-3.1-8B's shapes, a draft of Qwen2.5-0.5B's shapes; and the CPU draft's pass
@@ -25,18 +29,14 @@
 #   owed      AR, SD and SSD at K = 4 and auto (auto-K after the start-up captures); 8B / 1B shapes
 #   thread    SSD's worker as a thread of the target's process against a process, one GPU
 #   batches   64, 16 and 4 concurrent requests, AR / SD / SSD with K = auto, 128 tokens each
-#   profile   captured steps of Qwen2.5-32B's shapes (no files: 65 GB built on the GPU):
-#             a verify pass's time V for the SSD bound 1 + K*d/V
 #   host      where a decode step's host time goes at a batch of 64 (bench/host_profile.py: AR and
 #             SD at K = 0 with the 1B draft, each step's wall against its synchronised passes, cProfile)
-#   ssd32     SSD with a small draft (45M weights of body, a 32,000-token output layer) on the host's
-#             cores beside a target of Qwen2.5-32B's shapes on the GPU (its layers made at load:
-#             bench/synthetic_load.py), against SD and SSD with that draft on the GPU, K = 4 and 6;
-#             where each round's time goes and SSD's bound (bench/round_costs.py)
+#   profile   captured steps of Qwen2.5-32B's shapes (no files: 65 GB built on the GPU):
+#             a verify pass's time V for the SSD bound 1 + K*d/V
 set -uo pipefail
 LIKE=$1 PROMPTS=$2 OUT=$3
 PARTS=" ${*:4} "
-[ "$PARTS" = "  " ] && PARTS=" cpudraft head owed thread batches host profile ssd32 "
+[ "$PARTS" = "  " ] && PARTS=" ssd32 cpudraft head owed thread batches host profile "
 BATCHES=${BATCHES:-64 16 4}  # the part batches' sizes
 # The part ssd32's target shape and the SSD draft's devices (a dry run on a CPU: qwen2.5-0.5b and cpu)
 SHAPE32=${SHAPE32:-qwen2.5-32b} DDEVS=${DDEVS:-cuda:0,cpu}
@@ -108,6 +108,14 @@ open("/tmp/prompts.jsonl", "w").writelines(lines[:len(base)])
 EOF
 PROMPTS=/tmp/prompts.jsonl
 
+if part ssd32 260; then
+    # The draft's reduced output layer (its 32,000 rows: the target's counts) on both devices.
+    for k in 4 6; do
+        TARGET=$SYN32/qwen32b bench ssd32-k$k 125 --draft $SYN32/draft --modes ar,sd,ssd --k $k --max-tokens 128 \
+            --sweep ddev=$DDEVS
+        python3 bench/round_costs.py "$RES/ssd32-k$k/results.json"
+    done
+fi
 if part cpudraft 200; then
     timeout 60 python3 bench/pass_cost.py --model $SYN/draft-cpu --weights int8 --m 1,4,8,16 --threads 15,8 \
         --repeats 3 2>&1 | tail -6
@@ -144,14 +152,6 @@ fi
 if part profile 90; then
     timeout 90 python3 bench/gpu_profile.py --shapes qwen2.5-32b --repeat 10 --out "$RES/profile" \
         2>&1 | grep -v Warning | tail -5
-fi
-if part ssd32 260; then
-    # The draft's reduced output layer (its 32,000 rows: the target's counts) on both devices.
-    for k in 4 6; do
-        TARGET=$SYN32/qwen32b bench ssd32-k$k 125 --draft $SYN32/draft --modes ar,sd,ssd --k $k --max-tokens 128 \
-            --sweep ddev=$DDEVS
-        python3 bench/round_costs.py "$RES/ssd32-k$k/results.json"
-    done
 fi
 if [ -n "${OLD:-}" ] && part owed 100; then
     use old

@@ -1,7 +1,8 @@
-"""The host's share of a decode step at a batch: a step's wall time against the target's passes
-in it (on a GPU each pass is synchronised, so it counts the device's time too), for AR and SD
-at K = 0 (every round plain decoding: what auto-K does where drafting does not pay), and with
---profile the host's functions that cost most (cProfile, decode steps only).
+"""The host's share of a decode step at a batch: a step's wall time against the target's pass in
+it (on a GPU synchronised, so it counts the device's time too), over the steps that decode every
+request at once, for AR and SD at K = 0 (every round plain decoding: what auto-K does where
+drafting does not pay), and with --profile the host's functions that cost most (cProfile, the
+whole run: prompts too).
 
     python bench/host_profile.py --model M [--draft D] [--batch 64] [--tokens 48] [--profile 20]
 
@@ -28,40 +29,40 @@ def measure(model: str, draft: str | None, batch: int, tokens: int, top: int, **
     if sd:
         engine.set_speculate_k(0)
     cuda = engine.config.device.type == "cuda"
-    passes: list[float] = []
+    passes: list[tuple[float, bool]] = []  # (seconds, whether it was one token of each of `batch` requests)
     forward = engine.runner.forward
 
-    def timed_forward(*args, **kwargs):
+    def timed_forward(chunks, *args, **kwargs):
         t = time.perf_counter()
-        out = forward(*args, **kwargs)
+        out = forward(chunks, *args, **kwargs)
         if cuda:
             torch.cuda.synchronize()
-        passes.append(time.perf_counter() - t)
+        passes.append((time.perf_counter() - t, len(chunks) == batch and all(len(c.tokens) == 1 for c in chunks)))
         return out
 
-    steps: list[tuple[float, float]] = []  # (wall, passes) of each step
+    steps: list[tuple[float, float]] = []  # (wall, its pass) of each step that decoded the whole batch
     step = engine.step
 
     def timed_step():
         t, n = time.perf_counter(), len(passes)
         out = step()
-        steps.append((time.perf_counter() - t, sum(passes[n:])))
+        if len(passes) == n + 1 and passes[n][1]:
+            steps.append((time.perf_counter() - t, passes[n][0]))
         return out
 
     engine.runner.forward, engine.step = timed_forward, timed_step
     prof = cProfile.Profile() if top else None
-    llm.generate([PROMPT.format(i) for i in range(batch)], params)  # prompts first, untimed below
-    decode = steps[-(tokens - 8):]  # the last steps, where every request decodes
-    steps.clear()
     if prof:
         prof.enable()
-        llm.generate([PROMPT.format(i) for i in range(batch)], params)
+    llm.generate([PROMPT.format(i) for i in range(batch)], params)
+    if prof:
         prof.disable()
-        decode = steps[-(tokens - 8):]
-    wall = sum(s[0] for s in decode) / len(decode)
-    device = sum(s[1] for s in decode) / len(decode)
-    print(f"{'SD K=0' if sd else 'AR'}: batch {batch}, a step {1e3 * wall:.2f} ms, its passes {1e3 * device:.2f} ms, "
-          f"host {1e3 * (wall - device):.2f} ms ({len(decode)} decode steps)", flush=True)
+    if not steps:
+        raise SystemExit(f"no step decoded all {batch} requests at once (a KV cache too small for them?)")
+    wall = sum(s[0] for s in steps) / len(steps)
+    device = sum(s[1] for s in steps) / len(steps)
+    print(f"{'SD K=0' if sd else 'AR'}: batch {batch}, a step {1e3 * wall:.2f} ms, its pass {1e3 * device:.2f} ms, "
+          f"host {1e3 * (wall - device):.2f} ms ({len(steps)} steps decoding every request)", flush=True)
     if prof:
         pstats.Stats(prof).sort_stats("tottime").print_stats(top)
     llm.close()

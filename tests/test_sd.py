@@ -122,3 +122,23 @@ def test_mode_and_draft_must_agree(smollm_dir):
         LLM(smollm_dir, draft=smollm_dir)
     with pytest.raises(SSDError, match="speculate_k"):
         LLM(smollm_dir, draft=smollm_dir, mode="sd", speculate_k=0)
+
+
+def test_plain_rounds_ride_in_the_pass_of_prompt_chunks(smollm_dir, truncated_draft, ar_outputs):
+    """A round that drafts nothing is plain decoding: while another request's prompt fills in
+    chunks, its rows join that pass, as AR's do, so every step is one pass of the target (a
+    pass of their own read the weights once more); the output stays AR's and each such step
+    counts as a round."""
+    params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
+    prompts = ["1, 2, 3,", "Write a long story about a lighthouse keeper who finds a map in a bottle. " * 3]
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=2, max_num_batched_tokens=16) as sd:
+        sd.engine.set_speculate_k(0)
+        runner, passes, steps = sd.engine.runner, [], []
+        forward, step = runner.forward, sd.engine.step
+        runner.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)
+        sd.engine.step = lambda: steps.append(len(passes)) or step()
+        outs = sd.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
+    assert len(passes) == len(steps), "a step of prompt chunks and plain rounds ran more than one pass"
+    m = outs[0].metrics
+    assert m.rounds == len(outs[0].token_ids) - 1 and m.drafted == 0 and m.k_hist == [m.rounds]

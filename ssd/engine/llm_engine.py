@@ -40,6 +40,7 @@ from ssd.speculative.draft.eagle import EagleHead, load_eagle
 from ssd.speculative.draft.fanout import FanOut
 from ssd.speculative.draft.vocab import check_same_vocabulary, head_tokens
 from ssd.speculative.options import AUTO_K, SUFFIX, DraftConfig
+from ssd.speculative.plan import Plan
 from ssd.speculative.policy.adaptive_k import AutoK, FixedK, KPolicy
 from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.records import Proposal, Round
@@ -116,15 +117,30 @@ class LLMEngine:
 
     def step(self) -> list[Advance]:
         """One scheduled step. Prompt chunks run through the target alone; in SD and SSD the
-        sequences that are decoding run one speculative round."""
+        sequences that are decoding run one speculative round by the K policy's plan. A plan
+        that drafts nothing is plain decoding, whose rows join the prompt chunks' pass as AR's
+        do (a pass of their own would read the weights once more while a batch's prompts fill)."""
         work = self.scheduler.schedule()
         decoding = [w.seq for w in work if self.source and w.num_new == 1 and w.samples]
-        plain = [w for w in work if w.seq not in decoding]
-        with self.source.placement(drafting=bool(decoding)) if self.source else nullcontext():
+        plan = self.k_policy.plan(decoding) if decoding else None
+        speculating = plan is not None and any(plan.ks)
+        rounding = set(decoding)  # (Sequences compare by identity)
+        plain = [w for w in work if w.seq not in rounding] if speculating else work
+        with self.source.placement(drafting=speculating) if self.source else nullcontext():
+            start = time.perf_counter()
             drawn = self._forward(plain) if plain else []
+            pass_s = time.perf_counter() - start
             now = time.perf_counter()
-            events = [self._append(seq, [token], [False], now, lps) for seq, token, lps in drawn]
-            events += self._speculate(decoding) if decoding else []
+            events, rounds = [], []
+            prompts = len(plain) > len(decoding)  # (when not speculating, `plain` holds the decoding rows too)
+            for seq, token, lps in drawn:
+                if speculating or seq not in rounding:
+                    events.append(self._append(seq, [token], [False], now, lps))
+                else:  # a plain round
+                    rounds.append(Round(seq, 0, Proposal([]), tokens=[token], verify_s=pass_s, logprobs=lps,
+                                        timed=not prompts))
+            events += self._learn(rounds) if rounds else []
+            events += self._speculate(decoding, plan) if speculating else []
         for w in work:  # name the newly full blocks of confirmed tokens (prefix caching)
             if not w.seq.finished:
                 self.cache.commit(w.seq.seq_id, w.seq.token_ids)
@@ -218,20 +234,15 @@ class LLMEngine:
             out.append((seq, token, lps))
         return out
 
-    def _speculate(self, seqs: list[Sequence]) -> list[Advance]:
+    def _speculate(self, seqs: list[Sequence], plan: Plan) -> list[Advance]:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding,
-        by the K policy's plan; its records go to whoever learns from them: the K policy, the
-        draft source and each request's metrics."""
-        plan = self.k_policy.plan(seqs)
-        plan = plan.within(seqs, self.draft_context) if any(plan.ks) else plan  # (K = 0 everywhere: nothing to cut)
-        if any(plan.ks):
-            rounds = speculative_round(plan, self.source, self.runner, self.cache, seqs)
-        else:  # plain decoding this round: no draft pass; the draft catches up when next asked
-            start = time.perf_counter()
-            drawn = self._forward([Work(s, s.num_tokens - 1, 1) for s in seqs])
-            verify_s = time.perf_counter() - start
-            rounds = [Round(seq, 0, Proposal([]), tokens=[token], verify_s=verify_s, logprobs=lps)
-                      for seq, token, lps in drawn]
+        by the K policy's plan (one that drafts for some sequence)."""
+        return self._learn(speculative_round(plan.within(seqs, self.draft_context), self.source, self.runner,
+                                             self.cache, seqs))
+
+    def _learn(self, rounds: list[Round]) -> list[Advance]:
+        """A round's records to whoever learns from them: the K policy, the draft source and each
+        request's metrics (a plain round too: the draft catches up when next asked)."""
         self.k_policy.learn(rounds)
         self.source.learn(rounds)
         now = time.perf_counter()

@@ -108,6 +108,9 @@ class Round:
     # that stand, the sequence's newest token before the round, the accepted drafts (and the
     # branches taken), [rows, taps x hidden]; else None.
     states: torch.Tensor | None = None
+    # Whether verify_s is a pass of the rounds' rows alone (False: a plain round whose rows rode
+    # in the pass of the step's prompt chunks, as AR's do: its time is not what the rows cost).
+    timed: bool = True
 
     @property
     def drafted(self) -> int:

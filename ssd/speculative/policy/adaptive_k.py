@@ -378,7 +378,8 @@ class AutoK(KPolicy):
         if self.holding:  # a held plan's round (module doc)
             self.holding = False
             self.held_s += draft_s + verify_s
-            self.verify.observe(len(rounds), verify_s)
+            if rounds[0].timed:
+                self.verify.observe(len(rounds), verify_s)
             return
         drafted = [0 if r.proposal.lookup else r.drafted for r in rounds]  # by the draft model
         for r in rounds:
@@ -411,7 +412,8 @@ class AutoK(KPolicy):
             self.draft_measured = True
         if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
             self.catchup.observe(max(0.0, catchup[0] - self.draft_step), catchup[1], catchup[2])
-        self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s)
+        if rounds[0].timed:
+            self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s)
         self.branches.learn([r for r in rounds if not r.proposal.lookup])
         self.lookup_branches.learn([r for r in rounds if r.proposal.lookup])
         if self.stop is not None and any(drafted):

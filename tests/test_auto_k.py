@@ -242,6 +242,21 @@ def test_a_draft_that_is_always_accepted_drafts_deep():
     assert _rounds(policy, seqs, lambda k: k, 30) == [policy.k_max]
 
 
+def test_a_step_that_fills_prompts_decodes_plainly_and_drafting_resumes_after():
+    """Beside prompt chunks the plain rows ride in their pass, while a drafting round would add a
+    pass of its own: a draft that is always accepted still drafts nothing there, and its K is
+    back once the prompts are in. Those rounds' pass (prompts included) is not read as V."""
+    policy, seqs = _policy(), [_Seq(0)]
+    deep = _rounds(policy, seqs, lambda k: k, 30)
+    assert deep == [policy.k_max]
+    v1 = policy.verify(1)
+    for _ in range(5):
+        assert policy.plan(seqs, filling=True).ks == [0]
+        policy.learn([Round(seqs[0], 0, Proposal([]), verify_s=9.0, timed=False)])
+    assert policy.verify(1) == v1
+    assert policy.plan(seqs).ks == deep
+
+
 def test_each_sequence_gets_its_own_k():
     policy, good, bad = _policy(), _Seq(0), _Seq(1)
     for _ in range(30):
@@ -311,6 +326,9 @@ class _FixedCosts(AutoK):
 
     def __init__(self, k_max=4):
         super().__init__(k_max, lambda rows: 1.0 + (rows - 1) / 3000, 0.0)
+
+    def plan(self, seqs, filling=False):  # (drafting beside prompt chunks too: its rounds are what is tested)
+        return super().plan(seqs)
 
     def learn(self, rounds):
         rows = sum(r.drafted + 1 for r in rounds)
@@ -465,8 +483,8 @@ class _EveryOtherLookup(_FixedCosts):
         super().__init__(k_max)
         self.lookup, self.turn = PromptLookup(1, 4), 0
 
-    def plan(self, seqs):
-        plan = super().plan(seqs)
+    def plan(self, seqs, filling=False):
+        plan = super().plan(seqs, filling)
         self.turn += 1
         mixed = []
         for b, (s, p) in enumerate(zip(seqs, plan.seqs)):

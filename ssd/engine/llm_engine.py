@@ -122,9 +122,10 @@ class LLMEngine:
         do (a pass of their own would read the weights once more while a batch's prompts fill)."""
         work = self.scheduler.schedule()
         decoding = [w.seq for w in work if self.source and w.num_new == 1 and w.samples]
-        plan = self.k_policy.plan(decoding) if decoding else None
-        speculating = plan is not None and any(plan.ks)
         rounding = set(decoding)  # (Sequences compare by identity)
+        filling = len(work) > len(decoding)  # prompt chunks too
+        plan = self.k_policy.plan(decoding, filling) if decoding else None
+        speculating = plan is not None and any(plan.ks)
         plain = [w for w in work if w.seq not in rounding] if speculating else work
         with self.source.placement(drafting=speculating) if self.source else nullcontext():
             start = time.perf_counter()
@@ -132,13 +133,12 @@ class LLMEngine:
             pass_s = time.perf_counter() - start
             now = time.perf_counter()
             events, rounds = [], []
-            prompts = len(plain) > len(decoding)  # (when not speculating, `plain` holds the decoding rows too)
             for seq, token, lps in drawn:
                 if speculating or seq not in rounding:
                     events.append(self._append(seq, [token], [False], now, lps))
                 else:  # a plain round
                     rounds.append(Round(seq, 0, Proposal([]), tokens=[token], verify_s=pass_s, logprobs=lps,
-                                        timed=not prompts))
+                                        timed=not filling))
             events += self._learn(rounds) if rounds else []
             events += self._speculate(decoding, plan) if speculating else []
         for w in work:  # name the newly full blocks of confirmed tokens (prefix caching)

@@ -197,7 +197,7 @@ class AutoK(KPolicy):
 
     def plan(self, seqs: list[Sequence], filling: bool = False) -> Plan:
         if filling:  # plain decoding, its rows in the prompt chunks' pass (module doc)
-            self.found, self.trees, self.probing, self.engine_probe = {}, {}, set(), None
+            self._new_round()
             return Plan([SeqPlan(0)] * len(seqs))
         if self.hold and all(s.seq_id in self.seqs for s in seqs):
             self.hold -= 1
@@ -224,14 +224,13 @@ class AutoK(KPolicy):
         gains = [expected_tokens(r) for r in rates]
         # Each sequence's options: draft K = 0..k_max tokens (K = 0: plain decoding), then its
         # lookup's first 1..n tokens; as (tokens expected, rows, draft steps).
-        self.found, self.trees = {}, {}
+        self._new_round()
         found = [self._lookup(s) for s in seqs]
         options = [[(g[k], k + 1, k) for k in range(self.k_max + 1)] + [(lg[k], k + 1, 0) for k in range(1, len(lg))]
                    for g, (_, lg) in zip(gains, found)]
         picks = self._best(options)
         ks = [min(p, self.k_max) for p in picks]
         lookups: dict[int, list[int]] = {}  # seq_id -> prompt lookup's tokens proposed instead of the draft's
-        self.probing, self.engine_probe = set(), None
         learning = not self.engine_knows()  # too little measured to refuse a catch-up
         # Once learning is over, a probe is worth its catch-up only if drafting, were it to work
         # as the prior assumes, would save more than that over the tokens left (no probe near a
@@ -293,6 +292,11 @@ class AutoK(KPolicy):
             if self.siblings or any(trees.values()) else None
         return Plan([SeqPlan(k, lookups.get(s.seq_id), self.siblings, rule if rule is not None and argmax_chain(s)
                              else None, trees.get(s.seq_id, ())) for s, k in zip(seqs, ks)], offer)
+
+    def _new_round(self) -> None:
+        """Forget the last plan's per-round state: its lookups and trees, its probes."""
+        self.found, self.trees = {}, {}
+        self.probing, self.engine_probe = set(), None
 
     def _stop_rule(self, seqs: list[Sequence], ks: list[int], gains: list[list[float]],
                    lookups: dict[int, list[int]]) -> StopRule | None:

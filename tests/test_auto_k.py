@@ -1,6 +1,7 @@
 """Auto-K (ssd/speculative/policy/adaptive_k.py): K chosen per sequence and round from measured
 acceptance and costs; plain decoding when drafting does not pay; exact in every case."""
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -120,6 +121,21 @@ def test_a_long_prompt_with_a_short_answer_is_not_prefilled_for_the_draft():
     assert policy.plan([_Seq(3, num_tokens=3000, max_tokens=1000)]).ks[0] > 0  # a long answer pays for it
 
 
+def test_in_a_batch_a_catch_up_must_pay_against_the_batchs_plain_step():
+    """Alone, a 300-token prompt's catch-up (0.3 s) is repaid over 128 tokens; in a batch of 8,
+    where a plain step serves all 8 and drafting for them gains ~17 % a round, the 8 catch-ups
+    (2.5 s) would cost more than the batch saves (~1.5 s): the batch decodes plainly. A long
+    answer repays them. Before the batch's view, all 8 drafted."""
+    policy = _policy()
+    rnd = random.Random(0)
+    _rounds(policy, [_Seq(0)], lambda k: next((i for i in range(k) if rnd.random() > 0.8), k), 40)  # rates ~0.8
+    _observe(policy, [_Seq(9)], [2], [2], 0.05, 0.06, 0.01, catchup=(0.31, 300, 45_150))  # a step + 1 ms a token
+    short = [_Seq(i, num_tokens=300, max_tokens=128) for i in range(1, 9)]
+    assert policy.plan(short[:1]).ks[0] > 0
+    assert policy.plan(short).ks == [0] * 8
+    assert all(policy.plan([_Seq(i, num_tokens=300, max_tokens=1000) for i in range(11, 19)]).ks)
+
+
 def test_before_evidence_the_prior_decides_a_catch_up():
     """Before the engine-wide rates rest on a few rounds, a long prompt drafts, to learn, only
     if the prior's rates could repay its catch-up over the tokens left; a warm-up's one
@@ -129,6 +145,17 @@ def test_before_evidence_the_prior_decides_a_catch_up():
     assert policy.plan([_Seq(1, num_tokens=3000, max_tokens=1000)]).ks[0] > 0  # a long answer would repay it
     _observe(policy, [_Seq(2)], [1], [0], 0.01, 0.054, 0.01)  # a warm-up's one round, rejected
     assert policy.plan([_Seq(3, num_tokens=300, max_tokens=128)]).ks[0] > 0
+
+
+def test_before_a_catch_up_is_measured_its_tokens_cost_what_the_targets_rows_do():
+    """A CPU's shape: a row adds a tenth of a target step to a pass, the draft's step is 0.3 of
+    the target's, so reading a token costs the draft ~1.5 ms (0.1 of its step, not 5 %): a
+    fresh engine does not read a 600-token prompt for 100 tokens (0.9 s against ~0.6 s saved
+    at the prior's rates), and once a catch-up measured 0.2 ms a token, it does."""
+    policy = AutoK(8, lambda rows: 0.05 + 0.005 * (rows - 1), 0.015)
+    assert policy.plan([_Seq(0, num_tokens=600, max_tokens=100)]).ks == [0]
+    _observe(policy, [_Seq(9)], [2], [2], 0.03, 0.06, 0.015, catchup=(0.075, 300, 45_150))
+    assert policy.plan([_Seq(1, num_tokens=600, max_tokens=100)]).ks[0] > 0
 
 
 def test_a_fresh_engine_does_not_prefill_a_long_prompt_for_a_short_answer(smollm_dir, truncated_draft):

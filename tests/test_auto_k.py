@@ -65,6 +65,16 @@ def test_a_pass_never_reads_dearer_than_a_larger_one():
     assert t(1) == 0.06  # (now capped by size 3)
 
 
+def test_a_pass_past_every_measured_size_reads_along_the_curve():
+    """Two sizes measured close together can slope down by noise; past them a pass reads no
+    flatter than the curve's chord (here 5 ms a row), never below the largest size's."""
+    t = Timings({r: 0.045 + 0.005 * (r - 1) for r in range(1, 10)})
+    t.observe(28, 0.18)
+    t.observe(30, 0.17)  # noise: two rows more, 10 ms less
+    assert t(64) >= 0.17 + (0.17 - 0.045) / 29 * 34 - 1e-9
+    assert t(32) >= t(30)
+
+
 def test_a_useless_draft_is_turned_off_despite_a_spiked_start_up_timing():
     # A draft step as dear as the target's pass, never accepted, and the plain step's start-up
     # timing 10x too high: drafting must not look free (K = 0 would never run to correct it).

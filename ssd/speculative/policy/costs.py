@@ -114,7 +114,15 @@ class Timings:
         if below and above:
             lo, hi = below[-1], above[0]
         elif len(below) >= 2:
-            lo, hi = below[-2], below[-1]
+            # Past the largest size known: along its last segment, but no flatter than the whole
+            # curve's chord. Two sizes that rounds measured close together (a batch's 28 rows,
+            # then 30) can slope down by noise, and extrapolated that far read a pass of 64 rows
+            # at 17 ms where one of 16 took 117 (two cores, Xeon): auto-K then drafted 8 deep
+            # for 16 sequences, a 5 s round.
+            lo, hi, first = below[-2], below[-1], known[0]
+            slope = max((self.values[hi] - self.values[lo]) / (hi - lo),
+                        (self.values[hi] - self(first)) / (hi - first), 0.0)
+            return self.values[hi] + slope * (size - hi)
         elif len(above) >= 2:
             lo, hi = above[0], above[1]
         else:  # one point: proportional to size

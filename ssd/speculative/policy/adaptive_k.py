@@ -255,11 +255,12 @@ class AutoK(KPolicy):
             now = batch.without(b) / plain
             state.without = now if state.without is None else state.without + TIME_EMA * (now - state.without)
             left = s.params.max_tokens - len(s.output_ids)
-            best_case = batch.saving(b, (hopeful[hopeful_k], hopeful_k + 1, hopeful_k), plain, left)
+            hope = (hopeful[hopeful_k], hopeful_k + 1, hopeful_k)
+            best_case = batch.saving(b, hope, plain, left)
             # What drafting saves over the tokens left must pay a long catch-up: by the measured
             # rates, or while too little is measured by the prior's (a long prompt with a short
             # answer is never prefilled for the draft, even by a fresh engine's first request).
-            saving = best_case if learning else batch.saving(b, options[b][ks[b]], state.without * plain, left)
+            saving = batch.saving(b, hope if learning else options[b][ks[b]], state.without * plain, left)
             if ks[b] and picks[b] <= self.k_max and catchup > max(self.verify(1), saving):
                 # No draft for it this round: plain decoding, or its lookup where that is faster.
                 lookup_gain = found[b][1] or [1.0]

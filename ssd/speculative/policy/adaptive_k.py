@@ -241,6 +241,7 @@ class AutoK(KPolicy):
         # request's end).
         hopeful = expected_tokens([PRIOR_RATE] * self.k_max)
         hopeful_k = max(range(1, self.k_max + 1), key=lambda k: hopeful[k] / self._round_s(k))
+        hope = (hopeful[hopeful_k], hopeful_k + 1, hopeful_k)  # that option: (tokens expected, rows, draft steps)
         batch = _Batch(options, picks, self.draft_step, self.verify)
         costs: dict[int, float] = {}  # b -> what a probe would cost now, for the sequences at K = 0
         for b, s in enumerate(seqs):
@@ -255,7 +256,6 @@ class AutoK(KPolicy):
             now = batch.without(b) / plain
             state.without = now if state.without is None else state.without + TIME_EMA * (now - state.without)
             left = s.params.max_tokens - len(s.output_ids)
-            hope = (hopeful[hopeful_k], hopeful_k + 1, hopeful_k)
             best_case = batch.saving(b, hope, plain, left)
             # What drafting saves over the tokens left must pay a long catch-up: by the measured
             # rates, or while too little is measured by the prior's (a long prompt with a short
@@ -263,9 +263,7 @@ class AutoK(KPolicy):
             saving = batch.saving(b, hope if learning else options[b][ks[b]], state.without * plain, left)
             if ks[b] and picks[b] <= self.k_max and catchup > max(self.verify(1), saving):
                 # No draft for it this round: plain decoding, or its lookup where that is faster.
-                lookup_gain = found[b][1] or [1.0]
-                k = max(range(len(lookup_gain)), key=lambda k: lookup_gain[k] / self.verify(k + 1))
-                ks[b], picks[b] = 0, self.k_max + k if k else 0
+                ks[b], picks[b] = 0, batch.alternative(b)
             if picks[b] > self.k_max:  # a lookup round
                 ks[b] = picks[b] - self.k_max
                 lookups[s.seq_id] = found[b][0][:ks[b]]
@@ -493,10 +491,15 @@ class _Batch:
         gain, seconds = self.round(b, option)
         return seconds / max(gain, 1e-9)
 
+    def alternative(self, b: int) -> int:
+        """Sequence b's best option without the draft (plain decoding, or its lookup's): the
+        fewest seconds a token for the batch."""
+        opts = self.options[b]
+        return min((i for i, o in enumerate(opts) if o[2] == 0), key=lambda i: self.per_token(b, opts[i]))
+
     def without(self, b: int) -> float:
-        """The batch's seconds a token with sequence b at its best option without the draft
-        (plain decoding, or its lookup's)."""
-        return min(self.per_token(b, o) for o in self.options[b] if o[2] == 0)
+        """The batch's seconds a token with sequence b at its best option without the draft."""
+        return self.per_token(b, self.options[b][self.alternative(b)])
 
     def saving(self, b: int, option: tuple[float, int, int], without: float, left: int) -> float:
         """Seconds that sequence b at a drafting `option` saves over its `left` tokens, against

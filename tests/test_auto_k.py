@@ -75,6 +75,36 @@ def test_a_pass_past_every_measured_size_reads_along_the_curve():
     assert t(32) >= t(30)
 
 
+def test_a_batch_pass_costs_one_sequences_rows_plus_each_further_sequence():
+    """V(R, n) = f(R) + c (n - 1): batch passes fit c where one sequence's passes give f, and a
+    batch pass past every size one sequence measured goes to f, less c."""
+    f = {r: 0.047 + 0.0025 * (r - 1) for r in range(1, 10)}
+    t = Timings(f)
+    for _ in range(5):
+        t.observe(8, f[8] + 7 * 0.001, 8)
+        t.observe(9, f[9] + 7 * 0.001, 8)
+    assert t.per_seq() == pytest.approx(0.001)
+    assert t(9) == f[9] and t(8, 8) == pytest.approx(f[8] + 0.007)
+    assert t(9, 8) - t(8, 8) == pytest.approx(f[9] - f[8])  # a lookup's row in the batch: a row's cost
+    t.observe(64, 0.2, 64)
+    assert t(64) == pytest.approx(0.2 - 0.063) and t(64, 64) == pytest.approx(0.2)
+
+
+def test_a_batch_measured_at_plain_decoding_does_not_make_a_row_look_free():
+    """Rows alone: plain decoding of 8 sequences measured at 80 ms read as dear as one
+    sequence's 9-row start-up timing (79 ms), so a row beside them looked free and a free draft
+    of acceptance 0.5 drafted (8.5 tokens for 93 ms against 8 for 80). Each further sequence's
+    cost kept apart, the row costs a row: plain decoding."""
+    f = lambda rows: 0.066 + 0.013 * (rows - 8) if rows >= 8 else 0.047 + 0.0027 * (rows - 1)  # noqa: E731
+    policy = AutoK(8, f, 0.0)
+    seqs = [_Seq(i) for i in range(8)]
+    for _ in range(12):  # acceptance 0.5 at the first position, engine-wide
+        _observe(policy, seqs, [1] * 8, [1, 0] * 4, 0.0, f(16) + 0.014)
+    for _ in range(3):
+        _observe(policy, seqs, [0] * 8, [0] * 8, 0.0, f(8) + 0.014)
+    assert policy.plan(seqs).ks == [0] * 8
+
+
 def test_a_useless_draft_is_turned_off_despite_a_spiked_start_up_timing():
     # A draft step as dear as the target's pass, never accepted, and the plain step's start-up
     # timing 10x too high: drafting must not look free (K = 0 would never run to correct it).

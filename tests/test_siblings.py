@@ -29,10 +29,10 @@ class Flat:
     """A target pass that costs the same over any number of rows (what a bandwidth-bound
     verify pass nearly does), so that every likely sibling is worth its row."""
 
-    def __call__(self, rows: int) -> float:
+    def __call__(self, rows: int, seqs: int = 1) -> float:
         return 0.05
 
-    def observe(self, size: int, seconds: float) -> None:
+    def observe(self, size: int, seconds: float, seqs: int = 1) -> None:
         pass
 
 

@@ -77,10 +77,10 @@ def test_greedy_rounds_take_the_trees_branches_where_the_majority_was_wrong(smol
 class _Flat:
     """A target pass that costs the same over any number of rows: every likely branch is worth its row."""
 
-    def __call__(self, rows: int) -> float:
+    def __call__(self, rows: int, seqs: int = 1) -> float:
         return 0.05
 
-    def observe(self, size: int, seconds: float) -> None:
+    def observe(self, size: int, seconds: float, seqs: int = 1) -> None:
         pass
 
 

@@ -290,7 +290,7 @@ class DraftEngine:
                 step_s += elapsed
                 step_tokens += min(advanced)  # the batch is as far as its slowest sequence
                 if self.pass_time is not None:
-                    self.pass_time.observe(sum(len(c.tokens) for c in chunks), elapsed)
+                    self.pass_time.observe(sum(len(c.tokens) for c in chunks), elapsed, len(chunks))
             else:
                 catchup_s += time.perf_counter() - start
                 for c, g in zip(chunks, guesses):
@@ -347,18 +347,18 @@ class DraftEngine:
         the most tokens a second, live x E(g) / T(fed + live x g), E(g) = 1 + p_1 + p_1 p_2 +
         ... the tokens a sequence's pass expects with g guessed rows (p_i: how often a guessed
         row was the draft's own pick, the rows before it right), T the pass's measured time by
-        rows. Where rows are dear (AVX2 without VNNI: a 5-row pass of the 1.5B cost 2.07 of a
-        one-row pass on the Zen 5 host with the AVX2 build, 1.02-1.06 with its AVX-512 VNNI
-        build), guesses that are often wrong cost more than the passes they save; unpriced, they
-        made a drafted token dearer, and auto-K drafted less (docs/algorithm.md, "The draft's
-        guesses")."""
+        rows and sequences (costs.py's Timings). Where rows are dear (AVX2 without VNNI: a
+        5-row pass of the 1.5B cost 2.07 of a one-row pass on the Zen 5 host with the AVX2
+        build, 1.02-1.06 with its AVX-512 VNNI build), guesses that are often wrong cost more
+        than the passes they save; unpriced, they made a drafted token dearer, and auto-K
+        drafted less (docs/algorithm.md, "The draft's guesses")."""
         if self.pass_time is None:
             return 0
         if fed > 2 * live:  # a catch-up (a prompt, tokens missed): a few rows more cost nothing beside it
             return GUESS_ROWS
         self.passes += 1
         gain = expected_tokens(self.guessed.rates(GUESS_ROWS, [GUESS_PRIOR] * GUESS_ROWS, GUESS_WEIGHT))
-        best = max(range(GUESS_ROWS + 1), key=lambda g: gain[g] / max(self.pass_time(fed + live * g), 1e-9))
+        best = max(range(GUESS_ROWS + 1), key=lambda g: gain[g] / max(self.pass_time(fed + live * g, live), 1e-9))
         return best if best or self.passes % GUESS_PROBE else 1
 
     def _guess(self, s: DraftSeq, most: int) -> list[int]:

@@ -85,6 +85,7 @@ engine) is credited with when planning resumes, so probes come as they would hav
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.plan import Plan, SeqPlan
@@ -216,7 +217,7 @@ class AutoK(KPolicy):
         plan = self._plan(seqs)
         took = time.perf_counter() - t0
         if took > HOLD_MIN_S and not any(plan.ks):
-            self.hold = min(HOLD_MAX, int(took / max(HOLD_SHARE * self.verify(len(seqs)), 1e-9)))
+            self.hold = min(HOLD_MAX, int(took / max(HOLD_SHARE * self.verify(len(seqs), len(seqs)), 1e-9)))
         return plan
 
     def _plan(self, seqs: list[Sequence]) -> Plan:
@@ -293,7 +294,7 @@ class AutoK(KPolicy):
                 state.explore_wait = 0
         rule = self._stop_rule(seqs, ks, gains, lookups) if self.stop is not None else None
         trees = {i: tuple(cut(self.trees.get(i, []), len(self.found[i][0]), len(t))) for i, t in lookups.items()}
-        offer = SiblingOffer(rates, [eligible(s) for s in seqs], self.draft_step, self.verify,
+        offer = SiblingOffer(rates, [eligible(s) for s in seqs], self.draft_step, partial(self.verify, seqs=len(seqs)),
                              self.branches.calibration, self.lookup_branches.calibration) \
             if self.siblings or any(trees.values()) else None
         return Plan([SeqPlan(k, lookups.get(s.seq_id), self.siblings, rule if rule is not None and argmax_chain(s)
@@ -371,7 +372,7 @@ class AutoK(KPolicy):
         best draft K common to all, then each sequence's best option given the others'
         (coordinate ascent)."""
         n, kmax = len(options), self.k_max
-        speed = lambda gain, rows, deepest: gain / max(deepest * self.draft_step + self.verify(rows), 1e-9)  # noqa: E731
+        speed = lambda gain, rows, deepest: gain / max(deepest * self.draft_step + self.verify(rows, n), 1e-9)  # noqa: E731
         common = max(range(kmax + 1), key=lambda k: speed(sum(o[k][0] for o in options), n * (k + 1), k))
         picks = [common] * n
         at = [0] * (kmax + 1)  # sequences per draft depth, for the deepest of the others
@@ -400,7 +401,7 @@ class AutoK(KPolicy):
             self.holding = False
             self.held_s += draft_s + verify_s
             if rounds[0].timed:
-                self.verify.observe(len(rounds), verify_s)
+                self.verify.observe(len(rounds), verify_s, len(rounds))
             return
         drafted = [0 if r.proposal.lookup else r.drafted for r in rounds]  # by the draft model
         for r in rounds:
@@ -434,7 +435,7 @@ class AutoK(KPolicy):
         if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
             self.catchup.observe(max(0.0, catchup[0] - self.draft_step), catchup[1], catchup[2])
         if rounds[0].timed:
-            self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s)
+            self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s, len(rounds))
         self.branches.learn([r for r in rounds if not r.proposal.lookup])
         self.lookup_branches.learn([r for r in rounds if r.proposal.lookup])
         if self.stop is not None and any(drafted):
@@ -471,7 +472,7 @@ class _Batch:
     looked large alone paying catch-ups of up to 2 s. At one sequence it is the saving alone."""
 
     def __init__(self, options: list[list[tuple[float, int, int]]], picks: list[int], draft_step: float,
-                 verify: Callable[[int], float]):
+                 verify: Timings):
         self.options, self.picks = options, list(picks)
         self.draft_step, self.verify = draft_step, verify
         chosen = [opts[p] for opts, p in zip(options, picks)]
@@ -483,7 +484,8 @@ class _Batch:
         """Tokens expected and seconds of the round with sequence b at `option`."""
         gain, rows, depth = self.options[b][self.picks[b]]
         others = self.second if depth == self.deepest else self.deepest
-        seconds = max(others, option[2]) * self.draft_step + self.verify(self.rows - rows + option[1])
+        rows = self.rows - rows + option[1]
+        seconds = max(others, option[2]) * self.draft_step + self.verify(rows, len(self.options))
         return self.gain - gain + option[0], seconds
 
     def per_token(self, b: int, option: tuple[float, int, int]) -> float:

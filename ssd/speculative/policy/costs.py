@@ -78,32 +78,57 @@ class CatchupCost:
 
 
 class Timings:
-    """Moving averages of the target's pass by rows, read with interpolation. The start-up
-    timings are replaced by the first round measured at each size (a real round also pays for
-    sampling and verification). A pass over more rows costs at least what one over fewer
-    does, so a reading is capped by every larger size's: a start-up timing caught in a spike
-    of the host's load would otherwise stand until that size ran again, and a plain decoding
-    step that looks dearer than a verify pass makes drafting look free (then K = 0, the size
-    that would correct it, never runs)."""
+    """The target's pass: V(R, n) = f(R) + c (n - 1) for R rows of n sequences. f, one sequence's
+    pass by rows, is kept as moving averages read with interpolation; c, what each further
+    sequence adds (its own context's attention, its rows' bookkeeping), is fitted to batch
+    passes (decayed least squares through zero, each pass weighted by n - 1). One table keyed
+    by rows alone mixed the two: on two cores (Xeon, 250-token contexts) a pass of 9 rows costs
+    79 ms from one sequence and 86 from eight, 8 rows 66 and 71, so with the 8-row pass measured
+    at a batch and the 9-row one at start-up, a lookup's row in a batch of 8 read 5.6 ms where it
+    cost 15. A batch pass past every size one sequence measured (R rows of a large batch) goes
+    to f, less the fitted c.
+
+    The start-up timings are replaced by the first round measured at each size (a real round
+    also pays for sampling and verification). A pass over more rows costs at least what one
+    over fewer does, so a reading is capped by every larger size's: a start-up timing caught in
+    a spike of the host's load would otherwise stand until that size ran again, and a plain
+    decoding step that looks dearer than a verify pass makes drafting look free (then K = 0,
+    the size that would correct it, never runs)."""
 
     def __init__(self, initial: dict[int, float]):
-        self.values = dict(initial)
+        self.values = dict(initial)  # f
         self.measured: set[int] = set()
+        self.single = max(initial, default=0)  # the largest size f rests on one sequence's passes for
+        self.seq_sums = (0.0, 0.0)  # decayed sums of (n - 1) x (V - f(R)) and (n - 1)^2: c's fit
         # Readings since the last observation: a batch's plan reads thousands (adaptive_k.py's
         # _best), which at 64 sequences cost more than the GPU's decode step.
         self.read: dict[int, float] = {}
 
-    def observe(self, size: int, seconds: float) -> None:
+    def observe(self, size: int, seconds: float, seqs: int = 1) -> None:
+        """A pass over `size` rows of `seqs` sequences took `seconds`."""
+        if seqs > 1 and size <= self.single:
+            w, decay = seqs - 1, 1 - TIME_EMA
+            self.seq_sums = (decay * self.seq_sums[0] + w * (seconds - self(size)), decay * self.seq_sums[1] + w * w)
+            return
+        if seqs == 1:
+            self.single = max(self.single, size)
+        seconds -= self.per_seq() * (seqs - 1)
         old = self.values.get(size)
         self.values[size] = old + TIME_EMA * (seconds - old) if size in self.measured else seconds
         self.measured.add(size)
         self.read.clear()
 
-    def __call__(self, size: int) -> float:
+    def per_seq(self) -> float:
+        """c: seconds a pass takes for each sequence beyond the first."""
+        s, w = self.seq_sums
+        return max(0.0, s / w) if w else 0.0
+
+    def __call__(self, size: int, seqs: int = 1) -> float:
+        """V(size, seqs)."""
         value = self.read.get(size)
         if value is None:
             value = self.read[size] = min([self._read(size)] + [v for s, v in self.values.items() if s > size])
-        return value
+        return value + self.per_seq() * (seqs - 1) if seqs > 1 else value
 
     def _read(self, size: int) -> float:
         if size in self.values:

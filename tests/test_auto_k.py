@@ -105,6 +105,32 @@ def test_a_batch_measured_at_plain_decoding_does_not_make_a_row_look_free():
     assert policy.plan(seqs).ks == [0] * 8
 
 
+def test_a_token_is_worth_the_steps_it_saves_later():
+    """Rows cheap (R rows of n sequences: 50 ms, 2 ms a further row, 2 ms a further sequence), a
+    free draft of acceptance 0.5, 8 sequences. In step (as many tokens left each) they all draft,
+    as the batch's speed says. One with 200 tokens left where the others have 20 drafts alone: it
+    will end alone, each of its last tokens a whole step, while a token the others gain saves only
+    their part of the steps they all take. Where requests wait for places, all draft again."""
+    pass_s = lambda rows, n: 0.05 + 0.002 * (rows - 1) + 0.002 * (n - 1)  # noqa: E731
+
+    def trained(lefts):
+        policy = AutoK(8, lambda rows: pass_s(rows, 1), 0.0)
+        seqs = [_Seq(i, max_tokens=m) for i, m in enumerate(lefts)]
+        for _ in range(3):  # plain rounds: each further sequence's cost
+            _observe(policy, seqs, [0] * 8, [0] * 8, 0.0, pass_s(8, 8))
+        for r in range(12):  # acceptance 0.5 at the first position, each sequence's and engine-wide
+            _observe(policy, seqs, [1] * 8, [(r + i) % 2 for i in range(8)], 0.0, pass_s(16, 8))
+        return policy, seqs
+
+    policy, seqs = trained([20] * 8)
+    assert all(policy.plan(seqs).ks)
+    policy, seqs = trained([200] + [20] * 7)
+    ks = policy.plan(seqs).ks
+    assert ks[0] > 0 and ks[1:] == [0] * 7, ks
+    policy, seqs = trained([200] + [20] * 7)
+    assert all(policy.plan(seqs, waiting=True).ks)
+
+
 def test_a_useless_draft_is_turned_off_despite_a_spiked_start_up_timing():
     # A draft step as dear as the target's pass, never accepted, and the plain step's start-up
     # timing 10x too high: drafting must not look free (K = 0 would never run to correct it).
@@ -284,7 +310,7 @@ def test_a_plan_that_drafts_nothing_holds_where_planning_is_a_large_part_of_a_st
     policy, seqs = AutoK(8, step, 0.002), [_Seq(i) for i in range(64)]
     planned = []
     real = policy._plan
-    monkeypatch.setattr(policy, "_plan", lambda batch: planned.append(len(batch)) or real(batch))
+    monkeypatch.setattr(policy, "_plan", lambda batch, waiting: planned.append(len(batch)) or real(batch, waiting))
     for _ in range(200):  # until the draft is off for all and a plan holds
         ks = policy.plan(seqs).ks
         _observe(policy, seqs, ks, [0] * len(ks), 0.002 * max(ks), step(sum(ks) + len(ks)))
@@ -394,8 +420,8 @@ class _FixedCosts(AutoK):
     def __init__(self, k_max=4):
         super().__init__(k_max, lambda rows: 1.0 + (rows - 1) / 3000, 0.0)
 
-    def plan(self, seqs, filling=False):  # (drafting beside prompt chunks too: its rounds are what is tested)
-        return super().plan(seqs)
+    def plan(self, seqs, filling=False, waiting=False):  # (drafting beside prompt chunks too: its rounds are tested)
+        return super().plan(seqs, waiting=waiting)
 
     def learn(self, rounds):
         rows = sum(r.drafted + 1 for r in rounds)
@@ -550,8 +576,8 @@ class _EveryOtherLookup(_FixedCosts):
         super().__init__(k_max)
         self.lookup, self.turn = PromptLookup(1, 4), 0
 
-    def plan(self, seqs, filling=False):
-        plan = super().plan(seqs, filling)
+    def plan(self, seqs, filling=False, waiting=False):
+        plan = super().plan(seqs, filling, waiting)
         self.turn += 1
         mixed = []
         for b, (s, p) in enumerate(zip(seqs, plan.seqs)):

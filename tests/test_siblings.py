@@ -170,8 +170,8 @@ class _FlatSiblings(AutoK):
         super().__init__(4, lambda rows: 1.0, 0.0, siblings=True)
         self.verify = Flat()
 
-    def plan(self, seqs, filling=False):  # (drafting beside prompt chunks too: its rounds are what is tested)
-        return super().plan(seqs)
+    def plan(self, seqs, filling=False, waiting=False):  # (drafting beside prompt chunks too: its rounds are tested)
+        return super().plan(seqs, waiting=waiting)
 
     def learn(self, rounds):
         super().learn([dataclasses.replace(r, draft_s=0.0, verify_s=1.0, step_s=None, catchup=None)
@@ -237,7 +237,7 @@ class PlantedTree(DraftSource):
 class PlantedPolicy(KPolicy):
     """K = 3 every round, and every branch worth its row (a flat pass)."""
 
-    def plan(self, seqs, filling=False):
+    def plan(self, seqs, filling=False, waiting=False):
         return Plan([SeqPlan(3, alternatives=True)] * len(seqs),
                     SiblingOffer([[0.9] * 3] * len(seqs), [True] * len(seqs), 0.0, Flat(), 1.0, 1.0))
 

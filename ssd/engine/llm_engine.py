@@ -124,7 +124,7 @@ class LLMEngine:
         decoding = [w.seq for w in work if self.source and w.num_new == 1 and w.samples]
         rounding = set(decoding)  # (Sequences compare by identity)
         filling = len(work) > len(decoding)  # prompt chunks too
-        plan = self.k_policy.plan(decoding, filling) if decoding else None
+        plan = self.k_policy.plan(decoding, filling, bool(self.scheduler.waiting)) if decoding else None
         speculating = plan is not None and any(plan.ks)
         plain = [w for w in work if w.seq not in rounding] if speculating else work
         with self.source.placement(drafting=speculating) if self.source else nullcontext():

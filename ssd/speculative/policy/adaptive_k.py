@@ -75,11 +75,12 @@ sequence's expected tokens are weighed by their worth (_worth): the seconds one 
 saves, decoded plainly from here, over the batch's plain step a token. A sequence with the
 k-th most tokens left ends when k sequences remain: V(k, k) - V(k - 1, k - 1), averaged over
 the sequences within a round's gain of it, and at least a quarter of the average (its
-request's user waits for it, whatever it saves the batch). Sequences in step (a batch started together) are
-all worth the average, so that the batch's speed is as before; on two cores (Xeon), 8
-HumanEval requests ran 99 passes with lookups against AR's 103 and spent 0.3 s more in them:
-lookup rounds of sequences that were ahead gained tokens that saved no step. Where requests
-wait, a sequence that ends makes room for one, and every token is worth the average.
+request's user waits for it, whatever it saves the batch). Sequences in step (a batch that
+started together) are all worth the average, so that the batch's speed is as before; on two
+cores (Xeon), 8 HumanEval requests ran 99 passes with lookups against AR's 103 and spent
+0.3 s more in them: lookup rounds of sequences that were ahead gained tokens that saved no
+step. Where requests wait, a sequence that ends makes room for one, and every token is worth
+the average.
 
 While a step also fills prompts (chunked prefill beside decoding sequences), the plain rows
 of the decoding sequences ride in the pass of the prompt chunks, as AR's do, for next to
@@ -530,8 +531,8 @@ class _Batch:
         """Tokens expected and seconds of the round with sequence b at `option`."""
         gain, rows, depth = self.options[b][self.picks[b]]
         others = self.second if depth == self.deepest else self.deepest
-        rows = self.rows - rows + option[1]
-        seconds = max(others, option[2]) * self.draft_step + self.verify(rows, len(self.options))
+        total = self.rows - rows + option[1]
+        seconds = max(others, option[2]) * self.draft_step + self.verify(total, len(self.options))
         return self.gain - gain + option[0], seconds
 
     def per_token(self, b: int, option: tuple[float, int, int]) -> float:

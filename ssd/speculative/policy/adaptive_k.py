@@ -419,8 +419,8 @@ class AutoK(KPolicy):
         best draft K common to all, then each sequence's best option given the others'
         (coordinate ascent)."""
         n, kmax, step = len(options), self.k_max, self.draft_step
-        # Plain loops and each pass size read once a plan: at 64 sequences this is ~1,200
-        # options weighed, and planning is host time beside a GPU's ~16 ms step (module doc).
+        # Plain loops and each pass size read once a plan: at 64 sequences this weighs ~1,200
+        # options, and planning is host time beside a GPU's ~16 ms step (module doc).
         read: dict[int, float] = {}
 
         def verify(rows: int) -> float:

@@ -100,6 +100,7 @@ class Timings:
         self.measured: set[int] = set()
         self.single = max(initial, default=0)  # the largest size f rests on one sequence's passes for
         self.seq_sums = (0.0, 0.0)  # decayed sums of (n - 1) x (V - f(R)) and (n - 1)^2: c's fit
+        self.c = 0.0  # ... and c, kept with them (read with every pass a plan weighs)
         # Readings since the last observation: a batch's plan reads thousands (adaptive_k.py's
         # _best), which at 64 sequences cost more than the GPU's decode step.
         self.read: dict[int, float] = {}
@@ -108,11 +109,12 @@ class Timings:
         """A pass over `size` rows of `seqs` sequences took `seconds`."""
         if seqs > 1 and size <= self.single:
             w, decay = seqs - 1, 1 - TIME_EMA
-            self.seq_sums = (decay * self.seq_sums[0] + w * (seconds - self(size)), decay * self.seq_sums[1] + w * w)
+            s, ww = decay * self.seq_sums[0] + w * (seconds - self(size)), decay * self.seq_sums[1] + w * w
+            self.seq_sums, self.c = (s, ww), max(0.0, s / ww)
             return
         if seqs == 1:
             self.single = max(self.single, size)
-        seconds -= self.per_seq() * (seqs - 1)
+        seconds -= self.c * (seqs - 1)
         old = self.values.get(size)
         self.values[size] = old + TIME_EMA * (seconds - old) if size in self.measured else seconds
         self.measured.add(size)
@@ -120,15 +122,14 @@ class Timings:
 
     def per_seq(self) -> float:
         """c: seconds a pass takes for each sequence beyond the first."""
-        s, w = self.seq_sums
-        return max(0.0, s / w) if w else 0.0
+        return self.c
 
     def __call__(self, size: int, seqs: int = 1) -> float:
         """V(size, seqs)."""
         value = self.read.get(size)
         if value is None:
             value = self.read[size] = min([self._read(size)] + [v for s, v in self.values.items() if s > size])
-        return value + self.per_seq() * (seqs - 1) if seqs > 1 else value
+        return value + self.c * (seqs - 1) if seqs > 1 else value
 
     def _read(self, size: int) -> float:
         if size in self.values:

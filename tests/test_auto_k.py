@@ -51,18 +51,24 @@ def test_expected_tokens_and_timings():
     assert expected_tokens([0.5, 0.5]) == [1.0, 1.5, 1.75]
     t = Timings({1: 1.0, 3: 3.0})
     assert t(2) == 2.0 and t(5) == 5.0 and t(3) == 3.0
-    t.observe(3, 4.0)  # the first measurement replaces the start-up timing, later ones average in
+    t.observe(3, 4.0)  # the first measurement replaces the start-up timing ...
     assert t(3) == 4.0
-    t.observe(3, 3.0)
-    assert 3.0 < t(3) < 4.0
+    t.observe(3, 3.0)  # ... later ones are read as a low quantile of the recent ones
+    assert t(3) == 3.0
+    for _ in range(3):  # a few slow passes move it no further than the quiet ones measured
+        t.observe(3, 30.0)
+    assert t(3) == 4.0
+    for _ in range(12):  # a slowdown that lasts does
+        t.observe(3, 5.0)
+    assert t(3) == 5.0
 
 
 def test_a_pass_never_reads_dearer_than_a_larger_one():
     # A start-up timing caught in a load spike (1 row: 0.5 s) is capped by the larger sizes'.
     t = Timings({1: 0.5, 2: 0.05, 3: 0.06})
     assert t(1) == 0.05 and t(2) == 0.05 and t(3) == 0.06 and t(4) == pytest.approx(0.07)
-    t.observe(2, 0.08)
-    assert t(1) == 0.06  # (now capped by size 3)
+    t.observe(2, 0.08)  # the machine is slower now than at start-up: the sizes not measured follow
+    assert t(3) == pytest.approx(0.096) and t(1) == 0.08
 
 
 def test_a_pass_past_every_measured_size_reads_along_the_curve():

@@ -13,6 +13,7 @@ from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.adaptive_k import AutoK, KPolicy
+from ssd.speculative.policy.costs import Timings
 from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingOffer, SiblingPolicy, choose, sibling_candidates
 from ssd.speculative.records import Alternative, Branch, Proposal, Round
 from ssd.speculative.sources.base import DraftSource
@@ -25,9 +26,12 @@ PROMPTS = ["Write a Python function that reverses a string.", "What is the capit
            "List three prime numbers and say why they are prime.", "def fibonacci(n):"]
 
 
-class Flat:
+class Flat(Timings):
     """A target pass that costs the same over any number of rows (what a bandwidth-bound
     verify pass nearly does), so that every likely sibling is worth its row."""
+
+    def __init__(self):
+        super().__init__({1: 0.05})
 
     def __call__(self, rows: int, seqs: int = 1) -> float:
         return 0.05

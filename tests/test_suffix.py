@@ -13,6 +13,7 @@ from ssd.exactness import pooled_p_value
 from ssd.speculative.policy.siblings import cut
 from ssd.speculative.records import Branch
 from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup
+from test_siblings import Flat
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
 
@@ -68,20 +69,10 @@ def test_greedy_rounds_take_the_trees_branches_where_the_majority_was_wrong(smol
             wrong = want[:j] + [want[j] + 1] + want[j + 1:]
             for answer in (wrong, want, wrong):
                 llm.engine.source.index.add(None, prompt + answer)
-        llm.engine.k_policy.verify = _Flat()
+        llm.engine.k_policy.verify = Flat()
         out = llm.generate([chat], params)[0]
     assert out.token_ids == want
     assert out.metrics.rescues >= 2, out.metrics
-
-
-class _Flat:
-    """A target pass that costs the same over any number of rows: every likely branch is worth its row."""
-
-    def __call__(self, rows: int, seqs: int = 1) -> float:
-        return 0.05
-
-    def observe(self, size: int, seconds: float, seqs: int = 1) -> None:
-        pass
 
 
 def test_the_requests_own_tokens_are_matched_and_its_text_joins_when_it_ends():

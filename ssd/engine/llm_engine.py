@@ -32,7 +32,7 @@ from ssd.request.constraint import Grammars
 from ssd.request.logits_process import LogitsProcessor
 from ssd.request.sampler import next_tokens, token_logprobs
 from ssd.request.sequence import Sequence
-from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.kv_cache import CacheFullError, PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.draft_engine import DraftEngine
@@ -170,11 +170,19 @@ class LLMEngine:
             siblings = (bool(opts.draft_siblings) and local) or (trees and isinstance(self.source, SuffixLookup))
             # The draft's stopping rule (draft_stop.py), where the draft can take it.
             stop = DraftStop() if opts.draft_stop is not False and self.source.stops_by_confidence else None
-            self.k_policy = AutoK(self.k_max, lambda rows: self.runner.timed_pass(rows, repeat=2, taps=self.taps),
+            self.k_policy = AutoK(self.k_max, self._time_verify,
                                   self.source.step_cost, self.source.measures_steps, lookup,
                                   opts.draft_window, siblings, stop, trees)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
+
+    def _time_verify(self, rows: int) -> float | None:
+        """The target's verify pass over `rows` rows of one sequence, timed now (None: every
+        block of the KV cache is held, no pass to time)."""
+        try:
+            return self.runner.timed_pass(rows, repeat=2, taps=self.taps)
+        except CacheFullError:
+            return None
 
     def processor(self, params: SamplingParams, num_prompt_tokens: int) -> LogitsProcessor | None:
         """What the request changes about the logits (None: nothing), checked against this

@@ -60,8 +60,8 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
         states = states.permute(1, 0, 2).reshape(states.shape[1], -1)
     # Every row's argmax read at once (greedy verdicts need nothing else: one read for the
     # batch, not one per sequence). The read waits for the pass, so t2 - t1 is the pass's time
-    # on a GPU too, where the launch returns at once: auto-K's V (on an H200 the launch alone
-    # read 0.3 ms for a 5 ms pass, and auto-K never drafted).
+    # on a GPU too, where the launch returns at once: auto-K's V (timing the launch alone, auto-K
+    # never drafted: docs/decision-log.md).
     best = logits.argmax(-1).tolist() if any(_greedy(s) for s in seqs) else None
     if best is None and logits.is_cuda:
         torch.cuda.current_stream(logits.device).synchronize()

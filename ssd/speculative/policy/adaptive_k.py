@@ -76,22 +76,19 @@ saves, decoded plainly from here, over the batch's plain step a token. A sequenc
 k-th most tokens left ends when k sequences remain: V(k, k) - V(k - 1, k - 1), averaged over
 the sequences within a round's gain of it, and at least a quarter of the average (its
 request's user waits for it, whatever it saves the batch). Sequences in step (a batch that
-started together) are all worth the average, so that the batch's speed is as before; on two
-cores (Xeon), 8 HumanEval requests ran 99 passes with lookups against AR's 103 and spent
-0.3 s more in them: lookup rounds of sequences that were ahead gained tokens that saved no
-step. Where requests wait, a sequence that ends makes room for one, and every token is worth
+started together) are all worth the average, so that the batch's speed is as before (valued
+at the average, lookup rounds of sequences that were ahead gained tokens that saved no step:
+docs/decision-log.md). Where requests wait, a sequence that ends makes room for one, and every token is worth
 the average.
 
 While a step also fills prompts (chunked prefill beside decoding sequences), the plain rows
 of the decoding sequences ride in the pass of the prompt chunks, as AR's do, for next to
 nothing; a drafting round would add a pass of its own (the weights read once more) and the
-draft's steps, and hold back every prompt being filled. So such a step decodes plainly: on
-two cores (Xeon), 8 HumanEval requests at once, the last prompt's first token came 1.3-2.0 s
-after AR's when the first requests drafted while it filled, and as AR's with this rule.
+draft's steps, and hold back every prompt being filled. So such a step decodes plainly, and
+the last prompt's first token comes as AR's does (docs/decision-log.md).
 
 Planning is host time (Python, about 0.1 ms a sequence), which at a large batch on a GPU is a
-large part of a step: 64 sequences of an 8B target on an H200 decode in ~16 ms a step, and SD
-with every K at 0 ran 0.74x AR's speed there. So where a plan drafts nothing (no K, no lookup,
+large part of a step (a GPU's step at a batch of 64 is some 16 ms: docs/decision-log.md). So where a plan drafts nothing (no K, no lookup,
 no probe) and took more than HOLD_SHARE of the step it planned (V(n), at least HOLD_MIN_S),
 it holds for as many rounds as keep planning within that share, unless a new sequence joins.
 Those rounds learn only their time: V(n), and the idle time that every sequence (and the
@@ -105,8 +102,9 @@ from functools import partial
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.plan import Plan, SeqPlan
-from ssd.speculative.policy.costs import TIME_EMA, Acceptance, CatchupCost, Timings, expected_tokens
+from ssd.speculative.policy.costs import Acceptance, CatchupCost, Timings, expected_tokens
 from ssd.speculative.policy.draft_stop import DraftStop, StopRule
+from ssd.speculative.policy.estimators import LowQuantile
 from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingOffer, SiblingPolicy, cut, eligible
 from ssd.speculative.records import Round, argmax_chain
 from ssd.speculative.sources.ngram import PromptLookup
@@ -131,6 +129,8 @@ HOLD_MAX = 32  # rounds a plan holds for at most
 # A token's worth is at least this share of the batch's average (_worth): its request's user waits
 # for it, whatever it saves the batch (where a pass costs the same at any batch size, nothing).
 WORTH_FLOOR = 0.25
+RETAKES = 2  # times the start-up timings are taken again, at most, where rounds find them spiked
+WITHOUT_EMA = 0.2  # a sequence's time a token without the draft, over plain decoding's: its rounds' weight
 
 
 @dataclass
@@ -178,11 +178,12 @@ class FixedK(KPolicy):
 class AutoK(KPolicy):
     """K per sequence and round, 0..k_max, from measured acceptance and costs (module doc)."""
 
-    def __init__(self, k_max: int, verify_time: Callable[[int], float],
+    def __init__(self, k_max: int, verify_time: Callable[[int], float | None],
                  draft_step_s: float | Callable[[], float | None],
                  steps_measured: bool = False, lookup: PromptLookup | None = None, window: int | None = None,
                  siblings: bool = False, stop: DraftStop | None = None, lookup_trees: bool = False):
-        """verify_time(rows): the target's pass over that many rows of one sequence, timed now;
+        """verify_time(rows): the target's pass over that many rows of one sequence, timed now
+        (None: it cannot be now; at start-up it must be);
         draft_step_s: one draft step (0 for a draft that costs nothing, as prompt lookup), or what
         times one now, None where it cannot (then timed again for each new sequence until a round
         measures it: module doc);
@@ -206,9 +207,11 @@ class AutoK(KPolicy):
         wider = [k_max + 1 + m for m in (1, 2, 4, 8, MAX_PER_SEQUENCE)] if siblings or self.lookup_trees else []
         sizes = list(range(1, k_max + 2)) + wider
         self.verify = Timings({r: verify_time(r) for r in sorted(set(sizes))})
+        self.time_verify, self.retakes = verify_time, RETAKES
         self.time_draft = draft_step_s if callable(draft_step_s) else None
         self.draft_step = (self.time_draft() or 0.0) if self.time_draft else draft_step_s  # D(K) = K x draft_step
         self.draft_measured = False
+        self.draft_times = LowQuantile()  # the rounds' draft steps (the start-up timings left out)
         self.catchup = CatchupCost()  # the draft's cost of reading tokens it has not seen
         self.overall = Acceptance(ENGINE_DECAY)  # engine-wide, over every sequence's rounds
         self.seqs: dict[int, SeqState] = {}
@@ -278,7 +281,7 @@ class AutoK(KPolicy):
             state = self.seqs[s.seq_id]
             plain = batch.per_token(b, options[b][0])
             now = batch.without(b) / plain
-            state.without = now if state.without is None else state.without + TIME_EMA * (now - state.without)
+            state.without = now if state.without is None else state.without + WITHOUT_EMA * (now - state.without)
             # Its tokens left, weighed as the options' are; a sequence worth more than the average
             # is so only until it catches up with the others (module doc), so no more than that.
             left = min(worth[b], 1.0) * (s.params.max_tokens - len(s.output_ids))
@@ -367,11 +370,12 @@ class AutoK(KPolicy):
         if self.window is not None and tokens > self.window:
             tokens, start = self.window, 0
         fitted = self.catchup(tokens, tokens * (start + (tokens + 1) / 2))
-        if fitted is None:
+        if fitted is not None:
+            fitted *= self._draft_load()
+        else:
             # Before any catch-up is measured: what a row adds to the target's pass, scaled by the
             # draft's step against the target's. A draft reads a prompt as the target verifies
-            # rows: on two cores (Xeon) 1.7 ms a token for the 0.5B draft, 0.16 of its decode
-            # step (a fixed 5 % of a step priced a batch's first catch-ups at a third of their 2 s).
+            # rows (a fixed share of a step priced them at a third: docs/decision-log.md).
             top = self.k_max + 1
             fitted = tokens * (self.verify(top) - self.verify(1)) / (top - 1) * self.draft_step / self.verify(1)
         return self.draft_step + fitted
@@ -491,15 +495,19 @@ class AutoK(KPolicy):
             else:
                 state.idle_s += draft_s + verify_s
         self.engine_idle_s = 0.0 if any(drafted) else self.engine_idle_s + draft_s + verify_s
+        if rounds[0].timed:  # first: the load that the draft's costs are read at
+            self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s, len(rounds))
+            if self.retakes and self.verify.retake_due():  # (module doc: a spiked start-up)
+                self.retakes -= 1
+                again = {s: self.time_verify(s) for s in self.verify.startup if s not in self.verify.times}
+                self.verify.retake({s: t for s, t in again.items() if t is not None})
         deepest = max(drafted, default=0)  # a round drafts as deep as its longest proposal
         step = step_s if self.steps_measured else draft_s / deepest if deepest else None
         if step is not None:  # None: no step without catch-up this round
-            self.draft_step = self.draft_step + TIME_EMA * (step - self.draft_step) if self.draft_measured else step
+            self.draft_quiet = self.draft_times.observe(step / self._draft_load())
             self.draft_measured = True
         if catchup is not None and catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
-            self.catchup.observe(max(0.0, catchup[0] - self.draft_step), catchup[1], catchup[2])
-        if rounds[0].timed:
-            self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), verify_s, len(rounds))
+            self.catchup.observe(max(0.0, catchup[0] - self.draft_step) / self._draft_load(), catchup[1], catchup[2])
         self.branches.learn([r for r in rounds if not r.proposal.lookup])
         self.lookup_branches.learn([r for r in rounds if r.proposal.lookup])
         if self.stop is not None and any(drafted):
@@ -508,6 +516,20 @@ class AutoK(KPolicy):
                 self.stop.observe(r.proposal.confidences, r.accepted)
             if catchup is None and stopped:  # (a catch-up's pass is no draft step)
                 self.stop.observe_rate(sum(len(r.tokens) for r in rounds), draft_s + verify_s)
+
+    @property
+    def draft_step(self) -> float:
+        """d: seconds a draft step takes now."""
+        return self.draft_quiet * self._draft_load()
+
+    @draft_step.setter
+    def draft_step(self, seconds: float) -> None:
+        self.draft_quiet = seconds / self._draft_load()
+
+    def _draft_load(self) -> float:
+        """The load the draft's costs share with the target's (Timings.scale) where it runs beside
+        it (steps_measured: in this process), else none: they are kept in start-up units."""
+        return self.verify.scale if self.steps_measured else 1.0
 
     def _state(self, seq: Sequence) -> SeqState:
         return self.seqs.setdefault(seq.seq_id, SeqState())
@@ -531,9 +553,8 @@ class _Batch:
     tokens and seconds with that sequence at another option and the others as picked. One
     sequence's saving is then the batch's, so drafting for it must pay for the rows it adds
     beside the others' (and for the draft's steps where the others draft none) against the
-    batch's plain step, not against a plain step of its own: on two cores (Xeon), 8 HumanEval
-    requests at once ran SD at 0.83x AR's speed, rounds drafting for sequences whose saving
-    looked large alone paying catch-ups of up to 2 s. At one sequence it is the saving alone."""
+    batch's plain step, not against a plain step of its own (docs/decision-log.md). At one
+    sequence it is the saving alone."""
 
     def __init__(self, options: list[list[tuple[float, int, int]]], picks: list[int], draft_step: float,
                  verify: Timings):

@@ -3,7 +3,8 @@ position (decayed counts), the tokens a round of K drafts is expected to gain, t
 pass by rows, and the draft's catch-up (docs/cost-model.md, "The speed-up model")."""
 from dataclasses import dataclass, field
 
-TIME_EMA = 0.2  # the moving averages' weight of a new measurement
+from ssd.speculative.policy.estimators import SPIKE, LowQuantile
+
 CATCHUP_DECAY = 0.9  # per catch-up measured (CatchupCost)
 CATCHUP_RIDGE = 0.01  # ... and its diagonal's relative ridge
 
@@ -52,9 +53,8 @@ class CatchupCost:
     """The draft's catch-up beyond a step, fitted as a x tokens + b x keys (the keys their
     attention reads, each token's position + 1 summed) by decayed least squares over the
     catch-ups measured: a long prompt costs more a token than a short one, by attention's
-    share, which grows with the context (on the Zen 5 host 0.75 ms a token over a 148-token
-    prompt, 1.26 ms over a 960-token one). Tokens count in thousands and keys in millions, so
-    the two columns are of a size."""
+    share, which grows with the context (docs/decision-log.md). Tokens count in thousands and
+    keys in millions, so the two columns are of a size."""
 
     def __init__(self) -> None:
         self.sums: list[float] | None = None  # decayed sums of n n, n k, k k, n y, k y
@@ -78,58 +78,80 @@ class CatchupCost:
 
 
 class Timings:
-    """The target's pass: V(R, n) = f(R) + c (n - 1) for R rows of n sequences. f, one sequence's
-    pass by rows, is kept as moving averages read with interpolation; c, what each further
-    sequence adds (its own context's attention, its rows' bookkeeping), is fitted to batch
-    passes (decayed least squares through zero, each pass weighted by n - 1). One table keyed
-    by rows alone mixed the two: on two cores (Xeon, 250-token contexts) a pass of 9 rows costs
-    79 ms from one sequence and 86 from eight, 8 rows 66 and 71, so with the 8-row pass measured
-    at a batch and the 9-row one at start-up, a lookup's row in a batch of 8 read 5.6 ms where it
-    cost 15. A batch pass past every size one sequence measured (R rows of a large batch) goes
-    to f, less the fitted c.
+    """The target's pass: V(R, n) = f(R) + c (n - 1) for R rows of n sequences, times the
+    machine's load now. f, one sequence's pass by rows, is read per size as a low quantile of
+    its recent passes (estimators.py); c, what each further sequence adds (its own context's
+    attention, its rows' bookkeeping), as a low quantile of what recent batch passes say of it,
+    (V - f(R)) / (n - 1). A table keyed by rows alone would mix the two (docs/cost-model.md,
+    "Costs"). A batch pass past every size one sequence measured (R rows of a large batch) goes
+    to f, less c. Until a round has measured a size, f there is its start-up timing.
 
-    The start-up timings are replaced by the first round measured at each size (a real round
-    also pays for sampling and verification). A pass over more rows costs at least what one
-    over fewer does, so a reading is capped by every larger size's: a start-up timing caught in
-    a spike of the host's load would otherwise stand until that size ran again, and a plain
-    decoding step that looks dearer than a verify pass makes drafting look free (then K = 0,
-    the size that would correct it, never runs)."""
+    The load (`scale`) is a low quantile of the recent passes over the start-up timings of
+    their sizes, and f and c are kept in start-up units (each pass divided by the load when it
+    ran): a machine that got busier since a size last ran makes it dearer too, so a plain step
+    measured under load is not weighed against drafting sizes last timed quiet (docs/cost-model.md,
+    "Reading the clock"). A start-up timing that a round finds SPIKE times too dear was caught in
+    a spike: its ratios say nothing of the load, unless every round's say so (the start-up as a
+    whole ran in one), and the sizes no round measured may be too (`retake_due`).
+
+    A pass over more rows costs at least what one over fewer does, so a reading is capped by
+    every larger size's: a start-up timing caught in a spike would otherwise stand until that
+    size ran again, and a plain decoding step that looks dearer than a verify pass makes
+    drafting look free (then K = 0, the size that would correct it, never runs)."""
 
     def __init__(self, initial: dict[int, float]):
-        self.values = dict(initial)  # f
-        self.measured: set[int] = set()
+        self.startup = dict(initial)
+        self.values = dict(initial)  # f in start-up units: the measured sizes', the others' start-up timings
+        self.times: dict[int, LowQuantile] = {}  # f's measured sizes
         self.single = max(initial, default=0)  # the largest size f rests on one sequence's passes for
-        self.seq_sums = (0.0, 0.0)  # decayed sums of (n - 1) x (V - f(R)) and (n - 1)^2: c's fit
-        self.c = 0.0  # ... and c, kept with them (read with every pass a plan weighs)
+        self.seq_cost = LowQuantile()  # batch passes' (V - f(R)) / (n - 1), in start-up units
+        self.c = 0.0  # ... read, at least 0 (read with every pass a plan weighs)
+        self.ratios, self.spiked = LowQuantile(), LowQuantile()  # passes over start-up timings: calm ones, spiked
+        self.scale = 1.0  # the load
         # Readings since the last observation: a batch's plan reads thousands (adaptive_k.py's
         # _best), which at 64 sequences cost more than the GPU's decode step.
         self.read: dict[int, float] = {}
 
     def observe(self, size: int, seconds: float, seqs: int = 1) -> None:
         """A pass over `size` rows of `seqs` sequences took `seconds`."""
+        if self.startup.get(size, 0) > 0 and (seqs == 1 or size > self.single):
+            ratio = (seconds - self.per_seq() * (seqs - 1)) / self.startup[size]
+            (self.ratios if ratio * SPIKE >= 1 else self.spiked).observe(ratio)
+            self.scale = self.ratios.value if self.ratios else self.spiked.value
+            self.read.clear()
         if seqs > 1 and size <= self.single:
-            w, decay = seqs - 1, 1 - TIME_EMA
-            s, ww = decay * self.seq_sums[0] + w * (seconds - self(size)), decay * self.seq_sums[1] + w * w
-            self.seq_sums, self.c = (s, ww), max(0.0, s / ww)
+            self.c = max(0.0, self.seq_cost.observe((seconds - self(size)) / (seqs - 1) / self.scale))
             return
         if seqs == 1:
             self.single = max(self.single, size)
-        seconds -= self.c * (seqs - 1)
-        old = self.values.get(size)
-        self.values[size] = old + TIME_EMA * (seconds - old) if size in self.measured else seconds
-        self.measured.add(size)
+        quiet = (seconds - self.per_seq() * (seqs - 1)) / self.scale
+        self.values[size] = self.times.setdefault(size, LowQuantile()).observe(quiet)
+        self.read.clear()
+
+    def retake_due(self) -> bool:
+        """Rounds found a start-up timing caught in a spike: the sizes no round measured may be too."""
+        return bool(self.spiked) and any(s not in self.times for s in self.startup)
+
+    def retake(self, timed: dict[int, float]) -> None:
+        """Start-up timings taken again (`timed`, by size, at the load now): the cheaper of the
+        two stands (a load only makes a pass slower) for the sizes no round measured."""
+        for s, v in timed.items():
+            if s in self.startup and s not in self.times:
+                self.startup[s] = self.values[s] = min(self.startup[s], v / self.scale)
+        self.spiked = LowQuantile()
         self.read.clear()
 
     def per_seq(self) -> float:
         """c: seconds a pass takes for each sequence beyond the first."""
-        return self.c
+        return self.c * self.scale
 
     def __call__(self, size: int, seqs: int = 1) -> float:
         """V(size, seqs)."""
         value = self.read.get(size)
         if value is None:
-            value = self.read[size] = min([self._read(size)] + [v for s, v in self.values.items() if s > size])
-        return value + self.c * (seqs - 1) if seqs > 1 else value
+            value = self.read[size] = self.scale * min([self._read(size)] + [v for s, v in self.values.items()
+                                                                             if s > size])
+        return value + self.per_seq() * (seqs - 1) if seqs > 1 else value
 
     def _read(self, size: int) -> float:
         if size in self.values:
@@ -142,12 +164,11 @@ class Timings:
         elif len(below) >= 2:
             # Past the largest size known: along its last segment, but no flatter than the whole
             # curve's chord. Two sizes that rounds measured close together (a batch's 28 rows,
-            # then 30) can slope down by noise, and extrapolated that far read a pass of 64 rows
-            # at 17 ms where one of 16 took 117 (two cores, Xeon): auto-K then drafted 8 deep
-            # for 16 sequences, a 5 s round.
+            # then 30) can slope down by noise, and extrapolated that far a large batch's pass
+            # read as a fraction of a smaller one's (docs/decision-log.md).
             lo, hi, first = below[-2], below[-1], known[0]
             slope = max((self.values[hi] - self.values[lo]) / (hi - lo),
-                        (self.values[hi] - self(first)) / (hi - first), 0.0)
+                        (self.values[hi] - min(self.values.values())) / (hi - first), 0.0)
             return self.values[hi] + slope * (size - hi)
         elif len(above) >= 2:
             lo, hi = above[0], above[1]

@@ -54,9 +54,9 @@ def main() -> None:
     for i in range(args.engines):
         line = subprocess.run(child, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         runs.append(json.loads(line))
-        print(f"engine {i + 1}: " + "  ".join(f"{n} {r['tok_s']:.1f} tok/s ({r['rounds']} rounds, K 0 in {r['k0_rounds']}, "
-                                              f"{r['ms_per_pass']:.0f} ms a pass, draft {r['draft_s']:.2f} s)"
-                                              for n, r in runs[-1].items()), flush=True)
+        print(f"engine {i + 1}: " + "  ".join(
+            f"{n} {r['tok_s']:.1f} tok/s ({r['rounds']} rounds, K 0 in {r['k0_rounds']}, "
+            f"{r['ms_per_pass']:.0f} ms a pass, draft {r['draft_s']:.2f} s)" for n, r in runs[-1].items()), flush=True)
     for name in PROMPTS:
         speeds = [r[name]["tok_s"] for r in runs]
         median = statistics.median(speeds)

@@ -61,8 +61,7 @@ class _Lookup:
 
     def __init__(self, inner=None, tape: list | None = None, trees: bool = False):
         self.inner, self.tape = inner, tape if tape is not None else []
-        if trees or (inner is not None and hasattr(inner, "tree")):
-            self.tree = self._tree
+        self.offers_trees = trees or (inner is not None and inner.offers_trees)
 
     def match(self, seq, k: int):
         if self.inner is None:
@@ -72,7 +71,7 @@ class _Lookup:
         self.tape.append([list(out[0]), out[1]])
         return out
 
-    def _tree(self, seq, k: int):
+    def tree(self, seq, k: int):
         if self.inner is None:
             tokens, n, branches = self.tape.pop(0)
             return tokens, n, _branches(branches)

@@ -12,8 +12,9 @@ from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
 from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from ssd.speculative.plan import Plan, SeqPlan
-from ssd.speculative.policy.adaptive_k import PROBE_BUDGET, PROBE_K, AutoK
+from ssd.speculative.policy.adaptive_k import AutoK
 from ssd.speculative.policy.costs import CatchupCost, Timings, expected_tokens
+from ssd.speculative.policy.tunables import PROBE_BUDGET, PROBE_K
 from ssd.speculative.records import Proposal, Round
 from ssd.speculative.sources.ngram import PromptLookup
 from test_ngram import REPEATING
@@ -320,18 +321,18 @@ def test_a_plan_that_drafts_nothing_holds_where_planning_is_a_large_part_of_a_st
     for _ in range(200):  # until the draft is off for all and a plan holds
         ks = policy.plan(seqs).ks
         _observe(policy, seqs, ks, [0] * len(ks), 0.002 * max(ks), step(sum(ks) + len(ks)))
-        if policy.hold:
+        if policy.hold.rounds:
             break
-    hold = policy.hold
+    hold = policy.hold.rounds
     assert hold == int(0.004 / (0.03 * step(64))) == 8 and not any(ks)
-    idle, planned[:] = policy.seqs[0].idle_s, []
+    idle, planned[:] = policy.probes.idle_s[0], []
     for _ in range(hold):
         assert policy.plan(seqs).ks == [0] * 64
         _observe(policy, seqs, [0] * 64, [0] * 64, 0.0, step(64))
-    assert planned == [] and policy.seqs[0].idle_s == idle  # held: no planning, idle time kept aside
+    assert planned == [] and policy.probes.idle_s[0] == idle  # held: no planning, idle time kept aside
     policy.plan(seqs)
-    assert planned == [64] and policy.seqs[0].idle_s == pytest.approx(idle + hold * step(64))
-    policy.hold, planned[:] = 5, []
+    assert planned == [64] and policy.probes.idle_s[0] == pytest.approx(idle + hold * step(64))
+    policy.hold.rounds, planned[:] = 5, []
     policy.plan(seqs + [_Seq(64)])
     assert planned == [65]
 
@@ -587,7 +588,7 @@ class _EveryOtherLookup(_FixedCosts):
         self.turn += 1
         mixed = []
         for b, (s, p) in enumerate(zip(seqs, plan.seqs)):
-            tokens = self.found.get(s.seq_id, ([], 0))[0]
+            tokens = self.last.found.get(s.seq_id, ([], 0))[0]
             lookup = tokens if tokens and (self.turn + b) % 2 else None
             mixed.append(SeqPlan(len(tokens) if lookup else p.k, lookup))
         return Plan(mixed)

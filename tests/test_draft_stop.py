@@ -10,7 +10,8 @@ from ssd.models.loader import load_model
 from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.options import SpecOptions
 from ssd.speculative.policy.adaptive_k import AutoK
-from ssd.speculative.policy.draft_stop import BINS, PRIOR_WEIGHT, DraftStop, StopRule
+from ssd.speculative.policy.draft_stop import BINS, DraftStop, StopRule
+from ssd.speculative.policy.tunables import STOP_PRIOR_TOKENS
 from test_ngram import REPEATING
 
 
@@ -26,9 +27,9 @@ def test_calibration_starts_at_the_confidence_and_learns_from_reached_tokens():
     # Tokens 0 and 1 were reached (0 taken, 1 rejected); token 2 never was.
     stop.observe([0.93, 0.91, 0.15], accepted=1)
     top, low = BINS - 1, int(0.15 * BINS)
-    assert stop.reached[top] == pytest.approx(PRIOR_WEIGHT * 0.998 + 2)
-    assert stop.accepted[top] == pytest.approx(PRIOR_WEIGHT * 0.95 * 0.998 + 1)
-    assert stop.reached[low] == pytest.approx(PRIOR_WEIGHT * 0.998)
+    assert stop.reached[top] == pytest.approx(STOP_PRIOR_TOKENS * 0.998 + 2)
+    assert stop.accepted[top] == pytest.approx(STOP_PRIOR_TOKENS * 0.95 * 0.998 + 1)
+    assert stop.reached[low] == pytest.approx(STOP_PRIOR_TOKENS * 0.998)
     for _ in range(200):  # a draft sure of itself and always wrong
         stop.observe([0.95], accepted=0)
     assert stop.chance(0.95) < 0.1
@@ -116,7 +117,7 @@ def test_sd_with_the_stop_is_exact_and_drafts_rounds_of_many_lengths(smollm_dir,
     assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
     lengths = [k for o in outs for k, n in enumerate(o.metrics.k_hist) if n and k]
     assert len(lengths) >= 3, [o.metrics.k_hist for o in outs]
-    assert sum(stop.reached) > BINS * PRIOR_WEIGHT  # calibrated from the rounds
+    assert sum(stop.reached) > BINS * STOP_PRIOR_TOKENS  # calibrated from the rounds
 
 
 def test_sd_without_the_stop_has_none(smollm_dir):

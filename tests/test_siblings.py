@@ -127,9 +127,9 @@ def test_the_policy_takes_likely_siblings_while_a_row_is_worth_it_and_learns_the
     # Rescues seen below the promise lower the calibration (and so the next choice's reach).
     before = policy.calibration
     policy.learn([Round(None, 6, Proposal([0] * 6), branches=flat[0], rescued=0)])
-    assert policy.calibration < before and policy.expected == pytest.approx(sum(promise[j] for j in best))
+    assert policy.calibration < before and policy.taken.trials == pytest.approx(sum(promise[j] for j in best))
     policy.learn([Round(None, 6, Proposal([0] * 6), rescued=1)])  # nothing promised for it: nothing learnt
-    assert policy.rescued == 0
+    assert policy.taken.hits == 0
 
 
 def test_sd_with_siblings_is_exact_and_rescues_rounds(smollm_dir, ar_outputs):

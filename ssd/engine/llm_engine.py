@@ -167,7 +167,7 @@ class LLMEngine:
             # Branches off the chain (siblings.py): a draft's where asked for; suffix decoding's
             # tree, alone or beside a draft, unless turned off.
             trees = opts.draft_siblings is not False
-            siblings = (bool(opts.draft_siblings) and local) or (trees and isinstance(self.source, SuffixLookup))
+            siblings = (bool(opts.draft_siblings) and local) or (trees and self.source.offers_trees)
             # The draft's stopping rule (draft_stop.py), where the draft can take it.
             stop = DraftStop() if opts.draft_stop is not False and self.source.stops_by_confidence else None
             self.k_policy = AutoK(self.k_max, self._time_verify,

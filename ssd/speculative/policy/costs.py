@@ -1,32 +1,25 @@
 """What the speculation policies measure, as the engine runs: a draft's acceptance by
 position (decayed counts), the tokens a round of K drafts is expected to gain, the target's
 pass by rows, and the draft's catch-up (docs/cost-model.md, "The speed-up model")."""
-from dataclasses import dataclass, field
-
-from ssd.speculative.policy.estimators import SPIKE, LowQuantile
-
-CATCHUP_DECAY = 0.9  # per catch-up measured (CatchupCost)
-CATCHUP_RIDGE = 0.01  # ... and its diagonal's relative ridge
+from ssd.speculative.policy.estimators import DecayedRatio, LowQuantile
+from ssd.speculative.policy.tunables import CATCHUP_DECAY, CATCHUP_RIDGE, SPIKE
 
 
-@dataclass
 class Acceptance:
     """Decayed counts, per draft position, of rounds that reached it and accepted it."""
 
-    decay: float
-    reached: list[float] = field(default_factory=list)
-    accepted: list[float] = field(default_factory=list)
+    def __init__(self, decay: float):
+        self.decay = decay
+        self.positions: list[DecayedRatio] = []
+
+    @property
+    def reached(self) -> list[float]:
+        return [p.trials for p in self.positions]
 
     def observe(self, drafted: int, accepted: int) -> None:
-        n = len(self.reached)
-        if drafted > n:
-            self.reached += [0.0] * (drafted - n)
-            self.accepted += [0.0] * (drafted - n)
-        self.reached = [r * self.decay for r in self.reached]
-        self.accepted = [a * self.decay for a in self.accepted]
-        for i in range(min(accepted + 1, drafted)):  # positions 0..accepted were tried
-            self.reached[i] += 1
-            self.accepted[i] += i < accepted
+        self.positions += [DecayedRatio(self.decay) for _ in range(drafted - len(self.positions))]
+        for i, p in enumerate(self.positions):  # positions 0..accepted were tried
+            p.observe(i < accepted, 1.0) if i < min(accepted + 1, drafted) else p.age()
 
     def rates(self, k: int, prior: list[float], weight: float) -> list[float]:
         """a_1..a_k: the observed counts with `weight` rounds of a prior added. The prior at a
@@ -34,9 +27,9 @@ class Acceptance:
         position before: positions not reached yet follow the ones that were."""
         out = []
         for i in range(k):
-            r, a = (self.reached[i], self.accepted[i]) if i < len(self.reached) else (0.0, 0.0)
             p = prior[i] if i == 0 else min(1.0, prior[i] * out[-1] / max(prior[i - 1], 1e-6))
-            out.append((a + weight * p) / (r + weight))
+            counts = self.positions[i] if i < len(self.positions) else DecayedRatio(self.decay)
+            out.append(counts.rate(p, weight))
         return out
 
 
@@ -108,8 +101,8 @@ class Timings:
         self.c = 0.0  # ... read, at least 0 (read with every pass a plan weighs)
         self.ratios, self.spiked = LowQuantile(), LowQuantile()  # passes over start-up timings: calm ones, spiked
         self.scale = 1.0  # the load
-        # Readings since the last observation: a batch's plan reads thousands (adaptive_k.py's
-        # _best), which at 64 sequences cost more than the GPU's decode step.
+        # Readings since the last observation: a batch's plan reads thousands (choose.py), which
+        # at 64 sequences cost more than the GPU's decode step.
         self.read: dict[int, float] = {}
 
     def observe(self, size: int, seconds: float, seqs: int = 1) -> None:

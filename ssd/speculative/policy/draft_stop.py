@@ -27,11 +27,9 @@ which weighs the batch's costs, stands there. Replayed on the bench sets' greedy
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
-BINS = 10
-PRIOR_WEIGHT = 2.0  # the prior f(c) = c, worth this many tokens per bin
-DECAY = 0.998  # per round
-RATE_EMA = 0.2
+from ssd.speculative.policy.estimators import DecayedRatio
+from ssd.speculative.policy.tunables import STOP_BINS as BINS
+from ssd.speculative.policy.tunables import STOP_DECAY, STOP_PRIOR_TOKENS, STOP_RATE_EMA
 
 
 def _bin(confidence: float) -> int:
@@ -74,36 +72,42 @@ class DraftStop:
     auto-K owns one and plans each round's StopRule from it."""
 
     def __init__(self) -> None:
-        self.reached = [PRIOR_WEIGHT] * BINS
-        self.accepted = [PRIOR_WEIGHT * (i + 0.5) / BINS for i in range(BINS)]
+        # f by bin, starting from the prior f(c) = c at the bin's middle.
+        self.bins = [DecayedRatio(STOP_DECAY, STOP_PRIOR_TOKENS * (i + 0.5) / BINS, STOP_PRIOR_TOKENS)
+                     for i in range(BINS)]
         # A sequence's tokens and seconds per drafting round, moving averages: their ratio is
         # the rate (steadier than averaging the rounds' own rates, which go from 1 token to k_max + 1).
         self.tokens: float | None = None
         self.seconds = 0.0
 
+    @property
+    def reached(self) -> list[float]:
+        return [b.trials for b in self.bins]
+
+    @property
+    def accepted(self) -> list[float]:
+        return [b.hits for b in self.bins]
+
     def chance(self, confidence: float) -> float:
         """f(c): how often the target took a drafted token of this top-1 probability."""
-        b = _bin(confidence)
-        return self.accepted[b] / self.reached[b]
+        return self.bins[_bin(confidence)].rate()
 
     def rule(self, k_max: int, step_s: float, verify: Callable[[int], float], fallback_rate: float) -> StopRule:
         """This round's rule, from the draft step's and the verify pass's costs; the rate is
         the rounds' measured one, or `fallback_rate` before any round was measured."""
         rate = self.tokens / self.seconds if self.tokens is not None else fallback_rate
         mean = sum(self.accepted) / sum(self.reached)
-        return StopRule(tuple(a / r for a, r in zip(self.accepted, self.reached)),
+        return StopRule(tuple(b.rate() for b in self.bins),
                         tuple(rate * (step_s + verify(j + 2) - verify(j + 1)) / max(mean, 1e-6)
                               for j in range(1, k_max)))
 
     def observe(self, confidences: list[float], accepted: int) -> None:
         """A round's drafted tokens' top-1 probabilities and how many the target took: each
         token up to the first rejected one was reached."""
-        self.reached = [r * DECAY for r in self.reached]
-        self.accepted = [a * DECAY for a in self.accepted]
+        for b in self.bins:
+            b.age()
         for j, c in enumerate(confidences[:accepted + 1]):
-            b = _bin(c)
-            self.reached[b] += 1
-            self.accepted[b] += j < accepted
+            self.bins[_bin(c)].add(j < accepted)
 
     def observe_rate(self, tokens: float, seconds: float) -> None:
         """A round of the rule's: its tokens, and its draft and verify time."""
@@ -112,5 +116,5 @@ class DraftStop:
         if self.tokens is None:
             self.tokens, self.seconds = tokens, seconds
         else:
-            self.tokens += RATE_EMA * (tokens - self.tokens)
-            self.seconds += RATE_EMA * (seconds - self.seconds)
+            self.tokens += STOP_RATE_EMA * (tokens - self.tokens)
+            self.seconds += STOP_RATE_EMA * (seconds - self.seconds)

@@ -7,14 +7,14 @@ quantile of its last TIME_WINDOW measurements (`LowQuantile`): a few slow passes
 it, a slowdown that lasts over most of the window does (it is then the machine's speed), and a
 machine that calms is read again within a few passes. A moving average, which every slow pass
 pulls up for good until faster ones pull it back, made auto-K's choices follow the clock.
+
+What is counted rather than timed (a draft's acceptance by position, its calibration by
+confidence, how often branches are taken) is a `DecayedRatio`: hits among trials, each count
+decayed by a factor a round so that the recent rounds weigh most.
 """
 from collections import deque
 
-TIME_WINDOW = 16  # measurements a time is read over
-TIME_QUANTILE = 0.25  # ... as this quantile of them (a slowdown is taken once it holds 3/4 of the window)
-# A measurement this many times its reading or more is a spike: it counts at that bound in a
-# fit that weighs every measurement (CatchupCost), so that a few slow ones move it little.
-SPIKE = 1.5
+from ssd.speculative.policy.tunables import TIME_QUANTILE, TIME_WINDOW
 
 
 class LowQuantile:
@@ -37,3 +37,26 @@ class LowQuantile:
 
     def __bool__(self) -> bool:
         return self.value is not None
+
+
+class DecayedRatio:
+    """Decayed counts of hits among trials (module doc), read with a prior worth `weight` trials."""
+
+    def __init__(self, decay: float, hits: float = 0.0, trials: float = 0.0):
+        self.decay, self.hits, self.trials = decay, hits, trials
+
+    def age(self) -> None:
+        """One round older: every count decays."""
+        self.hits *= self.decay
+        self.trials *= self.decay
+
+    def add(self, hit: float, trials: float = 1.0) -> None:
+        self.hits += hit
+        self.trials += trials
+
+    def observe(self, hit: float, trials: float = 1.0) -> None:
+        self.age()
+        self.add(hit, trials)
+
+    def rate(self, prior: float = 0.0, weight: float = 0.0) -> float:
+        return (self.hits + weight * prior) / (self.trials + weight)

@@ -39,11 +39,9 @@ from dataclasses import dataclass
 from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.speculative.policy.costs import expected_tokens
+from ssd.speculative.policy.estimators import DecayedRatio
+from ssd.speculative.policy.tunables import BRANCH_DECAY, BRANCH_PRIOR_RESCUES, MAX_PER_SEQUENCE
 from ssd.speculative.records import Alternative, Branch, Proposal, Round
-
-MAX_PER_SEQUENCE = 12  # branch rows a sequence's round may add
-DECAY = 0.98  # per round with branches: the calibration follows the recent text
-PRIOR_WEIGHT = 2.0  # expected rescues' worth of the prior factor 1
 
 
 def eligible(seq: Sequence) -> bool:
@@ -147,20 +145,18 @@ class SiblingPolicy:
     """How often one kind of proposal's branches are taken, learnt from its rounds."""
 
     def __init__(self) -> None:
-        self.rescued = 0.0  # decayed branch tokens taken
-        self.expected = 0.0  # decayed branch tokens the draft's probabilities promised
+        # Branch tokens taken among those the draft's probabilities promised, decayed.
+        self.taken = DecayedRatio(BRANCH_DECAY)
 
     @property
     def calibration(self) -> float:
-        return (self.rescued + PRIOR_WEIGHT) / (self.expected + PRIOR_WEIGHT)
-
+        return self.taken.rate(1.0, BRANCH_PRIOR_RESCUES)
 
     def learn(self, rounds: list[Round]) -> None:
         """Rounds of this policy's kind (the draft's, or a lookup's)."""
         for r in rounds:
             if r.branches:
-                self.rescued = self.rescued * DECAY + r.rescued
-                self.expected = self.expected * DECAY + sum(b.promise for b in r.branches)
+                self.taken.observe(r.rescued, sum(b.promise for b in r.branches))
 
 
 def keep_path(cache: PagedKVCache, seq: Sequence, path: list[int], chain: int) -> None:

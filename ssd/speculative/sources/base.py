@@ -31,6 +31,9 @@ class DraftSource:
     # Whether, in this process, its rounds may end where the draft's confidence in its own
     # tokens says (draft_stop.py): a draft whose tokens are the target's.
     stops_by_confidence = False
+    # Whether it proposes a tree of branches off its tokens (`tree`, suffix decoding's): auto-K
+    # then offers them where it proposes (siblings.py).
+    offers_trees = False
     weights: str | None = None  # how a draft model's weights are held, "auto" resolved (None: no model)
     # The target layers whose entering hidden states it reads (a feature head): the target's
     # passes then give them, to `states` and in each round's record.

@@ -168,6 +168,8 @@ class SuffixLookup(DraftSource):
     """draft="suffix"; beside a draft model, auto-K's lookup (adaptive_k.py) takes its `match`
     as it takes prompt lookup's."""
 
+    offers_trees = True
+
     def __init__(self, index: SuffixIndex | None = None):
         super().__init__()
         self.index = index if index is not None else SuffixIndex()

@@ -32,7 +32,7 @@ from ssd.speculative.policy.costs import Acceptance, Timings, expected_tokens
 from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.policy.model import CostModel, RoundTimes
 from ssd.speculative.policy.rules import (Branches, CatchupGate, Explore, Hold, Planning, Probes, Rule,
-                                          StopAtConfidence, best_cases)
+                                          StopAtConfidence, best_cases, hope)
 from ssd.speculative.policy.tunables import (ENGINE_DECAY, ENGINE_EVIDENCE, LOOKUP_PRIOR, MAX_PER_SEQUENCE,
                                              PRIOR_RATE, PRIOR_ROUNDS, SEQ_DECAY, SEQ_ROUNDS)
 from ssd.speculative.records import Branch, Round, argmax_chain
@@ -169,13 +169,18 @@ class AutoK(KPolicy):
         p.learning = not self.engine_knows()
         missed = [s.num_tokens - self.seqs[s.seq_id].seen for s in seqs]
         p.catchup = [self.model.catchup_s(m, s.num_tokens) if m > 2 else 0.0 for m, s in zip(missed, seqs)]
-        p.best_case = best_cases(p, self.model)
+        p.plain = [p.batch.per_token(b, opts[0]) for b, opts in enumerate(p.options)]
+        p.hope = hope(self.model)
+        p.best_case = best_cases(p)
         for rule in self.rules:
             rule.adjust(p, self.model)
         return p
 
     def _rates(self, seq: Sequence) -> SeqRates:
-        return self.seqs.setdefault(seq.seq_id, SeqRates())
+        state = self.seqs.get(seq.seq_id)
+        if state is None:
+            state = self.seqs[seq.seq_id] = SeqRates()
+        return state
 
     def engine_knows(self) -> bool:
         """Enough recent rounds engine-wide that a sequence may be refused drafting by them."""

@@ -25,11 +25,11 @@ class Acceptance:
         """a_1..a_k: the observed counts with `weight` rounds of a prior added. The prior at a
         position is `prior` there, scaled by how this one's rate compared with `prior` at the
         position before: positions not reached yet follow the ones that were."""
-        out = []
+        out, positions = [], self.positions
         for i in range(k):
             p = prior[i] if i == 0 else min(1.0, prior[i] * out[-1] / max(prior[i - 1], 1e-6))
-            counts = self.positions[i] if i < len(self.positions) else DecayedRatio(self.decay)
-            out.append(counts.rate(p, weight))
+            # (a position not reached yet: no counts, the prior alone)
+            out.append(positions[i].rate(p, weight) if i < len(positions) else (0.0 + weight * p) / (0.0 + weight))
         return out
 
 

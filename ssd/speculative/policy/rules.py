@@ -37,6 +37,8 @@ class Planning:
     batch: BatchRound | None = None  # the round the batch's choice made
     learning: bool = False  # too little measured to refuse a catch-up
     catchup: list[float] = field(default_factory=list)  # per sequence, its draft's catch-up now
+    plain: list[float] = field(default_factory=list)  # ... the batch's seconds a token with it decoding plainly
+    hope: Option = (1.0, 1, 0)  # drafting at the prior's rates, at its best K (hope())
     best_case: list[float] = field(default_factory=list)  # ... what drafting would save at the prior's rates
     probing: set[int] = field(default_factory=set)  # seq_ids probing on their own budget
     engine_probe: int | None = None  # the seq_id probing on the engine's budget
@@ -84,13 +86,12 @@ class CatchupGate(Rule):
         self.without: dict[int, float] = {}  # seq_id -> its time a token without the draft, over plain's
 
     def adjust(self, p: Planning, model: CostModel) -> None:
-        hope = _hope(model)
         for b, s in enumerate(p.seqs):
-            plain = p.batch.per_token(b, p.options[b][0])
+            plain = p.plain[b]
             now = p.batch.without(b) / plain
             old = self.without.get(s.seq_id)
             self.without[s.seq_id] = w = now if old is None else old + WITHOUT_EMA * (now - old)
-            hoped = (p.worth[b] * hope[0], *hope[1:])
+            hoped = (p.worth[b] * p.hope[0], *p.hope[1:])
             option = hoped if p.learning else p.options[b][min(p.picks[b], p.k_max)]
             saving = p.batch.saving(b, option, w * plain, _left(s, p.worth[b]))
             if 0 < p.picks[b] <= p.k_max and p.catchup[b] > max(model.verify(1), saving):
@@ -276,7 +277,7 @@ class Hold(Rule):
         return seconds
 
 
-def _hope(model: CostModel) -> Option:
+def hope(model: CostModel) -> Option:
     """The option drafting would be at the prior's rates, at its best K: the most a draft could
     do as far as anything is known (CatchupGate while learning, and Probes' best case)."""
     hopeful = expected_tokens([PRIOR_RATE] * model.k_max)
@@ -290,9 +291,8 @@ def _left(s: Sequence, worth: float) -> float:
     return min(worth, 1.0) * (s.params.max_tokens - len(s.output_ids))
 
 
-def best_cases(p: Planning, model: CostModel) -> list[float]:
+def best_cases(p: Planning) -> list[float]:
     """Per sequence, what drafting would save over its tokens left at the prior's rates, against
     plain decoding (no probe, nor a catch-up while learning, where it could not pay)."""
-    hope = _hope(model)
-    return [p.batch.saving(b, (p.worth[b] * hope[0], *hope[1:]), p.batch.per_token(b, p.options[b][0]),
-                           _left(s, p.worth[b])) for b, s in enumerate(p.seqs)]
+    return [p.batch.saving(b, (p.worth[b] * p.hope[0], *p.hope[1:]), p.plain[b], _left(s, p.worth[b]))
+            for b, s in enumerate(p.seqs)]

@@ -84,8 +84,8 @@ class Timings:
     ran): a machine that got busier since a size last ran makes it dearer too, so a plain step
     measured under load is not weighed against drafting sizes last timed quiet (docs/cost-model.md,
     "Reading the clock"). A start-up timing that a round finds SPIKE times too dear was caught in
-    a spike: its ratios say nothing of the load, unless every round's say so (the start-up as a
-    whole ran in one), and the sizes no round measured may be too (`retake_due`).
+    a spike: its ratios say nothing of the load, and the sizes no round measured may have been
+    caught too (`retake_due`: they are timed again).
 
     A pass over more rows costs at least what one over fewer does, so a reading is capped by
     every larger size's: a start-up timing caught in a spike would otherwise stand until that
@@ -99,8 +99,9 @@ class Timings:
         self.single = max(initial, default=0)  # the largest size f rests on one sequence's passes for
         self.seq_cost = LowQuantile()  # batch passes' (V - f(R)) / (n - 1), in start-up units
         self.c = 0.0  # ... read, at least 0 (read with every pass a plan weighs)
-        self.ratios, self.spiked = LowQuantile(), LowQuantile()  # passes over start-up timings: calm ones, spiked
-        self.scale = 1.0  # the load
+        self.ratios = LowQuantile()  # passes over their sizes' start-up timings (none caught in a spike)
+        self.scale = 1.0  # the load: their low quantile
+        self.spiked = False  # a round found a start-up timing caught in a spike since the last retake
         # Readings since the last observation: a batch's plan reads thousands (choose.py), which
         # at 64 sequences cost more than the GPU's decode step.
         self.read: dict[int, float] = {}
@@ -109,9 +110,11 @@ class Timings:
         """A pass over `size` rows of `seqs` sequences took `seconds`."""
         if self.startup.get(size, 0) > 0 and (seqs == 1 or size > self.single):
             ratio = (seconds - self.per_seq() * (seqs - 1)) / self.startup[size]
-            (self.ratios if ratio * SPIKE >= 1 else self.spiked).observe(ratio)
-            self.scale = self.ratios.value if self.ratios else self.spiked.value
-            self.read.clear()
+            if ratio * SPIKE >= 1:
+                self.scale = self.ratios.observe(ratio)
+                self.read.clear()
+            else:
+                self.spiked = True
         if seqs > 1 and size <= self.single:
             self.c = max(0.0, self.seq_cost.observe((seconds - self(size)) / (seqs - 1) / self.scale))
             return
@@ -123,7 +126,7 @@ class Timings:
 
     def retake_due(self) -> bool:
         """Rounds found a start-up timing caught in a spike: the sizes no round measured may be too."""
-        return bool(self.spiked) and any(s not in self.times for s in self.startup)
+        return self.spiked and any(s not in self.times for s in self.startup)
 
     def retake(self, timed: dict[int, float]) -> None:
         """Start-up timings taken again (`timed`, by size, at the load now): the cheaper of the
@@ -131,7 +134,7 @@ class Timings:
         for s, v in timed.items():
             if s in self.startup and s not in self.times:
                 self.startup[s] = self.values[s] = min(self.startup[s], v / self.scale)
-        self.spiked = LowQuantile()
+        self.spiked = False
         self.read.clear()
 
     def per_seq(self) -> float:

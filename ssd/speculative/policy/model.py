@@ -125,10 +125,11 @@ class CostModel:
         if times.timed:
             self.verify.observe(sum(r.drafted + len(r.branches) for r in rounds) + len(rounds), times.verify_s,
                                 len(rounds))
-            if self.retakes and self.verify.retake_due():  # (a spiked start-up: Timings)
+            if self.retakes and self.verify.retake_due():  # (a spiked start-up: Timings; the draft's too)
                 self.retakes -= 1
                 again = {s: self.time_verify(s) for s in self.verify.startup if s not in self.verify.times}
                 self.verify.retake({s: t for s, t in again.items() if t is not None})
+                self.time_draft_again()
         deepest = max(drafted, default=0)  # a round drafts as deep as its longest proposal
         step = times.step_s if self.steps_measured else times.draft_s / deepest if deepest else None
         if step is not None:  # None: no step without catch-up this round

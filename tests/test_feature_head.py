@@ -197,11 +197,11 @@ def test_a_heads_tree_rows_are_its_chain_rows_for_those_tokens(smollm_dir, tmp_p
                       [(tree.candidates[i], logits.clone()) for i, *_, logits in tree.frontier]))
         return real_grow(self, tree, owner, step, chain, expand)
 
-    def pick(self, seq, logits, tokens, qs, alts, confs):
-        if forced and not tokens:
-            tokens.append(forced[0])
+    def pick(self, seq, logits, draft, alternative):
+        if forced and not draft.tokens:
+            draft.tokens.append(forced[0])
             return forced[0]
-        return real_pick(self, seq, logits, tokens, qs, alts, confs)
+        return real_pick(self, seq, logits, draft, alternative)
     monkeypatch.setattr(FeatureHead, "_grow", grow)
     monkeypatch.setattr(FeatureHead, "_pick", pick)
     monkeypatch.setattr(FeatureHead, "propose", lambda self, seqs, plans: real(

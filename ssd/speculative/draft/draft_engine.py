@@ -23,11 +23,12 @@ from ssd.runner.chain_graphs import CHAIN_ROWS, ChainSteps
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import WARM_UP_OWNER, Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
+from ssd.speculative.draft.drafting import Drafting, PassTimes
 from ssd.speculative.draft.spec_cache import SpeculationCache
 from ssd.speculative.draft.vocab import DraftHead, ExtraTokens
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.policy.costs import Acceptance, Timings, expected_tokens
-from ssd.speculative.policy.draft_stop import StopRule, take_chain
+from ssd.speculative.policy.draft_stop import StopRule
 from ssd.speculative.records import Alternative, Proposal, argmax_chain, round_k
 from ssd.speculative.sources.ngram_index import NgramIndex
 
@@ -225,24 +226,17 @@ class DraftEngine:
         token's runner-up (requests whose logits nothing changes, ssd/speculative/policy/siblings.py),
         where a rule applied each token's top-1 probability, and the call's timings (step_s,
         catchup: Proposal)."""
-        ks = list(ks)
-        tokens: list[list[int]] = [[] for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        alts: list[list[Alternative]] = [[] for _ in seqs]
-        rules = [rule if rule is not None and argmax_chain(s) else None
-                 for s, rule in zip(seqs, stops or [None] * len(seqs))]
-        confs: list[list[float]] = [[] for _ in seqs]
-        survival = [1.0] * len(seqs)
-        step_s, step_tokens = 0.0, 0  # the passes that fed one or two new context tokens per sequence
-        catchup_s, catchup_tokens, catchup_keys = 0.0, 0, 0.0
+        drafts = [Drafting(k, rule if rule is not None and argmax_chain(s) else None)
+                  for s, k, rule in zip(seqs, ks, stops or [None] * len(seqs))]
+        times = PassTimes()
+        judged = any(d.rule is not None for d in drafts)
         while True:
-            self._forced(seqs, ks, tokens, qs)
-            live = [b for b, k in enumerate(ks) if len(tokens[b]) < k]
+            self._forced(seqs, drafts)
+            live = [b for b, d in enumerate(drafts) if d.left > 0]
             if not live:
                 break
-            if self._chainable([seqs[b] for b in live], [ks[b] - len(tokens[b]) for b in live], alternatives):
-                took, steps = self._draft_chains(seqs, live, ks, tokens, confs, rules, survival)
-                step_s, step_tokens = step_s + took, step_tokens + steps
+            if self._chainable([seqs[b] for b in live], [drafts[b].left for b in live], alternatives):
+                times.step(*self._draft_chains(seqs, live, drafts))
                 break
             start = time.perf_counter()
             chunks, guesses = [], []
@@ -252,15 +246,15 @@ class DraftEngine:
             rows = self._guess_rows(sum(len(seqs[b].tokens) - seqs[b].fed for b in live), len(live))
             for b in live:
                 s = seqs[b]
-                guess = self._guess(s, min(rows, ks[b] - len(tokens[b]) - 1))
+                guess = self._guess(s, min(rows, drafts[b].left - 1))
                 self.kv.reserve(s.seq_id, len(s.tokens) + len(guess))
                 chunks.append(Chunk(s.seq_id, s.tokens[s.fed:] + guess, s.fed, 1 + len(guess)))
                 guesses.append(guess)
             picked, q, runner_up, conf = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
-                                                   [1 + len(g) for g in guesses], alternatives, any(rules))
+                                                   [1 + len(g) for g in guesses], alternatives, judged)
             row, advanced = 0, []
             for i, b in enumerate(live):
-                s, guess = seqs[b], guesses[i]
+                s, guess, d = seqs[b], guesses[i], drafts[b]
                 right = agreed(picked[row:row + len(guess)], guess)  # their K/V stay
                 if guess:
                     self.guessed.observe(len(guess), right)
@@ -270,37 +264,26 @@ class DraftEngine:
                 new = guess[:right] + [picked[row + right]]
                 s.tokens += new
                 if q[i] is not None:
-                    qs[b] += list(q[i][:len(new)])
+                    d.qs += list(q[i][:len(new)])
                 for token, alt in zip(new, runner_up[row:row + len(new)]):
-                    if alt is not None and len(alts[b]) == len(tokens[b]):  # none after a forced token
-                        alts[b].append(alt)
-                    tokens[b].append(token)
-                if rules[b] is not None:  # the tokens of one pass come together: the rule reads the last
-                    for c in conf[row:row + len(new)]:
-                        confs[b].append(c)
-                        survival[b] *= rules[b].chance(c)
-                    if not rules[b].keep_going(survival[b], len(tokens[b])):
-                        ks[b] = len(tokens[b])
+                    if alt is not None and len(d.alternatives) == len(d.tokens):  # none after a forced token
+                        d.alternatives.append(alt)
+                    d.tokens.append(token)
+                if d.rule is not None:  # (the tokens of one pass come together: it reads the last)
+                    d.judge(conf[row:row + len(new)])
                 advanced.append(len(new))
                 row += len(guess) + 1
             # A first pass that feeds a prompt or many tokens missed while K was 0 is catch-up,
-            # not what one more draft token costs (adaptive_k.py reads step_s).
-            if max(len(c.tokens) - len(g) for c, g in zip(chunks, guesses)) <= 2:
-                elapsed = time.perf_counter() - start
-                step_s += elapsed
-                step_tokens += min(advanced)  # the batch is as far as its slowest sequence
+            # not what one more draft token costs (auto-K reads step_s).
+            fed = [len(c.tokens) - len(g) for c, g in zip(chunks, guesses)]
+            elapsed = time.perf_counter() - start
+            if PassTimes.is_step(fed):
+                times.step(elapsed, min(advanced))  # the batch is as far as its slowest sequence
                 if self.pass_time is not None:
                     self.pass_time.observe(sum(len(c.tokens) for c in chunks), elapsed, len(chunks))
             else:
-                catchup_s += time.perf_counter() - start
-                for c, g in zip(chunks, guesses):
-                    n = len(c.tokens) - len(g)
-                    catchup_tokens += n
-                    catchup_keys += n * (c.start + (n + 1) / 2)  # each token attends to those before it and itself
-        step = step_s / step_tokens if step_tokens else None
-        catchup = (catchup_s, catchup_tokens, catchup_keys) if catchup_tokens else None
-        return [Proposal(t, torch.stack(q) if q else None, alternatives=a, confidences=c if rule is not None else None,
-                         step_s=step, catchup=catchup) for t, q, a, c, rule in zip(tokens, qs, alts, confs, rules)]
+                times.catch_up(elapsed, [(c.start, n) for c, n in zip(chunks, fed)])
+        return [d.proposal(times) for d in drafts]
 
     def _step(self, tokens: torch.Tensor, states: None, positions: torch.Tensor, batch) -> tuple[torch.Tensor, None]:
         """One draft step of a chain (ChainSteps): the logits of the head's columns (a chain
@@ -315,13 +298,11 @@ class DraftEngine:
             len(s.tokens) - s.fed == 1 and s.tokens[s.confirmed:] and argmax_chain(s) and not s.extra.known
             for s in seqs) and self.chain.fits(len(seqs), max(left), max(len(s.tokens) for s in seqs) - 1 + max(left))
 
-    def _draft_chains(self, seqs: list[DraftSeq], live: list[int], ks: list[int], tokens: list[list[int]],
-                      confs: list[list[float]], rules: list[StopRule | None], survival: list[float]
-                      ) -> tuple[float, int]:
+    def _draft_chains(self, seqs: list[DraftSeq], live: list[int], drafts: list[Drafting]) -> tuple[float, int]:
         """The rest of the live sequences' chains as one graph of as many steps as the longest
         asks; the stopping rule then cuts each where it would have stopped it. Returns the
         graph's seconds and steps."""
-        n = max(ks[b] - len(tokens[b]) for b in live)
+        n = max(drafts[b].left for b in live)
         starts = [len(seqs[b].tokens) - 1 for b in live]
         for b, start in zip(live, starts):
             self.kv.reserve(seqs[b].seq_id, start + n)
@@ -331,13 +312,11 @@ class DraftEngine:
         picked, conf = self.chain.run([seqs[b].tokens[-1] for b in live], None, starts, keys, n)
         took = time.perf_counter() - t0
         for i, (b, start) in enumerate(zip(live, starts)):
-            s, before = seqs[b], len(tokens[b])
+            s, d = seqs[b], drafts[b]
+            before = len(d.tokens)
             self.kv.written(s.seq_id, start + n)
-            survival[b], stopped = take_chain(rules[b], picked[i][:ks[b] - before], conf[i], tokens[b], confs[b],
-                                              survival[b])
-            if stopped:
-                ks[b] = len(tokens[b])
-            s.tokens += tokens[b][before:]
+            d.take_chain(picked[i], conf[i])
+            s.tokens += d.tokens[before:]
             s.fed = len(s.tokens) - 1  # as after the passes one at a time: the newest token unread
             self.kv.truncate(s.seq_id, s.fed)
         return took, n
@@ -347,9 +326,8 @@ class DraftEngine:
         the most tokens a second, live x E(g) / T(fed + live x g), E(g) = 1 + p_1 + p_1 p_2 +
         ... the tokens a sequence's pass expects with g guessed rows (p_i: how often a guessed
         row was the draft's own pick, the rows before it right), T the pass's measured time by
-        rows and sequences (costs.py's Timings). Where rows are dear (AVX2 without VNNI: a
-        5-row pass of the 1.5B cost 2.07 of a one-row pass on the Zen 5 host with the AVX2
-        build, 1.02-1.06 with its AVX-512 VNNI build), guesses that are often wrong cost more
+        rows and sequences (costs.py's Timings). Where rows are dear (AVX2 without VNNI:
+        docs/decision-log.md), guesses that are often wrong cost more
         than the passes they save; unpriced, they made a drafted token dearer, and auto-K
         drafted less (docs/algorithm.md, "The draft's guesses")."""
         if self.pass_time is None:
@@ -388,19 +366,18 @@ class DraftEngine:
         self.kv.release(s.seq_id)
         s.fed = self.kv.match(s.seq_id, s.tokens, s.params.cache_salt)
 
-    def _forced(self, seqs: list[DraftSeq], ks: list[int], tokens: list[list[int]],
-                qs: list[list[torch.Tensor]]) -> None:
+    def _forced(self, seqs: list[DraftSeq], drafts: list[Drafting]) -> None:
         """Tokens a sequence's constraint forces (the only one it allows) join its draft without
         a forward pass (the target scores them in its verify pass anyway); q is one-hot there."""
-        for b, s in enumerate(seqs):
-            while s.processor is not None and len(tokens[b]) < ks[b]:
+        for s, d in zip(seqs, drafts):
+            while s.processor is not None and d.left > 0:
                 token = s.processor.forced(s.tokens)
                 if token is None:
                     break
                 s.tokens.append(token)
-                tokens[b].append(token)
+                d.tokens.append(token)
                 if not s.params.greedy_decoding:
-                    qs[b].append(torch.nn.functional.one_hot(torch.tensor(token), self.head.vocab).float())
+                    d.qs.append(torch.nn.functional.one_hot(torch.tensor(token), self.head.vocab).float())
 
     @torch.inference_mode()
     def score_speculations(self, seqs: list[DraftSeq]) -> list[tuple[torch.Tensor, torch.Tensor | None]]:

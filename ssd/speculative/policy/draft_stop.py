@@ -52,21 +52,6 @@ class StopRule:
         return depth <= len(self.floors) and survival >= self.floors[depth - 1]
 
 
-def take_chain(rule: StopRule | None, picked: list[int], conf: list[float], drafted: list[int],
-               confs: list[float], survival: float) -> tuple[float, bool]:
-    """A chain drafted ahead of the rule (ssd/runner/chain_graphs.py): its tokens join `drafted`
-    (with a rule, their top-1 probabilities `confs`) up to where the rule stops, as it would
-    have stopped the steps one at a time. Returns the chain's survival and whether it stopped."""
-    for token, c in zip(picked, conf):
-        drafted.append(token)
-        if rule is not None:
-            confs.append(c)
-            survival *= rule.chance(c)
-            if not rule.keep_going(survival, len(drafted)):
-                return survival, True
-    return survival, False
-
-
 class DraftStop:
     """The draft's calibration and the rate of the rule's rounds, learnt from the rounds;
     auto-K owns one and plans each round's StopRule from it."""

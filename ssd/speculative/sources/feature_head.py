@@ -45,9 +45,9 @@ from ssd.runner.cuda_graphs import CapturedSteps
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import WARM_UP_OWNER
 from ssd.sampling_params import SamplingParams
+from ssd.speculative.draft.drafting import Drafting, PassTimes
 from ssd.speculative.draft.eagle import EagleHead
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.policy.draft_stop import take_chain
 from ssd.speculative.policy.siblings import eligible
 from ssd.speculative.records import Alternative, Branch, Proposal, Round, argmax_chain
 from ssd.speculative.sources.base import DraftSource
@@ -178,16 +178,10 @@ class FeatureHead(DraftSource):
         head's own, all sequences in one head pass a step. The proposals carry the passes'
         timings as a draft model's do (Proposal.step_s, .catchup): a first pass that reads more
         than two rows a sequence (rows missed while K was 0, or many accepted) is catch-up."""
-        ks = [p.k if self._ready(s) else 0 for s, p in zip(seqs, plans)]
-        drafting = [b for b, k in enumerate(ks) if k]
-        tokens: list[list[int]] = [[] for _ in seqs]
-        qs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        alts: list[list[Alternative]] = [[] for _ in seqs]
-        rules = [p.stop if p.stop is not None and argmax_chain(s) else None for s, p in zip(seqs, plans)]
-        confs: list[list[float]] = [[] for _ in seqs]
-        survival = [1.0] * len(seqs)
-        cands: list[list[Branch]] = [[] for _ in seqs]
-        step_s, steps, catchup = 0.0, 0, None
+        drafts = [Drafting(p.k if self._ready(s) else 0, p.stop if p.stop is not None and argmax_chain(s) else None)
+                  for s, p in zip(seqs, plans)]
+        drafting = [b for b, d in enumerate(drafts) if d.k]
+        times, cands = PassTimes(), [[] for _ in seqs]
         if drafting:
             # First pass: rows fed..N - 2 of each drafting sequence (N tokens), with the target's
             # states; the last row (the newest token beside the state before it) drafts d_1.
@@ -200,31 +194,25 @@ class FeatureHead(DraftSource):
             t0 = time.perf_counter()
             last = dict(zip(drafting, self._pass(rows)))
             took = time.perf_counter() - t0
-            if max(len(ids) for _, _, ids, _ in rows) <= 2:
-                step_s, steps = took, 1
+            if PassTimes.is_step([len(ids) for _, _, ids, _ in rows]):
+                times.step(took, 1)
             else:
-                catchup = (took, sum(len(ids) for _, _, ids, _ in rows),
-                           sum(len(ids) * (first + (len(ids) + 1) / 2) for _, first, ids, _ in rows))
-            trees = {b: _Tree(seqs[b].num_tokens - 1, seqs[b].num_tokens - 1 + max(ks)) for b in drafting
+                times.catch_up(took, [(first, len(ids)) for _, first, ids, _ in rows])
+            deepest = max(drafts[b].k for b in drafting)
+            trees = {b: _Tree(seqs[b].num_tokens - 1, seqs[b].num_tokens - 1 + deepest) for b in drafting
                      if plans[b].alternatives and argmax_chain(seqs[b]) and eligible(seqs[b])}
             for b, t in trees.items():
-                self.kv.reserve(seqs[b].seq_id, t.free + TREE_EXPAND * max(ks))
+                self.kv.reserve(seqs[b].seq_id, t.free + TREE_EXPAND * deepest)
             chain = self.chain is not None and not trees and self.chain.fits(
-                len(drafting), max(ks) - 1, max(seqs[b].num_tokens for b in drafting) - 2 + max(ks)) and all(
+                len(drafting), deepest - 1, max(seqs[b].num_tokens for b in drafting) - 2 + deepest) and all(
                 seqs[b].params.greedy_decoding and not plans[b].alternatives for b in drafting)
             if chain:
-                took, n = self._draft_chains(seqs, drafting, ks, last, tokens, qs, confs, rules, survival)
-                step_s, steps = step_s + took, steps + n
-            for step in range(0 if chain else max(ks)):
+                times.step(*self._draft_chains(seqs, drafting, drafts, last))
+            for step in range(0 if chain else deepest):
                 picked = {}
                 for b, (logits, _) in last.items():
-                    picked[b] = self._pick(seqs[b], logits, tokens[b], qs[b], alts[b] if plans[b].alternatives and
-                                           b not in trees else None, confs[b] if rules[b] is not None else None)
-                    if rules[b] is not None:
-                        survival[b] *= rules[b].chance(confs[b][-1])
-                        if not rules[b].keep_going(survival[b], len(tokens[b])):
-                            ks[b] = len(tokens[b])
-                going = [b for b in last if step + 1 < ks[b]]
+                    picked[b] = self._pick(seqs[b], logits, drafts[b], plans[b].alternatives and b not in trees)
+                going = [b for b in last if step + 1 < drafts[b].k]
                 rows = {b: self._grow(t, seqs[b].seq_id, step, last[b], b in going) for b, t in trees.items()
                         if b in last}
                 if not going:
@@ -239,7 +227,7 @@ class FeatureHead(DraftSource):
                 branch = [(b, i, node) for b in going for i, node in rows.get(b, [])]
                 t0 = time.perf_counter()
                 out = self._node_pass(chain + [node for *_, node in branch])
-                step_s, steps = step_s + time.perf_counter() - t0, steps + 1
+                times.step(time.perf_counter() - t0, 1)
                 for b, node in zip(going, chain):
                     self.kv.written(seqs[b].seq_id, node.position + 1)
                 last = dict(zip(going, out))
@@ -250,46 +238,32 @@ class FeatureHead(DraftSource):
             for b in drafting:  # the draft rows go: the next round reads them with the target's states
                 self.kv.truncate(seqs[b].seq_id, self.seqs[seqs[b].seq_id].fed)
             for b, t in trees.items():
-                cands[b] = t.branches(len(tokens[b]))
-        step = step_s / steps if steps else None
-        return [Proposal(t, torch.stack(q) if q else None, alternatives=a, candidates=cand,
-                         confidences=c if rule is not None else None, step_s=step, catchup=catchup)
-                for t, q, a, cand, c, rule in zip(tokens, qs, alts, cands, confs, rules)]
+                cands[b] = t.branches(len(drafts[b].tokens))
+        return [d.proposal(times, c) for d, c in zip(drafts, cands)]
 
-    def _draft_chains(self, seqs: list[Sequence], drafting: list[int], ks: list[int],
-                      last: dict[int, tuple[torch.Tensor, torch.Tensor]], tokens: list[list[int]],
-                      qs: list[list[torch.Tensor]], confs: list[list[float]], rules: list, survival: list[float]
-                      ) -> tuple[float, int]:
+    def _draft_chains(self, seqs: list[Sequence], drafting: list[int], drafts: list[Drafting],
+                      last: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, int]:
         """Greedy chains (ChainSteps): each one's first token from the first pass's
         logits, the rest in one graph of as many steps as the longest asks; the stopping rule
         then cuts each where it would have stopped it. Returns the graph's seconds and steps."""
-        going = []
         for b in drafting:
-            self._pick(seqs[b], last[b][0], tokens[b], qs[b], None, confs[b] if rules[b] is not None else None)
-            if rules[b] is not None:
-                survival[b] *= rules[b].chance(confs[b][-1])
-                if not rules[b].keep_going(survival[b], 1):
-                    ks[b] = 1
-            if ks[b] > 1:
-                going.append(b)
+            self._pick(seqs[b], last[b][0], drafts[b], False)
+        going = [b for b in drafting if drafts[b].k > 1]
         if not going:
             return 0.0, 0
-        n = max(ks[b] for b in going) - 1
+        n = max(drafts[b].k for b in going) - 1
         starts = [seqs[b].num_tokens - 1 for b in going]
         for b, start in zip(going, starts):
             self.kv.reserve(seqs[b].seq_id, start + n)
             self.kv.prepare_write(seqs[b].seq_id, start, start + n)
         keys = [self.kv.slot_array(seqs[b].seq_id, start + n) for b, start in zip(going, starts)]
         t0 = time.perf_counter()
-        picked, conf = self.chain.run([tokens[b][-1] for b in going], torch.cat([last[b][1] for b in going]),
+        picked, conf = self.chain.run([drafts[b].tokens[-1] for b in going], torch.cat([last[b][1] for b in going]),
                                       starts, keys, n)
         took = time.perf_counter() - t0
         for i, (b, start) in enumerate(zip(going, starts)):
             self.kv.written(seqs[b].seq_id, start + n)
-            survival[b], stopped = take_chain(rules[b], picked[i][:ks[b] - 1], conf[i], tokens[b], confs[b],
-                                              survival[b])
-            if stopped:
-                ks[b] = len(tokens[b])
+            drafts[b].take_chain(picked[i], conf[i])
         return took, n
 
     def _grow(self, tree: _Tree, owner: int, step: int, chain: tuple[torch.Tensor, torch.Tensor],
@@ -382,28 +356,28 @@ class FeatureHead(DraftSource):
         ends = torch.tensor([len(ids) for _, _, ids, _ in rows]).cumsum(0) - 1
         return [(logits[e:e + 1], out[e:e + 1]) for e in ends.tolist()]
 
-    def _pick(self, seq: Sequence, logits: torch.Tensor, tokens: list[int], qs: list[torch.Tensor],
-              alts: list[Alternative] | None, confs: list[float] | None) -> int:
+    def _pick(self, seq: Sequence, logits: torch.Tensor, d: Drafting, alternative: bool) -> int:
         """The head's next token for seq (argmax, or drawn from its distribution), as a target
-        id; with `alts` its runner-up too (the likeliest other token of the distribution it was
-        picked from: a fair one-hot candidate, siblings.py), with `confs` its top-1 probability."""
+        id, taken into its draft `d`; with `alternative` its runner-up too (the likeliest other
+        token of the distribution it was picked from: a fair one-hot candidate, siblings.py),
+        and where d's stopping rule reads it, its top-1 probability."""
         ids = self.head.draft_to_target
         greedy = seq.params.greedy_decoding
         # A greedy pick needs no distribution unless a policy reads it (runner-up, confidence).
         q = probs_from_logits(logits, seq.params) if not greedy else \
-            torch.softmax(logits, -1) if alts is not None or confs is not None else None
+            torch.softmax(logits, -1) if alternative or d.rule is not None else None
         picked = logits.argmax(-1) if greedy else sample(q, self.seqs[seq.seq_id].generator)
         if not greedy:
             whole = torch.zeros(self.head.config.vocab_size, device=q.device)
             whole[ids] = q[0]
-            qs.append(whole)
-        if alts is not None:
+            d.qs.append(whole)
+        if alternative:
             second = q.scatter(-1, picked.view(1, 1), -1.0).argmax(-1)
-            alts.append(Alternative(int(ids[second]), float(q[0, picked]), float(q[0, second])))
-        if confs is not None:
-            confs.append(float(q.amax()))
+            d.alternatives.append(Alternative(int(ids[second]), float(q[0, picked]), float(q[0, second])))
         token = int(ids[picked])
-        tokens.append(token)
+        d.tokens.append(token)
+        if d.rule is not None:
+            d.judge([float(q.amax())])
         return token
 
     def _seq(self, seq: Sequence) -> HeadSeq:

@@ -252,27 +252,58 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
     requantize: each matrix of more than 5 bits a weight (Q4_0_SOURCES) is requantised to
     Q4_0 instead, one matrix at a time (the embedding, a lookup, is kept). cut: a
     tensor-parallel rank's part of each matrix only (load_gguf_shard)."""
-    index = open_gguf(path)
-    found = {t.name: t for t in tensors(index, path)}
-    rows_key = "" if head_rows is None else hashlib.blake2b(head_rows.numpy().tobytes(), digest_size=8).hexdigest()
-    cut_key = "" if cut is None else f" rank={cut.rank}/{cut.world}"
-    cache = PackCache(path, f"requantize={requantize} head={rows_key}{cut_key}")
+    if cut is not None and head_rows is not None:
+        raise SSDError("a reduced output layer (head_rows) is for a draft, not a tensor-parallel rank")
+    blocks = _Blocks(path, cfg, head_rows, requantize, cut)
+    with torch.device("meta"), no_init():
+        model = DecoderLM(cfg)
+    for i, layer in enumerate(model.layers):
+        blocks.attention(layer.self_attn, f"model.layers.{i}.")
+        blocks.mlp(layer.mlp, f"model.layers.{i}.mlp.")
+    for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
+        if isinstance(module, RMSNorm):
+            module.weight = blocks.vector(f"model.{name}.weight")
+    vocab_rows = None if cut is None else torch.arange(cut.vocab_lo, cut.vocab_hi)
+    model.embed_tokens = blocks.embedding(vocab_rows)
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    model.lm_head = blocks.linear([head], rows=vocab_rows if cut is not None else head_rows)
+    if head_rows is not None:
+        model.full_head = model.embed_tokens if cfg.tie_word_embeddings else full_rows(blocks.get(head), blocks.index)
+    leftover = [n for n, p in model.named_parameters() if p.is_meta]
+    if leftover:
+        raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
+    blocks.cache.save()
+    return model
 
-    def get(name: str) -> GGUFTensor:
-        if name not in found:
-            raise ModelFileError(f"{path}: tensor {name} is missing")
-        return found[name]
 
-    def vector(name: str) -> nn.Parameter:
-        v = dequantize(get(name))
-        return nn.Parameter(gemma_norm(v) if cfg.gemma_norms and name.endswith("norm.weight") else v,
+class _Blocks:
+    """A GGUF file's tensors as load_gguf_blocks builds the model's modules from them."""
+
+    def __init__(self, path: Path, cfg: ModelConfig, head_rows: torch.Tensor | None, requantize: bool,
+                 cut: Cut | None):
+        self.path, self.cfg, self.requantize, self.cut = path, cfg, requantize, cut
+        self.index = open_gguf(path)
+        self.found = {t.name: t for t in tensors(self.index, path)}
+        rows_key = "" if head_rows is None else hashlib.blake2b(head_rows.numpy().tobytes(), digest_size=8).hexdigest()
+        cut_key = "" if cut is None else f" rank={cut.rank}/{cut.world}"
+        self.cache = PackCache(path, f"requantize={requantize} head={rows_key}{cut_key}")
+
+    def get(self, name: str) -> GGUFTensor:
+        if name not in self.found:
+            raise ModelFileError(f"{self.path}: tensor {name} is missing")
+        return self.found[name]
+
+    def vector(self, name: str) -> nn.Parameter:
+        v = dequantize(self.get(name))
+        return nn.Parameter(gemma_norm(v) if self.cfg.gemma_norms and name.endswith("norm.weight") else v,
                             requires_grad=False)
 
-    def kernel_holds(t: GGUFTensor) -> bool:
+    def kernel_holds(self, t: GGUFTensor) -> bool:
         """Whether the kernel runs this matrix (requantised to Q4_0 where asked)."""
         return t.qtype in quant_cpu.SUPPORTED or (
-            requantize and t.qtype in Q4_0_SOURCES and t.shape[-1] % 32 == 0)
+            self.requantize and t.qtype in Q4_0_SOURCES and t.shape[-1] % 32 == 0)
 
+    @staticmethod
     def part(t: GGUFTensor, rows: torch.Tensor | None, cols: tuple[int, int] | None) -> GGUFTensor:
         """Whole quantised rows of t (their blocks are exact), and of those the blocks of columns
         [lo, hi) (a cut at a block's edge)."""
@@ -286,67 +317,92 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
             shape = (shape[0], hi - lo)
         return t if raw is t.raw else replace(t, raw=np.ascontiguousarray(raw), shape=shape)
 
-    def packed(name: str, t: GGUFTensor, rows: torch.Tensor | None = None,
+    def packed(self, name: str, t: GGUFTensor, rows: torch.Tensor | None = None,
                cols: tuple[int, int] | None = None) -> quant_cpu.QuantMatrix:
         """A matrix in the kernel's layout: from the pack cache, else repacked from the file's
         pages (only `rows` and `cols` of it where given)."""
         def make() -> quant_cpu.QuantMatrix:
-            src = part(t, rows, cols)
-            k = to_q4_0(src, index) if requantize else src
+            src = self.part(t, rows, cols)
+            k = to_q4_0(src, self.index) if self.requantize else src
             m = quant_cpu.repack(torch.from_numpy(np.ascontiguousarray(k.raw).reshape(-1)), k.qtype, *k.shape)
-            index.unmap(t.raw)  # read once: its pages need not stay in this process
+            self.index.unmap(t.raw)  # read once: its pages need not stay in this process
             return m
-        return cache.matrix(name, make)
+        return self.cache.matrix(name, make)
 
-    def linear(names: list[str], bias: torch.Tensor | None = None, rows=None,
+    def linear(self, names: list[str], bias: torch.Tensor | None = None, rows=None,
                cols: tuple[int, int] | None = None) -> nn.Module:
         """The parts `names` stacked; rows: one index tensor for every part, or a list of one per
         part; cols: a run of the columns."""
-        parts = [get(n) for n in names]
+        parts = [self.get(n) for n in names]
         per_part = rows if isinstance(rows, list) else [rows] * len(parts)
-        if all(kernel_holds(t) for t in parts):
-            return QuantLinear([packed(n, t, r, cols) for n, t, r in zip(names, parts, per_part)], bias)
+        if all(self.kernel_holds(t) for t in parts):
+            return QuantLinear([self.packed(n, t, r, cols) for n, t, r in zip(names, parts, per_part)], bias)
         plain = [t for t in parts if t.qtype.name not in ("F32", "F16", "BF16")]
         if plain:
             bad = sorted({t.qtype.name for t in plain})
             raise UnsupportedModelError(
-                f"{path}: GGUF type {', '.join(bad)} (in {plain[0].name}) has no CPU kernel here; the kernels cover "
-                f"{', '.join(sorted(q.name for q in quant_cpu.SUPPORTED))}, F32, F16 and BF16. "
+                f"{self.path}: GGUF type {', '.join(bad)} (in {plain[0].name}) has no CPU kernel here; the kernels "
+                f"cover {', '.join(sorted(q.name for q in quant_cpu.SUPPORTED))}, F32, F16 and BF16. "
                 f"Load it with weights='dequantized'")
-        parts = [part(t, r, cols) for t, r in zip(parts, per_part)]
+        parts = [self.part(t, r, cols) for t, r in zip(parts, per_part)]
         kinds = {t.qtype.name for t in parts}
-        w = torch.cat([as_stored(t) if kinds in ({"F16"}, {"BF16"}) else dequantize(t) for t in parts])
+        w = torch.cat([self.as_stored(t) if kinds in ({"F16"}, {"BF16"}) else dequantize(t) for t in parts])
         layer = Linear(w.shape[1], w.shape[0], bias=bias is not None, device="meta")
         layer.weight = nn.Parameter(w, requires_grad=False)
         if bias is not None:
             layer.bias = nn.Parameter(bias, requires_grad=False)
         return layer
 
-    def as_stored(t: GGUFTensor) -> torch.Tensor:
+    def as_stored(self, t: GGUFTensor) -> torch.Tensor:
         """An F16 / BF16 matrix in its own dtype (a copy: the file's pages are dropped): the
         linear kernel reads it as its fp32 values, at half the bytes of an fp32 copy."""
         w = torch.from_numpy(np.array(t.raw)).view(t.shape[0], -1)
-        index.unmap(t.raw)
+        self.index.unmap(t.raw)
         return w if t.qtype.name == "F16" else w.view(torch.bfloat16)
 
-    def gated_mlp(mlp: nn.Module, pre: str, cut: Cut | None = None) -> None:
-        stacked = f"{pre}gate_up_proj.weight" in found  # Phi-3 stacks them in the file
+    def attention(self, attn: nn.Module, pre: str) -> None:
+        cut = self.cut
+        qkv = [f"{pre}self_attn.{p}_proj" for p in "qkv"]
+        rows = None if cut is None else list(cut.qkv_rows())
+        if f"{pre}self_attn.qkv_proj.weight" in self.found:  # Phi-3: stacked in the file
+            qkv = [f"{pre}self_attn.qkv_proj"]
+            rows = None if cut is None else [cut.stacked_qkv_rows()]
+        bias = torch.cat([dequantize(self.get(f"{n}.bias")) for n in qkv]) if self.cfg.qkv_bias else None
+        if bias is not None and cut is not None:
+            bias = bias[cut.stacked_qkv_rows()]
+        attn.qkv_proj = self.linear([f"{n}.weight" for n in qkv], bias, rows=rows)
+        attn.o_proj = self.linear([f"{pre}self_attn.o_proj.weight"], cols=None if cut is None else cut.q)
+
+    def mlp(self, mlp: nn.Module, pre: str) -> None:
+        if isinstance(mlp, SparseMoE):
+            mlp.gate = self.linear([f"{pre}gate.weight"])
+            mlp.experts = self.experts(f"{pre}experts.")
+            if mlp.shared_expert is not None:
+                mlp.shared_expert_gate = self.linear([f"{pre}shared_expert_gate.weight"])
+                self.gated_mlp(mlp.shared_expert, f"{pre}shared_expert.", None)
+        else:
+            self.gated_mlp(mlp, pre, self.cut)
+
+    def gated_mlp(self, mlp: nn.Module, pre: str, cut: Cut | None) -> None:
+        stacked = f"{pre}gate_up_proj.weight" in self.found  # Phi-3 stacks them in the file
         gate_up = [f"{pre}gate_up_proj.weight"] if stacked else [f"{pre}gate_proj.weight", f"{pre}up_proj.weight"]
         rows = None if cut is None else cut.gate_up_rows() if stacked else torch.arange(cut.inter_lo, cut.inter_hi)
-        mlp.gate_up_proj = linear(gate_up, rows=rows)
-        mlp.down_proj = linear([f"{pre}down_proj.weight"], cols=None if cut is None else (cut.inter_lo, cut.inter_hi))
+        mlp.gate_up_proj = self.linear(gate_up, rows=rows)
+        cols = None if cut is None else (cut.inter_lo, cut.inter_hi)
+        mlp.down_proj = self.linear([f"{pre}down_proj.weight"], cols=cols)
 
-    def experts(pre: str) -> nn.Module:
+    def experts(self, pre: str) -> nn.Module:
         """A mixture's experts: each one's slice of the file's stacked tensors, repacked alone
         (or, stored as F32/F16/BF16, one fp32 copy of them all)."""
-        stacked = [get(f"{pre}{kind}_proj.weight") for kind in ("gate", "up", "down")]
+        stacked = [self.get(f"{pre}{kind}_proj.weight") for kind in ("gate", "up", "down")]
         if all(t.qtype in quant_cpu.SUPPORTED for t in stacked):
             mats = []
             for t in stacked:
                 n, rows, cols = t.shape
                 raw = t.raw.reshape(n, rows, -1)
-                mats.append([packed(f"{t.name}#{e}", replace(t, raw=raw[e], shape=(rows, cols))) for e in range(n)])
-                index.unmap(t.raw)
+                mats.append([self.packed(f"{t.name}#{e}", replace(t, raw=raw[e], shape=(rows, cols)))
+                             for e in range(n)])
+                self.index.unmap(t.raw)
             return QuantExperts(*mats)
         n, inter, hidden = stacked[0].shape
         with torch.device("meta"):
@@ -356,56 +412,19 @@ def load_gguf_blocks(path: Path, cfg: ModelConfig, head_rows: torch.Tensor | Non
         dense.down_proj = nn.Parameter(w[2], requires_grad=False)
         return dense
 
-    with torch.device("meta"), no_init():
-        model = DecoderLM(cfg)
-    for i, layer in enumerate(model.layers):
-        pre = f"model.layers.{i}."
-        attn = layer.self_attn
-        qkv = [f"{pre}self_attn.{p}_proj" for p in "qkv"]
-        rows = None if cut is None else list(cut.qkv_rows())
-        if f"{pre}self_attn.qkv_proj.weight" in found:  # Phi-3: stacked in the file
-            qkv = [f"{pre}self_attn.qkv_proj"]
-            rows = None if cut is None else [cut.stacked_qkv_rows()]
-        bias = torch.cat([dequantize(get(f"{n}.bias")) for n in qkv]) if cfg.qkv_bias else None
-        if bias is not None and cut is not None:
-            bias = bias[cut.stacked_qkv_rows()]
-        attn.qkv_proj = linear([f"{n}.weight" for n in qkv], bias, rows=rows)
-        attn.o_proj = linear([f"{pre}self_attn.o_proj.weight"], cols=None if cut is None else cut.q)
-        if isinstance(layer.mlp, SparseMoE):
-            moe = layer.mlp
-            moe.gate = linear([f"{pre}mlp.gate.weight"])
-            moe.experts = experts(f"{pre}mlp.experts.")
-            if moe.shared_expert is not None:
-                moe.shared_expert_gate = linear([f"{pre}mlp.shared_expert_gate.weight"])
-                gated_mlp(moe.shared_expert, f"{pre}mlp.shared_expert.")
-        else:
-            gated_mlp(layer.mlp, f"{pre}mlp.", cut)
-    for name, module in model.named_modules():  # every norm (Qwen3's q/k norms, Gemma's four a layer)
-        if isinstance(module, RMSNorm):
-            module.weight = vector(f"model.{name}.weight")
-    vocab_rows = None if cut is None else torch.arange(cut.vocab_lo, cut.vocab_hi)
-    whole = get("model.embed_tokens.weight")
-    embed = part(whole, vocab_rows, None)
-    if embed.qtype in quant_cpu.SUPPORTED:
+    def embedding(self, vocab_rows: torch.Tensor | None) -> nn.Module:
+        """The embedding on its blocks where the kernel reads them, else fp32."""
+        whole = self.get("model.embed_tokens.weight")
+        embed = self.part(whole, vocab_rows, None)
+        if embed.qtype not in quant_cpu.SUPPORTED:
+            return nn.Embedding.from_pretrained(dequantize(embed))
+
         def blocks() -> quant_cpu.QuantMatrix:  # a copy: the file's pages are unmapped once loading is done
             m = quant_cpu.QuantMatrix(embed.qtype, *embed.shape, torch.from_numpy(embed.raw.reshape(-1).copy()))
-            index.unmap(whole.raw)
+            self.index.unmap(whole.raw)
             return m
-        m = cache.matrix("model.embed_tokens.weight (blocks)", blocks)
-        model.embed_tokens = QuantEmbedding(m.packed, m.qtype, m.rows, m.cols)
-    else:
-        model.embed_tokens = nn.Embedding.from_pretrained(dequantize(embed))
-    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    if cut is not None and head_rows is not None:
-        raise SSDError("a reduced output layer (head_rows) is for a draft, not a tensor-parallel rank")
-    model.lm_head = linear([head], rows=vocab_rows if cut is not None else head_rows)
-    if head_rows is not None:
-        model.full_head = model.embed_tokens if cfg.tie_word_embeddings else full_rows(get(head), index)
-    leftover = [n for n, p in model.named_parameters() if p.is_meta]
-    if leftover:
-        raise ModelFileError(f"{path}: no weights for {leftover[:5]}")
-    cache.save()
-    return model
+        m = self.cache.matrix("model.embed_tokens.weight (blocks)", blocks)
+        return QuantEmbedding(m.packed, m.qtype, m.rows, m.cols)
 
 
 def to_q4_0(t: GGUFTensor, index) -> GGUFTensor:

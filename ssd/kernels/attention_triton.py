@@ -10,8 +10,8 @@ no more (n <= 1,024: tiles of 64, one program each), so its splits depend on n a
 the other tokens of the call, their number or their rows: a query's output has the same bits
 in a decode step, a verify pass, a tree step or a prefill chunk (batch-invariant, as exact
 speculation needs), and a decode step's few tokens are still read by many programs at once
-(one program per token and kv head walked 512 keys in 16 us, a quarter of a small model's
-step on an H200: docs/kernels.md, "GPU").
+(one program per token and kv head took a quarter of a small model's step: docs/kernels.md,
+"GPU").
 
 It reads q_len on the device and never syncs with the host, so a CUDA graph can capture it
 (ssd/runner/cuda_graphs.py). On a CPU it runs only under ``TRITON_INTERPRET=1`` (the tests).

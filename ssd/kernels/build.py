@@ -102,11 +102,9 @@ def _cpu_flags() -> frozenset[str]:
 
 def stream_tuning() -> list[str]:
     """How the quantised matmul streams its weights, per CPU vendor (compiler defines; timing
-    only: the results' bits do not depend on them). The Intel Xeon it was written on: prefetch
-    2048 bytes ahead into L1, four groups of rows side by side for a single row of x. A 2-core
-    AMD EPYC (Zen 4): 8192 bytes ahead into L2 only, one sequential stream per thread; there the
-    1.5B's matrices ran at 28-31 GB/s on two threads instead of 21-24 (bench/README.md,
-    "Weight streaming on AMD")."""
+    only: the results' bits do not depend on them). Intel: prefetch 2048 bytes ahead into L1,
+    four groups of rows side by side for a single row of x. AMD: 8192 bytes ahead into L2 only,
+    one sequential stream per thread (bench/README.md, "Weight streaming on AMD")."""
     if _cpuinfo("vendor_id") == "AuthenticAMD":
         return ["-DSSD_PF_BYTES=8192", "-DSSD_PF_L2=1", "-DSSD_M1_STREAMS=1"]
     return ["-DSSD_PF_BYTES=2048", "-DSSD_PF_L2=0", "-DSSD_M1_STREAMS=4"]

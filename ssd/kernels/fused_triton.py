@@ -4,8 +4,8 @@ RoPE with the KV-cache write, and the gated activation. The GPU twin of fused_cp
 Why: in eager PyTorch these three steps are about 35 small kernels a layer (RMSNorm's upcast,
 square, mean, rsqrt, products and downcast; RoPE's gathers, negation, concatenation, products
 and sums for q and k; the two cache copies; the activation and its product). A captured step
-still pays a few microseconds of launch for each: about 3 ms of a 1.5B model's 4 ms decode
-step on an H200 (docs/kernels.md, "GPU"). Here each step is one kernel.
+still pays a few microseconds of launch for each, most of a small model's decode step
+(docs/kernels.md, "GPU"). Here each step is one kernel.
 
 Each program computes one row (a token, or a token's head) in a fixed order, whatever the other
 rows, so the results are batch-invariant. Arithmetic is fp32, rounded once to the tensor's

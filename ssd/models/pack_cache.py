@@ -1,11 +1,11 @@
 """A GGUF model's matrices as the CPU kernel holds them, kept on disk after the first load.
 
-Repacking every matrix into the kernel's layout (csrc/quant.cpp) runs at about 0.7 GB/s on
-two cores: 7 s of an 8B model's load, each time. The first load of a model whose packed
+Repacking every matrix into the kernel's layout (csrc/quant.cpp) takes seconds of an 8B
+model's load, each time (docs/decision-log.md). The first load of a model whose packed
 matrices reach MIN_BYTES (256 MiB) writes them to one file beside its prepared folder
 (packed-<key>.bin, about the GGUF file's size) with an index (packed-<key>.json, written
 last, so a file cut short is never used); later loads read that file into memory instead
-(at the page cache's or the disk's pace: 4.8 GB in about 2 s warm). The key covers the GGUF
+(at the page cache's or the disk's pace). The key covers the GGUF
 file (path, size, modification time), the packed layout (the kernel's source) and the load's
 options (a draft's requantisation, a reduced head's rows), so a change to any of them makes
 a new file. `SSD_PACK_CACHE=0` turns it off.

@@ -1,8 +1,7 @@
 """CUDA graphs of a model's small forward passes: decode steps, verify passes, draft-tree steps.
 
 Why: eager PyTorch launches a dozen kernels a layer from Python, and at batch 1 the GPU waits
-on the host (on an H100, 28-34 ms a step for a 1.5B model, ~3 % of the memory's rate;
-docs/kernels.md, "GPU"). A graph replays the whole pass in one launch.
+on the host (a few per cent of the memory's rate at batch 1: docs/kernels.md, "GPU"). A graph replays the whole pass in one launch.
 
 A pass of T tokens runs in the graph of the smallest bucket B >= T: its tokens are padded to
 B (a padding token writes its K/V to a scratch slot no sequence owns, and sees only that

@@ -49,15 +49,15 @@ class ModelRunner:
         allocations happen here too. With captured steps, one pass per bucket, so that each
         bucket's graph (of final hidden states with head=False: a draft's passes) is captured
         now: a capture inside a request's pass holds it up, and auto-K would take that time
-        for what drafting costs (on an H200, SD with auto K drafted nothing while the draft's
-        graphs were captured in its first rounds: docs/kernels.md, "GPU")."""
+        for what drafting costs (SD with auto K drafted nothing while the draft's graphs were
+        captured in its first rounds: docs/kernels.md, "GPU")."""
         for rows in self.steps.buckets if self.steps is not None else [1]:
             self.timed_pass(rows, head=head, taps=taps)
         if self.steps is not None:
             # And one eager pass past them (a prompt's chunk, a draft's catch-up), whose kernels
             # Triton may build on first use: a first catch-up that built them, read by auto-K as
             # what every catch-up costs, is the likely reason SD with auto K drafted nothing for
-            # its first requests on an H200 (docs/kernels.md, "GPU").
+            # its first requests on a GPU (docs/kernels.md, "GPU").
             self.timed_pass(self.steps.buckets[-1] + 1, head=head, taps=taps)
 
     @torch.inference_mode()

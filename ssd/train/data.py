@@ -14,8 +14,8 @@ training starts at HELD_BACK.
 Texts (`--text`): the user's text as it is, read by the target without answering (its states
 and next-token choices over the text are the labels, as EAGLE-1 trained on fixed chats): a
 text costs only the target pass that every sequence needs, where an answer costs its answering
-too: on a 2-core Xeon 151 tokens/s of text against 76 of answers (answered at 105, then
-read), about 2x the tokens an hour, at the price of text the target did not write.
+too: about twice the tokens an hour (docs/decision-log.md), at the price of text the target
+did not write.
 A JSONL line {"text": ...} is read as it is, {"messages": [...]} as the whole conversation in
 the model's chat template (the assistant's turns included, tool calls in OpenAI's form as the
 engine renders them); any other file is one text; a
@@ -55,8 +55,8 @@ STDLIB_SKIP = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "
                "pydoc_data"}
 MIN_DOC = 60  # characters: a shorter docstring does not describe a task
 # Prompts handed to the engine at a time. Plain decoding of 16 sequences at once (the engine's
-# running batch) reads the weights once for 16 rows: on a 2-core Xeon 111 tokens/s against 65
-# for SD with the 0.5B draft at 4 and 90 at 16 (SD's gain is a single request's latency).
+# running batch) reads the weights once for 16 rows, faster than SD there (SD's gain is a single
+# request's latency: docs/decision-log.md).
 ANSWER_BATCH = 32
 # The target's next-token distribution kept per position: its likeliest TOP_K tokens (192
 # bytes a token against the states' 9 KB for a 1.5B target; the whole distribution over a

@@ -98,9 +98,8 @@ def run(s: TrainSettings, progress: bool = True) -> dict:
 
 def training_precision(asked: str, width: int = 1536) -> str:
     """auto: bf16 passes where they are faster on this CPU than fp32's, timed on a matmul of the
-    head's width under autocast, as training runs them. Native bf16 made training ~3x faster
-    on a Zen 5 (AVX512-BF16); on a 2-core Xeon VM that reports AVX512-BF16 too, a bf16 matmul
-    ran at 0.56-0.78x fp32's, and training at 144 tokens/s. The weights, their gradients' sums and
+    head's width under autocast, as training runs them: a CPU that reports AVX512-BF16 may
+    still run a bf16 matmul slower than fp32's (docs/decision-log.md). The weights, their gradients' sums and
     AdamW's state are fp32 either way (torch.autocast)."""
     if asked not in ("auto", "bf16", "fp32"):
         raise SSDError(f"precision {asked!r}: auto, bf16 or fp32")

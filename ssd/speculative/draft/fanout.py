@@ -35,8 +35,8 @@ MAX_RANK = 16  # ranks beyond this are counted as "not among the candidates"
 PRIOR_WEIGHT = 8.0  # pseudo-rounds of the prior in the auto estimates
 PRIOR_ACCEPT = 0.8
 MIN_GAIN = 1e-3  # auto: a fork must be the outcome at least this often to get a branch
-# The draft's wait below which a build counts as late: a request that was already there
-# took 0.6-0.7 ms to receive on the AMD EPYC machine (two cores, gloo).
+# The draft's wait below which a build counts as late: above what receiving a request that was
+# already there takes (docs/decision-log.md).
 LATE_S = 2e-3
 
 

@@ -125,8 +125,8 @@ class SSDWorker(DraftSource):
     def placement(self, drafting: bool = True) -> AbstractContextManager:
         """The target's share of the hardware while the worker runs: its cores, pinned. A
         step of prompts alone gives the worker nothing to do, so a worker this engine started
-        on cores of this machine lends them to the target's prefill (on two cores this halves
-        the time to the first token)."""
+        on cores of this machine lends them to the target's prefill (a shorter time to the
+        first token)."""
         if self.channel is None or self.thread is not None:  # a thread: no cores of its own
             return nullcontext()
         cores = self.target.cores

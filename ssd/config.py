@@ -86,8 +86,6 @@ class EngineConfig:
     tensor_parallel_timeout: float = 60.0  # seconds a rank may keep the others waiting before it counts as hung
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
-    # Whether the draft is an EAGLE-3 head (ssd/speculative/draft/eagle.py), not a model; read once.
-    feature_head: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         spec = self.speculation = self.speculation.resolved(self.mode, self.draft in NAMED)
@@ -120,15 +118,8 @@ class EngineConfig:
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.model = resolve_model(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
-        named = self.draft is None or self.draft in NAMED
-        self.feature_head = not named and is_eagle_head(resolve_model(self.draft))
-        if self.feature_head and (self.mode != "sd" or self.tensor_parallel_size > 1):
-            raise SSDError("an EAGLE-3 head drafts in mode 'sd', without tensor parallelism, so far")
-        if self.feature_head and spec.draft_quantization in ("gguf", "q4_0") or \
-                self.feature_head and self.device.type != "cpu" and spec.draft_quantization == "int8":
-            raise SSDError(f"draft_quantization={spec.draft_quantization!r} is not for this draft: an EAGLE-3 head's "
-                           "weights are int8 ('auto' or 'int8' on the CPU) or fp32 (None), on a GPU in the target's "
-                           "dtype ('auto' or None)")
+        if self.draft is not None and self.draft not in NAMED and is_eagle_head(resolve_model(self.draft)):
+            self._check_feature_head()
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
         self.weights = resolve_weights(self.model, self.device, self.weights)  # fail now, before a worker starts
@@ -138,6 +129,16 @@ class EngineConfig:
         elif not (is_int(self.max_model_len) and 1 < self.max_model_len <= limit):
             raise SSDError(f"max_model_len must be in 2..{limit} for this model, got {self.max_model_len}")
         self.kv_cache_tokens = self.kv_cache_tokens or max(self.max_model_len, MIN_CACHE_TOKENS)
+
+    def _check_feature_head(self) -> None:
+        """What an EAGLE-3 head as the draft (ssd/speculative/draft/eagle.py) runs with."""
+        quantization = self.speculation.draft_quantization
+        if self.mode != "sd" or self.tensor_parallel_size > 1:
+            raise SSDError("an EAGLE-3 head drafts in mode 'sd', without tensor parallelism, so far")
+        if quantization in ("gguf", "q4_0") or self.device.type != "cpu" and quantization == "int8":
+            raise SSDError(f"draft_quantization={quantization!r} is not for this draft: an EAGLE-3 head's weights "
+                           "are int8 ('auto' or 'int8' on the CPU) or fp32 (None), on a GPU in the target's dtype "
+                           "('auto' or None)")
 
     def _check_tensor_parallel(self) -> None:
         n = self.tensor_parallel_size
@@ -155,11 +156,8 @@ class EngineConfig:
 
     @property
     def prefix_salt(self) -> str | None:
-        """What names the target's cached blocks besides their tokens (None: no prefix caching;
-        a feature head reads the target's states of every position, so a cached prefix, which
-        the target does not run, would leave it without them)."""
-        return f"{self.model}|{self.dtype}|{self.weights}" if self.enable_prefix_caching and not self.feature_head \
-            else None
+        """What names the target's cached blocks besides their tokens (None: no prefix caching)."""
+        return f"{self.model}|{self.dtype}|{self.weights}" if self.enable_prefix_caching else None
 
     @classmethod
     def from_options(cls, model: str | os.PathLike, options: dict) -> "EngineConfig":

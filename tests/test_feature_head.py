@@ -67,7 +67,7 @@ def test_a_heads_captured_passes_draft_what_its_eager_ones_do(smollm_dir, tmp_pa
     greedy chain's steps after the first as one graph (HeadChain), cut afterwards by the
     stopping rule; on the CPU the same padded static inputs run eagerly, with the same bits
     (batch-invariant kernels): the same proposals, round by round, and greedy output AR's."""
-    import ssd.engine.llm_engine as engine
+    import ssd.engine.draft_start as engine
     write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
     params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
     prompts = [REPEATING, "The capital of France is"]

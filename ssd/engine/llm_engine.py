@@ -1,8 +1,7 @@
 """The engine under LLM (ssd/llm.py): the target model with its KV cache and scheduler, the
-draft source and its K policy, and the step that runs them. The draft source is started here from
-the engine's configuration: the draft loaded in this process (SD), prompt lookup (no draft
-model), or a draft worker on its own cores or GPU (SSD), with the draft side's configuration
-(DraftConfig) derived from the engine's.
+draft source and its K policy, and the step that runs them. The draft source (the draft loaded
+in this process, SD; prompt lookup or suffix decoding, no draft model; a feature head; a draft
+worker on its own cores or GPU, SSD) is started by draft_start.py.
 
 A step is one forward pass of the target over what the scheduler picked: prompt chunks and
 plain decoding steps (AR), and in SD and SSD one speculative round (ssd/speculative/round.py)
@@ -15,19 +14,16 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-from torch import nn
 
 from ssd.checks import check_int
 from ssd.config import EngineConfig
 from ssd.distributed.tensor_parallel import RANK_SECRET_ENV, Ranks, Settings, fingerprint, local_config
 from ssd.distributed.tensor_parallel import load as load_shard
+from ssd.engine.draft_start import start_source
 from ssd.engine.registry import Registry
 from ssd.engine.scheduler import Scheduler, Work
-from ssd.errors import SamplingParamsError, SSDError, VocabularyMismatchError
-from ssd.models.config import ModelConfig
-from ssd.models.decoder import DecoderLM
-from ssd.models.loader import load_tokenizer, shared_model
+from ssd.errors import SamplingParamsError, SSDError
+from ssd.models.loader import shared_model
 from ssd.request.constraint import Grammars
 from ssd.request.logits_process import LogitsProcessor
 from ssd.request.sampler import next_tokens, token_logprobs
@@ -35,25 +31,16 @@ from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import CacheFullError, PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.draft.draft_engine import DraftEngine
-from ssd.speculative.draft.eagle import EagleHead, load_eagle
-from ssd.speculative.draft.fanout import FanOut
-from ssd.speculative.draft.vocab import check_same_vocabulary, head_tokens
-from ssd.speculative.options import AUTO_K, SUFFIX, DraftConfig
+from ssd.speculative.options import AUTO_K, SUFFIX
 from ssd.speculative.plan import Plan
 from ssd.speculative.policy.adaptive_k import AutoK, FixedK, KPolicy
 from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.records import Proposal, Round
 from ssd.speculative.round import speculative_round
 from ssd.speculative.sources.base import DraftSource
-from ssd.speculative.sources.cross_vocab import CrossVocab, draft_steps
-from ssd.speculative.sources.draft_model import DraftModel
-from ssd.speculative.sources.feature_head import FeatureHead
-from ssd.speculative.sources.named import NAMED
 from ssd.speculative.sources.ngram import PromptLookup
-from ssd.speculative.sources.ssd_worker import SSDWorker
 from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup, index_file
-from ssd.store import resolve_model, store_root
+from ssd.store import store_root
 
 # What a step added to a sequence: its new tokens, and whether each was a draft's (LLM.step makes
 # each a StreamChunk).
@@ -65,9 +52,18 @@ class LLMEngine:
         self.config = config
         self.eos_ids = config.model_config.end_ids(tokenizer)
         self.grammars = Grammars(tokenizer, config.model_config.vocab_size, self.eos_ids)
-        # A feature head needs the target's embedding: it starts once the target has loaded.
-        self.source: DraftSource | None = None if config.draft is None or config.feature_head \
-            else start_source(config, tokenizer)
+        # Earlier requests' text for suffix decoding, kept across K policies: draft="suffix"'s
+        # own, else the one beside a draft (--lookup suffix); with suffix_keep, across restarts.
+        self.suffix_index = SuffixIndex(config.speculation.suffix_tokens)
+        self.suffix_file = index_file(store_root(), Path(config.model)) if config.speculation.suffix_keep else None
+        if self.suffix_file is not None and self.suffix_file.exists():
+            try:
+                self.suffix_index.load(self.suffix_file)
+            except (OSError, ValueError, KeyError, IndexError) as e:  # a damaged file: start empty, say so
+                warnings.warn(f"suffix decoding's index in {self.suffix_file} not loaded ({e}); starting empty")
+        # The draft source starts before the target loads (an SSD worker loads its draft meanwhile)
+        # and is attached to it after (a feature head reads the target's embedding).
+        starting = None if config.draft is None else start_source(config, tokenizer, self.suffix_index)
         # The target loads while an SSD worker loads the draft (and tensor-parallel ranks their shares).
         self.ranks = None
         if config.tensor_parallel_size > 1:
@@ -80,12 +76,14 @@ class LLMEngine:
             self.ranks.ready()
         else:
             model = shared_model(config.model, config.device, config.dtype, config.weights)
-        if config.feature_head:
-            self.source = start_feature_head(config, model)
+        self.source: DraftSource | None = None if starting is None else starting.attach(model)
         if self.source:
             self.source.wait_ready()
+        # A source that reads the target's states at every position (a feature head) would lack
+        # them for a cached prefix, which the target does not run: no prefix caching then.
+        salt = config.prefix_salt if self.source is None or not self.source.taps else None
         self.cache = PagedKVCache(local_config(model), config.kv_cache_tokens, config.block_size, config.device,
-                                  config.dtype, config.prefix_salt)
+                                  config.dtype, salt)
         self.registry = Registry()  # everything held per sequence: one release reaches it all
         self.registry.register("target KV cache", self.cache)
         if self.source:
@@ -97,16 +95,6 @@ class LLMEngine:
         self.runner.warm_up(taps=self.taps)
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: KPolicy | None = None
-        # Earlier requests' text for suffix decoding, kept across K policies: draft="suffix"'s
-        # own, else the one beside a draft (--lookup suffix); with suffix_keep, across restarts.
-        self.suffix_index = self.source.index if isinstance(self.source, SuffixLookup) else \
-            SuffixIndex(config.speculation.suffix_tokens)
-        self.suffix_file = index_file(store_root(), Path(config.model)) if config.speculation.suffix_keep else None
-        if self.suffix_file is not None and self.suffix_file.exists():
-            try:
-                self.suffix_index.load(self.suffix_file)
-            except (OSError, ValueError, KeyError, IndexError) as e:  # a damaged file: start empty, say so
-                warnings.warn(f"suffix decoding's index in {self.suffix_file} not loaded ({e}); starting empty")
         if self.source:
             self.set_speculate_k(config.speculation.speculate_k)
         # Drafts sit before the target's own token, and inside the draft model's context.
@@ -283,95 +271,6 @@ class LLMEngine:
                 self.finish(seq)
                 return seq, tokens[:i + 1], from_draft[:i + 1]
         return seq, tokens, from_draft
-
-
-def start_feature_head(config: EngineConfig, target: DecoderLM) -> FeatureHead:
-    """SD with an EAGLE-3 head (the draft folder holds one), checked against the target, its
-    embedding the target's unless the head brings its own."""
-    weights = load_eagle(resolve_model(config.draft), config.model_config)
-    own = weights.embedding
-    embed = target.embed_tokens if own is None else nn.Embedding.from_pretrained(own.float())
-    k = config.speculation.k_max
-    head = EagleHead(weights, embed, config.max_model_len + k + 2)
-    if config.device.type == "cpu":
-        dtype = torch.float32
-        if config.speculation.draft_quantization in ("auto", "int8"):  # a quarter of the bytes a step reads
-            head.quantize_int8()
-    else:  # on a GPU the head's weights are in the target's dtype, as the states it reads; its RoPE tables fp32
-        dtype = config.dtype
-        head.to(config.device)
-        for p in head.parameters():
-            p.data = p.data.to(dtype)
-    # Its rows' keys: positions up to the context and K drafts, and a tree candidate's own.
-    return FeatureHead(head, config.model_config.num_layers,
-                       config.kv_cache_tokens + config.max_num_seqs * (k + 2 * config.block_size), config.block_size,
-                       config.device, config.max_model_len, config.seed, dtype, head_buckets(config),
-                       config.max_model_len + k + 3, k - 1)
-
-
-def head_buckets(config: EngineConfig) -> list[int] | None:
-    """A head's CUDA-graph buckets (rows 1, 2, 4, ... up to a batch's first pass, K + 1 rows a
-    sequence, at most 256); None on a CPU."""
-    rows = config.max_num_seqs * (config.speculation.k_max + 1)
-    return [1 << i for i in range(9) if 1 << i < 2 * rows] if config.device.type == "cuda" else None
-
-
-def start_source(config: EngineConfig, tokenizer) -> DraftSource:
-    """The draft source for the target of `config` (whose tokenizer is given). An SSD worker is
-    only started here; SSDWorker.wait_ready() waits for its draft to load, so the caller can
-    load the target meanwhile."""
-    opts = config.speculation
-    if config.draft in NAMED:
-        return NAMED[config.draft](opts)
-    folder = resolve_model(config.draft)
-    draft_model = ModelConfig.from_folder(folder)
-    draft_tokenizer = load_tokenizer(folder)
-    context = draft_model.max_position_embeddings
-    try:
-        check_same_vocabulary(tokenizer, draft_tokenizer, config.model_config, draft_model)
-    except VocabularyMismatchError as e:
-        if config.mode != "sd":
-            raise VocabularyMismatchError(f"{e}. A draft with another tokenizer drafts in mode 'sd' only, so far") \
-                from None
-        # Any draft for any target: text carries the proposals across (sources/cross_vocab.py).
-        cfg = draft_config(config, folder, draft_model, draft_model.end_ids(draft_tokenizer), same_vocabulary=False)
-        return CrossVocab(DraftEngine.from_config(cfg, config.device), tokenizer, draft_tokenizer, context,
-                          cfg.weights)
-    cfg = draft_config(config, folder, draft_model, config.model_config.end_ids(tokenizer))
-    # SD, and SSD's fallback should its worker fail: the draft in this process.
-    in_process = lambda: DraftEngine.from_config(cfg, config.device)  # noqa: E731
-    if config.mode == "sd":
-        return DraftModel(in_process(), context, cfg.weights)
-    return SSDWorker(cfg, opts.target_placement(config.device), opts.draft_placement(config.device), context,
-                     address=opts.draft_address, secret=opts.secret(), timeout=opts.draft_timeout,
-                     fallback=in_process, in_thread=opts.worker_in_thread(config.device))
-
-
-def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, eos_ids: set[int],
-                 same_vocabulary: bool = True) -> DraftConfig:
-    """What the draft side builds for the engine of `config`, its draft model in `folder`
-    (same_vocabulary False: a draft of another tokenizer, whose head the target's token
-    counts cannot reduce)."""
-    opts = config.speculation
-    k = opts.k_max if same_vocabulary else draft_steps(opts.k_max)  # (another tokenizer's tokens: cross_vocab.py)
-    head = head_tokens(config.model, opts.draft_vocab, draft_model.vocab_size, eos_ids) if same_vocabulary else None
-    fan = FanOut(k, opts.fan_out, opts.fan_out_miss, opts.tree_budget)
-    # The target's tokens, K proposals and a partial block per sequence, and in SSD each
-    # sequence's tree of up to fan.max_size branches per depth, K deep.
-    branches = (k + 1) * fan.max_size if config.mode == "ssd" else 0
-    per_seq = k + 2 * config.block_size + branches * k
-    return DraftConfig(
-        model=str(folder) if opts.draft_address is None else str(config.draft),
-        dtype=str(opts.draft_dtype(config.device, config.dtype)).removeprefix("torch."),
-        weights=opts.draft_weights(folder, config.device), k_max=k,
-        # Another tokenizer may cut the same text into more tokens: room for twice as many.
-        cache_tokens=(1 if same_vocabulary else 2) * config.kv_cache_tokens + config.max_num_seqs * per_seq,
-        block_size=config.block_size,
-        max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
-        fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,
-        backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head),
-        prefix_caching=config.enable_prefix_caching, window=opts.draft_window,
-        guesses=opts.draft_guesses if opts.draft_guesses is not None else config.mode == "sd")
 
 
 def target_buckets(config: EngineConfig, k_max: int) -> list[int] | None:

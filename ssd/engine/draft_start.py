@@ -27,7 +27,6 @@ from ssd.speculative.sources.draft_model import DraftModel
 from ssd.speculative.sources.feature_head import FeatureHead
 from ssd.speculative.sources.named import NAMED
 from ssd.speculative.sources.ssd_worker import SSDWorker
-from ssd.speculative.sources.suffix import SuffixIndex
 from ssd.store import resolve_model
 
 
@@ -41,12 +40,11 @@ class Starting:
         return self.make(target)
 
 
-def start_source(config: EngineConfig, tokenizer, suffix_index: SuffixIndex) -> Starting:
+def start_source(config: EngineConfig, tokenizer) -> Starting:
     """The draft source of `config`'s draft for its target (whose tokenizer is given): a
-    feature head (an EAGLE-3 head's folder) once the target is there, any other now;
-    suffix decoding over the engine's `suffix_index`."""
+    feature head (an EAGLE-3 head's folder) once the target is there, any other now."""
     if config.draft in NAMED:
-        source = NAMED[config.draft](config.speculation, suffix_index)
+        source = NAMED[config.draft](config.speculation)
         return Starting(lambda target: source)
     if is_eagle_head(resolve_model(config.draft)):
         return Starting(lambda target: start_feature_head(config, target))

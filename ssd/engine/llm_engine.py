@@ -52,18 +52,9 @@ class LLMEngine:
         self.config = config
         self.eos_ids = config.model_config.end_ids(tokenizer)
         self.grammars = Grammars(tokenizer, config.model_config.vocab_size, self.eos_ids)
-        # Earlier requests' text for suffix decoding, kept across K policies: draft="suffix"'s
-        # own, else the one beside a draft (--lookup suffix); with suffix_keep, across restarts.
-        self.suffix_index = SuffixIndex(config.speculation.suffix_tokens)
-        self.suffix_file = index_file(store_root(), Path(config.model)) if config.speculation.suffix_keep else None
-        if self.suffix_file is not None and self.suffix_file.exists():
-            try:
-                self.suffix_index.load(self.suffix_file)
-            except (OSError, ValueError, KeyError, IndexError) as e:  # a damaged file: start empty, say so
-                warnings.warn(f"suffix decoding's index in {self.suffix_file} not loaded ({e}); starting empty")
         # The draft source starts before the target loads (an SSD worker loads its draft meanwhile)
         # and is attached to it after (a feature head reads the target's embedding).
-        starting = None if config.draft is None else start_source(config, tokenizer, self.suffix_index)
+        starting = None if config.draft is None else start_source(config, tokenizer)
         # The target loads while an SSD worker loads the draft (and tensor-parallel ranks their shares).
         self.ranks = None
         if config.tensor_parallel_size > 1:
@@ -95,6 +86,16 @@ class LLMEngine:
         self.runner.warm_up(taps=self.taps)
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: KPolicy | None = None
+        # Earlier requests' text for suffix decoding, kept across K policies: draft="suffix"'s
+        # own, else the one beside a draft (--lookup suffix); with suffix_keep, across restarts.
+        own = self.source.suffix_index if self.source else None
+        self.suffix_index = own if own is not None else SuffixIndex(config.speculation.suffix_tokens)
+        self.suffix_file = index_file(store_root(), Path(config.model)) if config.speculation.suffix_keep else None
+        if self.suffix_file is not None and self.suffix_file.exists():
+            try:
+                self.suffix_index.load(self.suffix_file)
+            except (OSError, ValueError, KeyError, IndexError) as e:  # a damaged file: start empty, say so
+                warnings.warn(f"suffix decoding's index in {self.suffix_file} not loaded ({e}); starting empty")
         if self.source:
             self.set_speculate_k(config.speculation.speculate_k)
         # Drafts sit before the target's own token, and inside the draft model's context.

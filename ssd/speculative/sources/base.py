@@ -34,6 +34,9 @@ class DraftSource:
     # Whether it proposes a tree of branches off its tokens (`tree`, suffix decoding's): auto-K
     # then offers them where it proposes (siblings.py).
     offers_trees = False
+    # The index of earlier requests' text it proposes from (suffix decoding's, suffix.py): the
+    # engine keeps it across K policies and saves it (suffix_keep).
+    suffix_index = None
     weights: str | None = None  # how a draft model's weights are held, "auto" resolved (None: no model)
     # The target layers whose entering hidden states it reads (a feature head): the target's
     # passes then give them, to `states` and in each round's record.

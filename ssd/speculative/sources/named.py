@@ -8,8 +8,7 @@ from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.ngram import PromptLookup
 from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup
 
-# name -> the source, from the options and the engine's suffix index (earlier requests' text)
-NAMED: dict[str, Callable[[SpecOptions, SuffixIndex], DraftSource]] = {
-    NGRAM: lambda opts, index: PromptLookup(opts.ngram_min, opts.ngram_max),
-    SUFFIX: lambda opts, index: SuffixLookup(index),
+NAMED: dict[str, Callable[[SpecOptions], DraftSource]] = {
+    NGRAM: lambda opts: PromptLookup(opts.ngram_min, opts.ngram_max),
+    SUFFIX: lambda opts: SuffixLookup(SuffixIndex(opts.suffix_tokens)),
 }

@@ -170,6 +170,10 @@ class SuffixLookup(DraftSource):
 
     offers_trees = True
 
+    @property
+    def suffix_index(self) -> SuffixIndex:
+        return self.index
+
     def __init__(self, index: SuffixIndex | None = None):
         super().__init__()
         self.index = index if index is not None else SuffixIndex()

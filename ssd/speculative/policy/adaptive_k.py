@@ -184,7 +184,8 @@ class AutoK(KPolicy):
 
     def engine_knows(self) -> bool:
         """Enough recent rounds engine-wide that a sequence may be refused drafting by them."""
-        return bool(self.overall.reached) and self.overall.reached[0] >= ENGINE_EVIDENCE
+        first = self.overall.positions[:1]
+        return bool(first) and first[0].trials >= ENGINE_EVIDENCE
 
     def _lookup(self, seq: Sequence, p: Planning) -> list[float]:
         """E(K) for the first K tokens of the sequence's prompt-lookup proposal (up to k_max

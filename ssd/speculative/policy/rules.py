@@ -170,8 +170,8 @@ class Explore(Rule):
 
     def adjust(self, p: Planning, model: CostModel) -> None:
         for b, s in enumerate(p.seqs):
-            k, own = p.ks[b], p.own[b].reached
-            evidence = own[k] if k < len(own) else 0.0  # its own rounds that reached position k + 1
+            k, own = p.ks[b], p.own[b].positions
+            evidence = own[k].trials if k < len(own) else 0.0  # its own rounds that reached position k + 1
             if 0 < k < p.k_max and s.seq_id not in p.probing and s.seq_id not in p.lookups \
                     and self.wait.get(s.seq_id, 0) >= EXPLORE_GAP and evidence < EXPLORE_EVIDENCE:
                 p.ks[b] = k + 1

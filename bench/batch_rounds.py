@@ -26,7 +26,7 @@ KINDS = ("fill", "plain", "lookup", "draft")
 
 
 def kind(rounds: list[Round]) -> str:
-    if not rounds[0].timed:
+    if not rounds[0].times.timed:
         return "fill"
     if any(r.drafted and not r.proposal.lookup for r in rounds):
         return "draft"
@@ -46,7 +46,7 @@ def one(args: argparse.Namespace) -> dict:
         learn = policy.learn
 
         def counted(rounds: list[Round]) -> None:
-            k, r0 = kinds[kind(rounds)], rounds[0]
+            k, r0 = kinds[kind(rounds)], rounds[0].times
             k[0] += 1
             k[1] += sum(len(r.tokens) for r in rounds)
             k[2] += r0.draft_s + r0.verify_s

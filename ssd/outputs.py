@@ -88,8 +88,8 @@ class RequestMetrics:
         self.rounds += 1
         self.k_hist.extend([0] * (asked + 1 - len(self.k_hist)))
         self.k_hist[asked] += 1
-        self.verify_s += r.verify_s
-        if asked == 0 and not r.draft_s and not r.branches and p.hit is None:
+        self.verify_s += r.times.verify_s
+        if asked == 0 and not r.times.draft_s and not r.branches and p.hit is None:
             # A plain step (auto-K's K = 0, most rounds at a batch): nothing else to count.
             self.accepted_hist.extend([0] * (1 - len(self.accepted_hist)))
             self.accepted_hist[0] += 1
@@ -105,7 +105,7 @@ class RequestMetrics:
         for i in range(drafted):
             self.drafted_by_position[i] += 1
             self.accepted_by_position[i] += i < accepted
-        self.draft_s += r.draft_s
+        self.draft_s += r.times.draft_s
         self.tree_s += p.tree_s
         self.backup_s += p.backup_s
         self.draft_idle_s += p.idle_s

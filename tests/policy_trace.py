@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import ssd.speculative.policy.adaptive_k as adaptive_k
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.policy.draft_stop import DraftStop
-from ssd.speculative.records import Branch, Proposal, Round
+from ssd.speculative.records import Branch, Proposal, Round, RoundTimes
 
 
 def _seq(s) -> dict:
@@ -29,13 +29,18 @@ def _seq(s) -> dict:
 def _round(r: Round) -> dict:
     p = r.proposal
     return {"seq": _seq(r.seq), "k": r.k, "drafts": p.tokens, "lookup": p.lookup, "conf": p.confidences,
-            "acc": r.accepted, "tokens": r.tokens, "draft_s": r.draft_s, "verify_s": r.verify_s,
-            "step_s": r.step_s, "catchup": r.catchup, "rescued": r.rescued, "timed": r.timed,
+            "acc": r.accepted, "tokens": r.tokens, "draft_s": r.times.draft_s, "verify_s": r.times.verify_s,
+            "step_s": r.times.step_s, "catchup": r.times.catchup, "rescued": r.rescued, "timed": r.times.timed,
             "branches": [[b.parent, b.token, b.promise] for b in r.branches]}
 
 
 def _plan(plan) -> dict:
     return {"ks": plan.ks, "lookups": [p.lookup for p in plan.seqs], "stop": [p.stop is not None for p in plan.seqs]}
+
+
+def _times(r: dict) -> RoundTimes:
+    catchup = tuple(r["catchup"]) if r["catchup"] else None
+    return RoundTimes(r["draft_s"], r["verify_s"], r["timed"], r["step_s"], catchup)
 
 
 def _branches(rows) -> list[Branch]:
@@ -153,9 +158,7 @@ def replay(trace: dict, policy_class=adaptive_k.AutoK) -> list[tuple[dict, dict]
             elif event[0] == "learn":
                 policy.learn([Round(_as_seq(r["seq"]), r["k"],
                                     Proposal(r["drafts"], lookup=r["lookup"], confidences=r["conf"]), r["acc"],
-                                    r["tokens"], r["draft_s"], r["verify_s"], r["step_s"],
-                                    tuple(r["catchup"]) if r["catchup"] else None,
-                                    branches=_branches(r["branches"]), rescued=r["rescued"], timed=r["timed"])
+                                    r["tokens"], _times(r), branches=_branches(r["branches"]), rescued=r["rescued"])
                               for r in event[1]])
             else:
                 policy.release(event[1])

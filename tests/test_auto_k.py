@@ -15,7 +15,7 @@ from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.adaptive_k import AutoK
 from ssd.speculative.policy.costs import CatchupCost, Timings, expected_tokens
 from ssd.speculative.policy.tunables import PROBE_BUDGET, PROBE_K
-from ssd.speculative.records import Proposal, Round
+from ssd.speculative.records import Proposal, Round, RoundTimes
 from ssd.speculative.sources.ngram import PromptLookup
 from test_ngram import REPEATING
 from tiny_pair import NEW, PROMPT, V, exact_joint
@@ -32,8 +32,8 @@ class _Seq:
 
 def _observe(policy, seqs, drafted, accepted, draft_s, verify_s, step_s=None, catchup=None):
     """One round of the batch `seqs`, as the engine records it (ssd/speculative/round.py)."""
-    policy.learn([Round(s, d, Proposal([0] * d), a, draft_s=draft_s, verify_s=verify_s, step_s=step_s,
-                          catchup=catchup) for s, d, a in zip(seqs, drafted, accepted)])
+    times = RoundTimes(draft_s, verify_s, step_s=step_s, catchup=catchup)
+    policy.learn([Round(s, d, Proposal([0] * d), a, times=times) for s, d, a in zip(seqs, drafted, accepted)])
 
 
 def _policy(k_max=8, draft_step=0.01):
@@ -352,7 +352,7 @@ def test_a_step_that_fills_prompts_decodes_plainly_and_drafting_resumes_after():
     v1 = policy.verify(1)
     for _ in range(5):
         assert policy.plan(seqs, filling=True).ks == [0]
-        policy.learn([Round(seqs[0], 0, Proposal([]), verify_s=9.0, timed=False)])
+        policy.learn([Round(seqs[0], 0, Proposal([]), times=RoundTimes(verify_s=9.0, timed=False))])
     assert policy.verify(1) == v1
     assert policy.plan(seqs).ks == deep
 
@@ -432,8 +432,8 @@ class _FixedCosts(AutoK):
 
     def learn(self, rounds):
         rows = sum(r.drafted + 1 for r in rounds)
-        super().learn([dataclasses.replace(r, draft_s=0.0, verify_s=1.0 + (rows - 1) / 3000, step_s=None,
-                                             catchup=None) for r in rounds])
+        times = RoundTimes(verify_s=1.0 + (rows - 1) / 3000)
+        super().learn([dataclasses.replace(r, times=times) for r in rounds])
 
 
 def test_auto_k_sampling_follows_the_target(tiny_pair):
@@ -493,8 +493,8 @@ def _lookup_round(policy, seq, draft_accepts, kept=None):
     proposal = Proposal(plan.seqs[0].lookup, lookup=True) if lookup else Proposal([0] * k)
     accepted = next((i for i in range(k) if proposal.tokens[i] != truth[i]), k) if lookup else min(k, draft_accepts)
     tokens = truth[:accepted + 1]
-    policy.learn([Round(seq, k, proposal, accepted, tokens, draft_s=0.0 if lookup else 0.01 * k,
-                          verify_s=0.05 + 0.004 * k, step_s=0.01 if k and not lookup else None)])
+    policy.learn([Round(seq, k, proposal, accepted, tokens, RoundTimes(0.0 if lookup else 0.01 * k, 0.05 + 0.004 * k,
+                                                                      step_s=0.01 if k and not lookup else None))])
     seq.token_ids += tokens
     seq.output_ids += tokens
     return k, lookup

@@ -8,7 +8,7 @@ import pytest
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.policy.adaptive_k import AutoK
 from ssd.speculative.policy.costs import Timings
-from ssd.speculative.records import Proposal, Round
+from ssd.speculative.records import Proposal, Round, RoundTimes
 
 K_MAX = 8
 DRAFT_S = 0.008  # the draft's step on a quiet machine
@@ -51,8 +51,8 @@ def _run(rounds: int, load=lambda i: 1.0, start_up=lambda rows: 1.0, draft_start
         (k,) = policy.plan([seq]).ks
         accepted = min(k, lengths[i])
         x = load(i)
-        policy.learn([Round(seq, k, Proposal([0] * k), accepted, draft_s=x * DRAFT_S * k,
-                            verify_s=x * verify_s(k + 1), step_s=x * DRAFT_S if k else None)])
+        times = RoundTimes(x * DRAFT_S * k, x * verify_s(k + 1), step_s=x * DRAFT_S if k else None)
+        policy.learn([Round(seq, k, Proposal([0] * k), accepted, times=times)])
         seq.num_tokens += accepted + 1
         seq.output_ids += [0] * (accepted + 1)
         ks.append(k)

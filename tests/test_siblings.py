@@ -15,7 +15,7 @@ from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.adaptive_k import AutoK, KPolicy
 from ssd.speculative.policy.costs import Timings
 from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, SiblingOffer, SiblingPolicy, choose, sibling_candidates
-from ssd.speculative.records import Alternative, Branch, Proposal, Round
+from ssd.speculative.records import Alternative, Branch, Proposal, Round, RoundTimes
 from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.named import NAMED
 from ssd.speculative.verifier import greedy_tree
@@ -178,8 +178,8 @@ class _FlatSiblings(AutoK):
         return super().plan(seqs, waiting=waiting)
 
     def learn(self, rounds):
-        super().learn([dataclasses.replace(r, draft_s=0.0, verify_s=1.0, step_s=None, catchup=None)
-                       for r in rounds])
+        times = RoundTimes(verify_s=1.0)
+        super().learn([dataclasses.replace(r, times=times) for r in rounds])
 
 
 def _sampled_with_siblings(tiny_pair, n: int) -> tuple[torch.Tensor, list, list[int]]:

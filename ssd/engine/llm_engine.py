@@ -35,7 +35,7 @@ from ssd.speculative.options import AUTO_K, SUFFIX
 from ssd.speculative.plan import Plan
 from ssd.speculative.policy.adaptive_k import AutoK, FixedK, KPolicy
 from ssd.speculative.policy.draft_stop import DraftStop
-from ssd.speculative.records import Proposal, Round
+from ssd.speculative.records import Proposal, Round, RoundTimes
 from ssd.speculative.round import speculative_round
 from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.ngram import PromptLookup
@@ -122,12 +122,12 @@ class LLMEngine:
             pass_s = time.perf_counter() - start
             now = time.perf_counter()
             events, rounds = [], []
+            times = RoundTimes(verify_s=pass_s, timed=not filling)  # a plain round's, where there is one
             for seq, token, lps in drawn:
                 if speculating or seq not in rounding:
                     events.append(self._append(seq, [token], [False], now, lps))
                 else:  # a plain round
-                    rounds.append(Round(seq, 0, Proposal([]), tokens=[token], verify_s=pass_s, logprobs=lps,
-                                        timed=not filling))
+                    rounds.append(Round(seq, 0, Proposal([]), tokens=[token], times=times, logprobs=lps))
             events += self._learn(rounds) if rounds else []
             events += self._speculate(decoding, plan) if speculating else []
         for w in work:  # name the newly full blocks of confirmed tokens (prefix caching)

@@ -1,6 +1,7 @@
 """What a speculative round is made of, as plain data shared by the target's side, the draft
 sources and the policies (docs/algorithm.md, "A speculative round"): the rule for a round's
-K, a draft source's `Proposal` for one sequence, and the round's record, `Round`.
+K, a draft source's `Proposal` for one sequence, and the round's records: `Round` per
+sequence, `RoundTimes` for the batch.
 
 Nothing here imports another module of ssd/speculative/, so that every side can import it.
 """
@@ -83,21 +84,32 @@ class Proposal:
     catchup: tuple[float, int, float] | None = None
 
 
+@dataclass(frozen=True)
+class RoundTimes:
+    """A round's times, the whole batch's (one record, which each sequence's Round holds): the
+    target's wait for the proposals, its pass (timed: a pass of the round's rows alone; False:
+    a plain round whose rows rode in the pass of the step's prompt chunks, as AR's do, so its
+    time is not what the rows cost), and the draft source's timings of its drafting
+    (Proposal.step_s, .catchup)."""
+
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    timed: bool = True
+    step_s: float | None = None
+    catchup: tuple[float, int, float] | None = None
+
+
 @dataclass
 class Round:
     """One sequence's round, from the K asked for to the tokens kept (k = 0: a plain
-    decoding step). The times are the whole batch's."""
+    decoding step), and its batch's times."""
 
     seq: Sequence
     k: int  # draft tokens asked for
     proposal: Proposal
     accepted: int = 0  # draft tokens the target accepted
     tokens: list[int] = field(default_factory=list)  # those tokens, then the target's own
-    draft_s: float = 0.0  # the target's wait for the proposals
-    verify_s: float = 0.0  # the target's pass (the verify pass, or the plain step)
-    # The draft source's timings of the round (Proposal.step_s, .catchup).
-    step_s: float | None = None
-    catchup: tuple[float, int, float] | None = None
+    times: RoundTimes = RoundTimes()
     logprobs: list | None = None  # per token, where the request asked for them (TokenLogprob)
     branches: list[Branch] = field(default_factory=list)  # verified beside the drafts (siblings.py)
     rescued: int = 0  # branch tokens taken: `tokens` are the accepted drafts, those, the target's own
@@ -108,9 +120,6 @@ class Round:
     # that stand, the sequence's newest token before the round, the accepted drafts (and the
     # branches taken), [rows, taps x hidden]; else None.
     states: torch.Tensor | None = None
-    # Whether verify_s is a pass of the rounds' rows alone (False: a plain round whose rows rode
-    # in the pass of the step's prompt chunks, as AR's do: its time is not what the rows cost).
-    timed: bool = True
 
     @property
     def drafted(self) -> int:

@@ -33,7 +33,7 @@ from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.speculative.plan import Plan
 from ssd.speculative.policy.siblings import MAX_PER_SEQUENCE, keep_path, offered
-from ssd.speculative.records import Branch, Proposal, Round
+from ssd.speculative.records import Branch, Proposal, Round, RoundTimes
 from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.verifier import greedy_tree, verify, verify_with_siblings
 
@@ -66,8 +66,9 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
     if best is None and logits.is_cuda:
         torch.cuda.current_stream(logits.device).synchronize()
     t2 = time.perf_counter()
-    # The source's timings of its drafting (the batch's, on each of its proposals).
+    # The batch's times, one record; the source's timings of its drafting are on each of its proposals.
     timed = next((p for p in proposals if not p.lookup), Proposal([]))
+    times = RoundTimes(t1 - t0, t2 - t1, True, timed.step_s, timed.catchup)
     rounds, row = [], 0
     for seq, k, prop, br in zip(seqs, plan.ks, proposals, trees):
         n, first = len(prop.tokens), row
@@ -88,8 +89,7 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
         # Where the draft stopped by its own rule, K was only a cap: the round asked for what it drafted.
         asked_k = k if prop.confidences is None else n
         kept = None if prop.lookup else seq.num_tokens + accepted  # the draft holds the chain, not branches
-        rounds.append(Round(seq, asked_k, prop, accepted, tokens, t1 - t0, t2 - t1, timed.step_s,
-                            timed.catchup, lps, br, len(taken), kept, stand))
+        rounds.append(Round(seq, asked_k, prop, accepted, tokens, times, lps, br, len(taken), kept, stand))
     return rounds
 
 

@@ -30,7 +30,7 @@ from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.choose import BatchRound, choose
 from ssd.speculative.policy.costs import Acceptance, Timings, expected_tokens
 from ssd.speculative.policy.draft_stop import DraftStop
-from ssd.speculative.policy.model import CostModel, RoundTimes
+from ssd.speculative.policy.model import CostModel
 from ssd.speculative.policy.rules import (Branches, CatchupGate, Explore, Hold, Planning, Probes, Rule,
                                           StopAtConfidence, best_cases, hope)
 from ssd.speculative.policy.tunables import (ENGINE_DECAY, ENGINE_EVIDENCE, LOOKUP_PRIOR, MAX_PER_SEQUENCE,
@@ -206,7 +206,7 @@ class AutoK(KPolicy):
     def learn(self, rounds: list[Round]) -> None:
         """One round of the batch (round.py): tokens each sequence drafted and had accepted (and
         what its lookup would have had), the round's times for the cost model, and each rule's."""
-        times = RoundTimes.of(rounds)
+        times = rounds[0].times  # (the batch's, one record)
         if self.hold.learn_held(rounds, times, self.model):
             return
         p = self.last

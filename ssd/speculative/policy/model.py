@@ -4,31 +4,12 @@ worth in a batch, each measured as the engine runs and read at the machine's loa
 """
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.policy.costs import CatchupCost, Timings
 from ssd.speculative.policy.estimators import LowQuantile
 from ssd.speculative.policy.tunables import RETAKES, WORTH_FLOOR
-from ssd.speculative.records import Round
-
-
-@dataclass(frozen=True)
-class RoundTimes:
-    """A round's times, the whole batch's: the wait for proposals, the target's pass (timed:
-    a pass of the round's rows alone), the draft's seconds a step without catch-up where it
-    timed them, and its catch-up (seconds, tokens read, keys their attention read)."""
-
-    draft_s: float
-    verify_s: float
-    timed: bool
-    step_s: float | None
-    catchup: tuple[float, int, float] | None
-
-    @classmethod
-    def of(cls, rounds: list[Round]) -> "RoundTimes":
-        r = rounds[0]
-        return cls(r.draft_s, r.verify_s, r.timed, r.step_s, r.catchup)
+from ssd.speculative.records import Round, RoundTimes
 
 
 class CostModel:

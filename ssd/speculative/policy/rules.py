@@ -10,11 +10,11 @@ from ssd.request.sequence import Sequence
 from ssd.speculative.policy.choose import BatchRound, Option
 from ssd.speculative.policy.costs import Acceptance, expected_tokens
 from ssd.speculative.policy.draft_stop import DraftStop, StopRule
-from ssd.speculative.policy.model import CostModel, RoundTimes
+from ssd.speculative.policy.model import CostModel
 from ssd.speculative.policy.siblings import SiblingOffer, SiblingPolicy, cut, eligible
 from ssd.speculative.policy.tunables import (EXPLORE_EVIDENCE, EXPLORE_GAP, HOLD_MAX, HOLD_MIN_S, HOLD_SHARE,
                                              PRIOR_RATE, PROBE_BACKOFF, PROBE_BUDGET, PROBE_K, WITHOUT_EMA)
-from ssd.speculative.records import Branch, Round, argmax_chain
+from ssd.speculative.records import Branch, Round, RoundTimes, argmax_chain
 
 
 @dataclass

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import ssd.speculative.policy.adaptive_k as adaptive_k
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.policy.draft_stop import DraftStop
-from ssd.speculative.records import Branch, Proposal, Round, RoundTimes
+from ssd.speculative.records import Branch, Capabilities, Proposal, Round, RoundTimes
 
 
 def _seq(s) -> dict:
@@ -66,7 +66,8 @@ class _Lookup:
 
     def __init__(self, inner=None, tape: list | None = None, trees: bool = False):
         self.inner, self.tape = inner, tape if tape is not None else []
-        self.offers_trees = trees or (inner is not None and inner.offers_trees)
+        trees = trees or (inner is not None and inner.capabilities.offers_trees)
+        self.capabilities = Capabilities(offers_trees=trees)
 
     def match(self, seq, k: int):
         if self.inner is None:
@@ -83,10 +84,6 @@ class _Lookup:
         tokens, n, branches = self.inner.tree(seq, k)
         self.tape.append([list(tokens), n, [[b.parent, b.token, b.promise] for b in branches]])
         return tokens, n, branches
-
-    def release(self, seq_id: int) -> None:
-        if self.inner is not None:
-            self.inner.release(seq_id)
 
 
 def _taped(fn: Callable | None, tape: list) -> Callable | None:

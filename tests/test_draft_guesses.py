@@ -14,7 +14,7 @@ from ssd.speculative.draft.draft_engine import GUESS_PROBE, GUESS_ROWS, DraftEng
 from ssd.speculative.policy.costs import Timings
 from test_draft_window import fed
 from test_ngram import REPEATING
-from tiny_pair import NEW, PROMPT
+from tiny_pair import NEW, PROMPT, drafter
 
 
 def _rounds(engine: DraftEngine, prompt: list[int], rounds: int, k: int, steps: list | None = None
@@ -80,7 +80,7 @@ def test_sd_with_guesses_is_exact(smollm_dir, truncated_draft, ar_outputs, every
     params = SamplingParams.greedy(max_tokens=48, ignore_eos=True)
     prompts = [REPEATING, "List three prime numbers and say why they are prime."]
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=6, draft_guesses=True) as llm:
-        engine = llm.engine.source.engine
+        engine = drafter(llm).engine
         guess, guessed = engine._guess, []
 
         def counted(s, most):
@@ -108,7 +108,7 @@ def test_sampled_requests_take_no_guesses(tiny_pair, every_row):
     sampled = SamplingParams(temperature=1.0, max_tokens=NEW, ignore_eos=True)
     greedy = SamplingParams.greedy(max_tokens=NEW, ignore_eos=True)
     with LLM(target, draft=draft, mode="sd", speculate_k=4, draft_guesses=True, seed=3) as llm:
-        engine = llm.engine.source.engine
+        engine = drafter(llm).engine
         guess, given = engine._guess, {True: 0, False: 0}
 
         def counted(s, most):

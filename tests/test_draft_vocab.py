@@ -9,7 +9,7 @@ from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
 from ssd.speculative.draft.vocab import counts_path, reduced_vocabulary
-from tiny_pair import NEW, PROMPT, V, exact_joint
+from tiny_pair import NEW, PROMPT, V, exact_joint, drafter
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea."]
 
@@ -65,7 +65,7 @@ def test_reduced_head_greedy_equals_ar(counts_for, smollm_dir, truncated_draft, 
     counts_for(smollm_dir, tok_counts)
     params = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
     with LLM(smollm_dir, draft=truncated_draft, mode=mode, speculate_k=3, draft_vocab=4096) as llm:
-        engine = llm.engine.source.engine if mode == "sd" else None
+        engine = drafter(llm).engine if mode == "sd" else None
         outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == ar_outputs(PROMPTS, params)
     assert sum(o.metrics.accepted for o in outs) > 0
@@ -84,7 +84,7 @@ def test_reduced_head_sampling_follows_the_target(counts_for, tiny_pair, tiny_ti
     params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
     with LLM(target, draft=draft, mode="sd", speculate_k=2, max_num_seqs=500, seed=4,
              draft_vocab=3 if tied else 5) as llm:
-        head = llm.engine.source.engine.head
+        head = drafter(llm).engine.head
         assert head.ids.tolist() == ([1, 2, 6] if tied else [1, 2, 3, 5, 6]) and head.extends == tied
         outs = llm.generate([PROMPT] * n, params)
         prompt_ids = llm.encode(PROMPT)
@@ -142,12 +142,12 @@ def test_an_untied_gguf_head_reads_any_row_from_the_file(tiny_pair, tmp_path):
 def test_auto_takes_a_reduced_head_where_counts_are_known(counts_for, smollm_dir, truncated_draft):
     from ssd.speculative.options import AUTO_DRAFT_VOCAB
     with LLM(smollm_dir, draft=truncated_draft, mode="sd") as llm:  # no counts for SmolLM2: the full head
-        assert llm.engine.source.engine.head.ids is None
+        assert drafter(llm).engine.head.ids is None
     counts_for(smollm_dir, {5: 3, 9: 1})
     with LLM(smollm_dir, draft=truncated_draft, mode="sd") as llm:
-        assert llm.engine.source.engine.head.ids.numel() == AUTO_DRAFT_VOCAB < 49152
+        assert drafter(llm).engine.head.ids.numel() == AUTO_DRAFT_VOCAB < 49152
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_vocab="full") as llm:
-        assert llm.engine.source.engine.head.ids is None
+        assert drafter(llm).engine.head.ids is None
     with pytest.raises(SSDError, match="draft_vocab must be an integer, 'auto', 'full' or None"):
         LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_vocab="half")
 

@@ -6,6 +6,7 @@ from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
 from test_auto_k import _EveryOtherLookup
 from test_ngram import REPEATING
+from tiny_pair import drafter
 
 WINDOW = 16
 LONG = "Summarise: " + " ".join(f"item {i} is {'red' if i % 3 else 'blue'}." for i in range(40))
@@ -30,7 +31,7 @@ def test_sd_with_a_draft_window_is_exact_and_reads_at_most_the_window(smollm_dir
     prompts = [LONG, REPEATING]
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_window=WINDOW) as llm:
         llm.engine.k_policy = _EveryOtherLookup(k_max=4)
-        draft = llm.engine.source.engine
+        draft = drafter(llm).engine
         sizes = fed(draft)
         offsets = []
         release = draft.release

@@ -16,7 +16,7 @@ from ssd.speculative.policy.draft_stop import StopRule
 from ssd.speculative.sources.feature_head import TREE_WIDTH, FeatureHead
 from test_eagle import write_authors, write_speculators
 from test_ngram import REPEATING
-from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values
+from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values, drafter
 
 
 def test_sd_with_a_head_is_exact_and_reads_the_targets_states(smollm_dir, tmp_path, ar_outputs, monkeypatch):
@@ -32,8 +32,8 @@ def test_sd_with_a_head_is_exact_and_reads_the_targets_states(smollm_dir, tmp_pa
     params = SamplingParams.greedy(max_tokens=24, ignore_eos=True)
     prompts = [REPEATING, "The capital of France is"]
     with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3) as llm:
-        assert isinstance(llm.engine.source, FeatureHead) and llm.engine.cache.prefix is None
-        model, taps = llm.engine.runner.model, llm.engine.source.taps
+        assert isinstance(drafter(llm), FeatureHead) and llm.engine.cache.prefix is None
+        model, taps = llm.engine.runner.model, llm.engine.source.capabilities.taps
         for prompt, want in zip(prompts, ar_outputs(prompts, params)):
             fed.clear()
             out = llm.generate(prompt, params)[0]
@@ -83,7 +83,7 @@ def test_a_heads_captured_passes_draft_what_its_eager_ones_do(smollm_dir, tmp_pa
         proposed.clear()
         with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=5, draft_stop=False) as llm:
             outs = llm.generate(prompts, params)
-            source = llm.engine.source
+            source = drafter(llm)
             if buckets:  # the first passes went through the buckets' static inputs, the steps after as chains
                 assert source.steps.passes >= 2 * len(prompts)
                 assert set(source.steps.graphs) == {(b, f, ()) for b in buckets for f in (True, False)}
@@ -119,9 +119,9 @@ def test_a_heads_matrices_are_int8_on_the_cpu_unless_asked_otherwise(smollm_dir,
     write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
     head = str(tmp_path / "head")
     with LLM(smollm_dir, draft=head, mode="sd") as llm:
-        assert all(m.quantized for m in (llm.engine.source.head.fc, llm.engine.source.head.lm_head))
+        assert all(m.quantized for m in (drafter(llm).head.fc, drafter(llm).head.lm_head))
     with LLM(smollm_dir, draft=head, mode="sd", draft_quantization=None) as llm:
-        assert not llm.engine.source.head.fc.quantized
+        assert not drafter(llm).head.fc.quantized
     with pytest.raises(SSDError, match="an EAGLE-3 head's weights are int8"):
         LLM(smollm_dir, draft=head, mode="sd", draft_quantization="q4_0")
 
@@ -142,7 +142,6 @@ def test_a_head_times_its_steps_apart_from_its_catch_up(smollm_dir, tmp_path, mo
     assert drafted[0].catchup is not None and drafted[0].catchup[1] == len(prompt)  # rows 0..N - 2, N = prompt + 1
     steps = [p.step_s for p in drafted if p.step_s is not None]
     assert steps and all(0 < s < 1 for s in steps)
-    assert FeatureHead.measures_steps
 
 
 def test_a_head_answers_sibling_leaves_and_the_stopping_rule(smollm_dir, tmp_path, monkeypatch, ar_outputs):

@@ -3,7 +3,7 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.speculative.sources.ngram import PromptLookup
-from tiny_pair import NEW, PROMPT, V, exact_joint, marginal_p_values
+from tiny_pair import NEW, PROMPT, V, exact_joint, marginal_p_values, drafter
 
 REPEATING = "def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n    return a + b + c\n\n\ndef add"
 
@@ -73,7 +73,7 @@ def test_a_draft_with_another_tokenizer_samples_the_target(tiny_pair, tmp_path):
     n, temperature = 4000, 1.0
     params = SamplingParams(temperature=temperature, max_tokens=NEW, ignore_eos=True)
     with LLM(target, draft=other, mode="sd", speculate_k=3, max_num_seqs=500, seed=3) as llm:
-        assert isinstance(llm.engine.source, CrossVocab)
+        assert isinstance(drafter(llm), CrossVocab)
         outs = llm.generate([PROMPT] * n, params)
         prompt_ids = llm.encode(PROMPT)
     assert sum(o.metrics.accepted for o in outs) > 100  # the path is really taken

@@ -9,6 +9,8 @@ import torch
 from ssd import LLM, SamplingParams
 from ssd.runner.kv_cache import PagedKVCache
 
+from tiny_pair import drafter
+
 BS = 4
 SYSTEM = "You are a careful assistant who answers in short sentences. " * 8
 
@@ -115,7 +117,7 @@ def test_cached_prefixes_change_no_bit(mode, smollm_dir, truncated_draft):
 
 def test_the_sd_draft_reads_a_cached_prompt_too(smollm_dir, truncated_draft):
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=3) as llm:
-        draft = llm.engine.source.engine
+        draft = drafter(llm).engine
         first = llm.generate([CHATS[0]], SamplingParams.greedy(max_tokens=8))[0]
         fed = draft.kv.prefix.hits
         second = llm.generate([CHATS[1]], SamplingParams.greedy(max_tokens=8))[0]
@@ -150,7 +152,7 @@ def test_a_salted_request_is_not_served_from_another_tenants_prompt(smollm_dir, 
     """Through the engine, on the target and on SD's draft: the same chat under another
     cache_salt computes its whole prompt again, under its own salt it reads the cache."""
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=3) as llm:
-        draft = llm.engine.source.engine
+        draft = drafter(llm).engine
         ask = lambda salt: llm.generate([CHATS[0]], SamplingParams.greedy(max_tokens=4, cache_salt=salt))[0]  # noqa: E731
         first, other, same, plain = ask("tenant-a"), ask("tenant-b"), ask("tenant-a"), ask(None)
         hits = draft.kv.prefix.hits

@@ -11,7 +11,7 @@ from ssd import LLM, SamplingParams
 from ssd.errors import GrammarError, SamplingParamsError
 from ssd.exactness import pooled_p_value
 from ssd.request.logits_process import LogitsProcessor
-from tiny_pair import CHARS_PROMPT, NEW, V, exact_joint
+from tiny_pair import CHARS_PROMPT, NEW, V, exact_joint, drafter
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "languages"],
           "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
@@ -71,7 +71,7 @@ def test_greedy_modes_equal_ar(mode, smollm_dir, truncated_draft, ar_runs):
 def test_forced_tokens_cost_the_draft_no_pass(smollm_dir):
     """Where the grammar allows one token, the SD draft emits it without a forward pass."""
     with LLM(smollm_dir, draft=smollm_dir, mode="sd", speculate_k=8, draft_quantization="gguf") as llm:
-        draft = llm.engine.source.engine
+        draft = drafter(llm).engine
         passes = []
         forward = draft.runner.forward
         draft.runner.forward = lambda *a, **kw: passes.append(1) or forward(*a, **kw)

@@ -8,6 +8,8 @@ from ssd import LLM, SamplingParams
 from ssd.errors import SSDError, VocabularyMismatchError
 from ssd.speculative.sources.cross_vocab import CrossVocab
 
+from tiny_pair import drafter
+
 PROMPTS = ["def fibonacci(n):", "The capital of France is",
            "Write a haiku about the sea.", "1, 2, 3, 4,"]
 
@@ -90,7 +92,7 @@ def test_a_draft_with_another_vocabulary_drafts_through_text_in_sd_only(smollm_d
     params = SamplingParams.greedy(max_tokens=32, ignore_eos=True)
     prompts = ["def fibonacci(n):", "The capital of France is"]
     with LLM(smollm_dir, draft=other, mode="sd", speculate_k=3) as llm:
-        assert isinstance(llm.engine.source, CrossVocab)
+        assert isinstance(drafter(llm), CrossVocab)
         outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == ar_outputs(prompts, params)
     assert sum(o.metrics.accepted for o in outs) > 10  # the same model: most of its text is taken
@@ -108,7 +110,7 @@ def test_a_draft_with_another_vocabulary_proposes_k_tokens_a_round(smollm_dir, o
     with LLM(smollm_dir, draft=other_vocab, mode="sd", speculate_k=1) as llm:
         out = llm.generate(prompt, params)[0]
         assert out.metrics.accepted >= out.metrics.rounds // 2  # the same model: its token is mostly taken
-        assert llm.engine.source.ratio == pytest.approx(1.0)  # the same text cuts into as many tokens
+        assert drafter(llm).ratio == pytest.approx(1.0)  # the same text cuts into as many tokens
     assert out.token_ids == ar_outputs([prompt], params)[0]
     with LLM(smollm_dir, draft=other_vocab, mode="sd", speculate_k="auto") as llm:
         assert llm.engine.k_policy.stop is None

@@ -8,6 +8,7 @@ from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from ssd.exactness import pooled_p_value
+from ssd.speculative.sources.beside import Beside
 
 
 V, NEW = 8, 6  # a vocabulary small enough to enumerate the target's distribution exactly
@@ -72,3 +73,10 @@ def marginal_p_values(tokens: torch.Tensor, joint: torch.Tensor) -> list[float]:
     target's exact marginal (from exact_joint)."""
     return [pooled_p_value(tokens[:, i].bincount(minlength=V).double(),
                            joint.sum(dim=[d for d in range(NEW) if d != i])) for i in range(NEW)]
+
+
+def drafter(llm):
+    """The engine's draft itself (a draft model's DraftModel, a head's FeatureHead), whether or
+    not prompt lookup is beside it (ssd/speculative/sources/beside.py)."""
+    source = llm.engine.source
+    return source.draft if isinstance(source, Beside) else source

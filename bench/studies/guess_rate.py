@@ -28,7 +28,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     counts = {"passes": 0, "drafted": 0, "guesses": 0, "guessed rows": 0}
     with LLM(args.model, draft=args.draft, mode="sd", draft_guesses=True) as llm:
-        engine = llm.engine.source.engine
+        engine = llm.engine.source.draft.engine
         forward, guess, draft = engine.runner.forward, engine._guess, engine.draft
 
         def counted_forward(chunks, head=True):

@@ -1,8 +1,9 @@
 """How the engine's draft source starts (docs/algorithm.md, "The engine's layers"): in two
 phases, `start_source` before the target loads (a draft model loads in this process, an SSD
 worker starts loading its own) and `Starting.attach` once it has (a feature head reads the
-target's embedding), so that the engine holds no branch per kind of draft; with the draft
-side's configuration (DraftConfig) derived from the engine's.
+target's embedding), so that the engine holds no branch per kind of draft; a draft in this
+process with prompt lookup beside it (sources/beside.py); with the draft side's configuration
+(DraftConfig) derived from the engine's.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.draft.eagle import EagleHead, is_eagle_head, load_eagle
 from ssd.speculative.draft.fanout import FanOut
 from ssd.speculative.draft.vocab import check_same_vocabulary, head_tokens
-from ssd.speculative.options import DraftConfig
+from ssd.speculative.options import NGRAM, SUFFIX, DraftConfig, SpecOptions
 from ssd.speculative.sources.base import DraftSource
+from ssd.speculative.sources.beside import Beside
 from ssd.speculative.sources.cross_vocab import CrossVocab, draft_steps
 from ssd.speculative.sources.draft_model import DraftModel
 from ssd.speculative.sources.feature_head import FeatureHead
@@ -47,9 +49,18 @@ def start_source(config: EngineConfig, tokenizer) -> Starting:
         source = NAMED[config.draft](config.speculation)
         return Starting(lambda target: source)
     if is_eagle_head(resolve_model(config.draft)):
-        return Starting(lambda target: start_feature_head(config, target))
-    source = _start_model_source(config, tokenizer)
+        return Starting(lambda target: with_lookup(start_feature_head(config, target), config.speculation))
+    source = with_lookup(_start_model_source(config, tokenizer), config.speculation)
     return Starting(lambda target: source)
+
+
+def with_lookup(source: DraftSource, opts: SpecOptions) -> DraftSource:
+    """A draft in this process with the lookup `prompt_lookup` asks for beside it (beside.py):
+    by default suffix decoding (the request's own tokens and earlier requests' text), True:
+    prompt lookup over the request alone, False: none."""
+    if not source.capabilities.in_process or opts.prompt_lookup is False:
+        return source
+    return Beside(source, NAMED[SUFFIX if opts.prompt_lookup in (None, SUFFIX) else NGRAM](opts))
 
 
 def start_feature_head(config: EngineConfig, target: DecoderLM) -> FeatureHead:

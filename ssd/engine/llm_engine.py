@@ -31,15 +31,14 @@ from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import CacheFullError, PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
 from ssd.sampling_params import SamplingParams
-from ssd.speculative.options import AUTO_K, SUFFIX
+from ssd.speculative.options import AUTO_K
 from ssd.speculative.plan import Plan
 from ssd.speculative.policy.adaptive_k import AutoK, FixedK, KPolicy
 from ssd.speculative.policy.draft_stop import DraftStop
 from ssd.speculative.records import Proposal, Round, RoundTimes
 from ssd.speculative.round import speculative_round
 from ssd.speculative.sources.base import DraftSource
-from ssd.speculative.sources.ngram import PromptLookup
-from ssd.speculative.sources.suffix import SuffixIndex, SuffixLookup, index_file
+from ssd.speculative.sources.suffix import SuffixIndex, index_file
 from ssd.store import store_root
 
 # What a step added to a sequence: its new tokens, and whether each was a draft's (LLM.step makes
@@ -72,7 +71,7 @@ class LLMEngine:
             self.source.wait_ready()
         # A source that reads the target's states at every position (a feature head) would lack
         # them for a cached prefix, which the target does not run: no prefix caching then.
-        salt = config.prefix_salt if self.source is None or not self.source.taps else None
+        salt = config.prefix_salt if self.source is None or not self.source.capabilities.taps else None
         self.cache = PagedKVCache(local_config(model), config.kv_cache_tokens, config.block_size, config.device,
                                   config.dtype, salt)
         self.registry = Registry()  # everything held per sequence: one release reaches it all
@@ -82,12 +81,12 @@ class LLMEngine:
         self.k_max = config.speculation.k_max
         self.runner = ModelRunner(model, self.cache, config.device, target_buckets(config, self.k_max),
                                   max_keys=config.max_model_len + self.k_max + 1)
-        self.taps = self.source.taps if self.source else ()  # what a feature head reads of every target pass
+        self.taps = self.source.capabilities.taps if self.source else ()  # what a feature head reads of every target pass
         self.runner.warm_up(taps=self.taps)
         self.speculate_k: int | str = 0  # set_speculate_k() changes it
         self.k_policy: KPolicy | None = None
-        # Earlier requests' text for suffix decoding, kept across K policies: draft="suffix"'s
-        # own, else the one beside a draft (--lookup suffix); with suffix_keep, across restarts.
+        # Earlier requests' text for suffix decoding: draft="suffix"'s own, or the one beside a
+        # draft (--lookup suffix); with suffix_keep, kept across restarts.
         own = self.source.suffix_index if self.source else None
         self.suffix_index = own if own is not None else SuffixIndex(config.speculation.suffix_tokens)
         self.suffix_file = index_file(store_root(), Path(config.model)) if config.speculation.suffix_keep else None
@@ -143,25 +142,15 @@ class LLMEngine:
             check_int("K", k, 0, self.k_max, also=f"(the most this engine was started with) or '{AUTO_K}'")
             self.k_policy = FixedK(k)
         else:
-            opts = self.config.speculation
-            local = self.source.in_process  # a draft model or a head in this process (SD)
-            # Prompt lookup beside it (module doc of adaptive_k.py), and sibling leaves (siblings.py).
-            lookup = None
-            # By default suffix decoding (the request's own tokens and earlier requests' text), whose
-            # index outlives this policy: the engine's. True: prompt lookup over the request alone.
-            if local and opts.prompt_lookup in (None, SUFFIX):
-                lookup = SuffixLookup(self.suffix_index)
-            elif local and opts.prompt_lookup:
-                lookup = PromptLookup(opts.ngram_min, opts.ngram_max)
+            opts, can = self.config.speculation, self.source.capabilities
             # Branches off the chain (siblings.py): a draft's where asked for; suffix decoding's
             # tree, alone or beside a draft, unless turned off.
             trees = opts.draft_siblings is not False
-            siblings = (bool(opts.draft_siblings) and local) or (trees and self.source.offers_trees)
+            siblings = (bool(opts.draft_siblings) and can.in_process) or (trees and can.offers_trees)
             # The draft's stopping rule (draft_stop.py), where the draft can take it.
-            stop = DraftStop() if opts.draft_stop is not False and self.source.stops_by_confidence else None
-            self.k_policy = AutoK(self.k_max, self._time_verify,
-                                  self.source.step_cost, self.source.measures_steps, lookup,
-                                  opts.draft_window, siblings, stop, trees)
+            stop = DraftStop() if opts.draft_stop is not False and can.stops_by_confidence else None
+            self.k_policy = AutoK(self.k_max, self._time_verify, self.source.step_cost, can.measures_steps,
+                                  self.source.lookup, opts.draft_window, siblings, stop, trees)
         self.registry.register("K policy", self.k_policy)
         self.speculate_k = k
 

@@ -35,6 +35,33 @@ def argmax_chain(request: _Request) -> bool:
     return request.processor is None and request.params.greedy_decoding
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a draft source can do, the one thing of it the engine, the round and the K policy
+    read (DraftSource.capabilities)."""
+
+    # Its proposals carry step_s, its seconds per draft token without catch-up (else auto-K
+    # takes a round's wait per draft token).
+    measures_steps: bool = False
+    # It drafts in this process between the target's passes (SD's draft model, a feature head):
+    # prompt lookup may propose beside it (sources/beside.py), and auto-K offers sibling leaves
+    # off its chains (siblings.py).
+    in_process: bool = False
+    # In this process, its rounds may end where the draft's confidence in its own tokens says
+    # (draft_stop.py): a draft whose tokens are the target's.
+    stops_by_confidence: bool = False
+    # It proposes a tree of branches off its tokens (`tree`, suffix decoding's): auto-K then
+    # offers them where it proposes (siblings.py).
+    offers_trees: bool = False
+    # The target layers whose entering hidden states it reads (a feature head): the target's
+    # passes then give them, to DraftSource.states and in each round's record.
+    taps: tuple[int, ...] = ()
+
+
+# A draft that runs in this process and times its own steps (SD's draft model, a feature head).
+IN_PROCESS = Capabilities(measures_steps=True, in_process=True, stops_by_confidence=True)
+
+
 @dataclass
 class Alternative:
     """What the draft's step had besides the token it drafted (sibling leaves, siblings.py)."""
@@ -116,7 +143,7 @@ class Round:
     # The tokens before the round and the accepted drafts: what the draft source holds of the
     # sequence that is right (None: the source was not asked this round).
     kept: int | None = None
-    # Where the source reads the target's hidden states (DraftSource.taps): those of the rows
+    # Where the source reads the target's hidden states (Capabilities.taps): those of the rows
     # that stand, the sequence's newest token before the round, the accepted drafts (and the
     # branches taken), [rows, taps x hidden]; else None.
     states: torch.Tensor | None = None

@@ -43,19 +43,15 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
     """One round for the decoding sequences by `plan` (its K already within each sequence's
     room, Plan.within); `cache` is the target's KV cache, which `target` writes."""
     t0 = time.perf_counter()
-    # 1. propose: a lookup round proposes the plan's tokens (the draft then holds nothing new
-    # of that sequence: its next round there catches up); the source proposes the rest.
-    asked = [b for b, p in enumerate(plan.seqs) if p.lookup is None]
-    drafted = iter(source.propose([seqs[b] for b in asked], [plan.seqs[b] for b in asked]) if asked else [])
-    proposals = [Proposal(p.lookup, lookup=True, candidates=list(p.lookup_tree)) if p.lookup is not None
-                 else next(drafted) for p in plan.seqs]
+    # 1. propose (where the plan carries a lookup's tokens, those: sources/beside.py).
+    proposals = source.propose(seqs, plan.seqs)
     trees = _branches(plan, seqs, proposals, cache)
     t1 = time.perf_counter()
     # 2. score every proposal, and its branches, in one pass of the target.
     out = target.forward([Chunk(s.seq_id, [s.token_ids[-1]] + p.tokens + [b.token for b in br], s.num_tokens - 1,
                                 len(p.tokens) + 1 + len(br), [b.parent for b in br])
-                          for s, p, br in zip(seqs, proposals, trees)], taps=source.taps)
-    logits, states = out if source.taps else (out, None)
+                          for s, p, br in zip(seqs, proposals, trees)], taps=source.capabilities.taps)
+    logits, states = out if source.capabilities.taps else (out, None)
     if states is not None:  # [taps, rows, hidden] -> [rows, taps x hidden]
         states = states.permute(1, 0, 2).reshape(states.shape[1], -1)
     # Every row's argmax read at once (greedy verdicts need nothing else: one read for the

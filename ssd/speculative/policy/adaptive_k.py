@@ -35,19 +35,17 @@ from ssd.speculative.policy.rules import (Branches, CatchupGate, Explore, Hold, 
                                           StopAtConfidence, best_cases, hope)
 from ssd.speculative.policy.tunables import (ENGINE_DECAY, ENGINE_EVIDENCE, LOOKUP_PRIOR, MAX_PER_SEQUENCE,
                                              PRIOR_RATE, PRIOR_ROUNDS, SEQ_DECAY, SEQ_ROUNDS)
-from ssd.speculative.records import Branch, Round, argmax_chain
+from ssd.speculative.records import Branch, Capabilities, Round, argmax_chain
 
 
 class Lookup(Protocol):
-    """Prompt lookup or suffix decoding beside the draft (sources/ngram.py, sources/suffix.py)."""
+    """Prompt lookup or suffix decoding beside the draft (sources/beside.py)."""
 
-    offers_trees: bool  # it has `tree`
+    capabilities: Capabilities  # offers_trees: it has `tree`
 
     def match(self, seq: Sequence, k: int) -> tuple[list[int], int]: ...
 
     def tree(self, seq: Sequence, k: int) -> tuple[list[int], int, list[Branch]]: ...
-
-    def release(self, seq_id: int) -> None: ...
 
 
 @dataclass
@@ -102,7 +100,7 @@ class AutoK(KPolicy):
         stop: the draft's stopping rule (draft_stop.py)."""
         self.k_max, self.lookup, self.stop = k_max, lookup, stop
         self.siblings = siblings
-        self.lookup_trees = lookup_trees and lookup is not None and lookup.offers_trees
+        self.lookup_trees = lookup_trees and lookup is not None and lookup.capabilities.offers_trees
         # A pass over the chain's rows, and (timed at a few sizes, read between them) with branches.
         wider = [k_max + 1 + m for m in (1, 2, 4, 8, MAX_PER_SEQUENCE)] if siblings or self.lookup_trees else []
         self.model = CostModel(k_max, verify_time, list(range(1, k_max + 2)) + wider, draft_step_s, steps_measured,
@@ -233,8 +231,6 @@ class AutoK(KPolicy):
         self.last.probing.discard(seq_id)
         if self.last.engine_probe == seq_id:
             self.last.engine_probe = None
-        if self.lookup is not None:
-            self.lookup.release(seq_id)
         for rule in self.rules:
             rule.release(seq_id)
 

@@ -14,33 +14,21 @@ import torch
 from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.records import Proposal, Round
+from ssd.speculative.records import Capabilities, Proposal, Round
 
 
 class DraftSource:
     """The interface every draft source has; a new source implements `propose` (and `release`
     where it keeps anything per sequence)."""
 
-    # Whether its proposals carry step_s, its seconds per draft token without catch-up (else
-    # adaptive_k.py takes a round's wait per draft token).
-    measures_steps = False
-    # Whether it drafts in this process between the target's passes (SD's draft model, a
-    # feature head): auto-K then offers it prompt lookup beside it and sibling leaves
-    # (adaptive_k.py), and its proposals answer them.
-    in_process = False
-    # Whether, in this process, its rounds may end where the draft's confidence in its own
-    # tokens says (draft_stop.py): a draft whose tokens are the target's.
-    stops_by_confidence = False
-    # Whether it proposes a tree of branches off its tokens (`tree`, suffix decoding's): auto-K
-    # then offers them where it proposes (siblings.py).
-    offers_trees = False
+    capabilities = Capabilities()  # what it can do (records.py), all that the engine and the policy read of it
+    # Prompt lookup or suffix decoding beside it (a composite's, beside.py): auto-K weighs its
+    # tokens against the draft's per sequence and round, and a plan says which are proposed.
+    lookup: "DraftSource | None" = None
     # The index of earlier requests' text it proposes from (suffix decoding's, suffix.py): the
-    # engine keeps it across K policies and saves it (suffix_keep).
+    # engine keeps it and saves it (suffix_keep).
     suffix_index = None
     weights: str | None = None  # how a draft model's weights are held, "auto" resolved (None: no model)
-    # The target layers whose entering hidden states it reads (a feature head): the target's
-    # passes then give them, to `states` and in each round's record.
-    taps: tuple[int, ...] = ()
 
     def __init__(self, context: int | None = None):
         """context: the positions a draft model holds (None: no model, no limit)."""
@@ -60,7 +48,7 @@ class DraftSource:
                 self.known[r.seq.seq_id] = r.kept
 
     def states(self, seq: Sequence, start: int, rows: torch.Tensor) -> None:
-        """The target's hidden states (its `taps` layers joined, [n, taps x hidden]) at the
+        """The target's hidden states (its capabilities' `taps` layers joined, [n, taps x hidden]) at the
         sequence's positions start..start + n - 1, from a pass outside a round (prompt chunks,
         plain steps); a round's come in its record (Round.states)."""
 

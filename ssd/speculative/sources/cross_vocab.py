@@ -17,6 +17,7 @@ not drawn from a distribution over the target's tokens), so verification keeps t
 exactly the target's, greedy or sampled (docs/exactness.md).
 """
 import math
+from dataclasses import replace
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.draft.draft_engine import DraftEngine
@@ -39,7 +40,7 @@ class CrossVocab(DraftModel):
 
     # Its confidences are in its own tokens, which the crossing regroups, and a round it
     # stopped after one token would propose nothing: auto-K's K stands.
-    stops_by_confidence = False
+    capabilities = replace(DraftModel.capabilities, stops_by_confidence=False)
 
     def __init__(self, engine: DraftEngine, target_tokenizer, draft_tokenizer, context: int, weights: str):
         super().__init__(engine, context, weights)

@@ -5,16 +5,14 @@ from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import CacheFullError
 from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.records import Proposal
+from ssd.speculative.records import IN_PROCESS, Proposal
 from ssd.speculative.sources.base import DraftSource
 
 
 class DraftModel(DraftSource):
     """SD: the draft model runs in the target's process, between the target's passes."""
 
-    measures_steps = True
-    in_process = True
-    stops_by_confidence = True
+    capabilities = IN_PROCESS
 
     def __init__(self, engine: DraftEngine, context: int, weights: str):
         super().__init__(context)

@@ -32,7 +32,7 @@ On a GPU the head's passes run as CUDA graphs (head_graphs.py), and a greedy cha
 after the first as one graph, its tokens picked on the GPU (ssd/runner/chain_graphs.py).
 """
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -49,7 +49,7 @@ from ssd.speculative.draft.drafting import Drafting, PassTimes
 from ssd.speculative.draft.eagle import EagleHead
 from ssd.speculative.plan import SeqPlan
 from ssd.speculative.policy.siblings import eligible
-from ssd.speculative.records import Alternative, Branch, Proposal, Round, argmax_chain
+from ssd.speculative.records import IN_PROCESS, Alternative, Branch, Proposal, Round, argmax_chain
 from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.head_graphs import HeadPasses
 
@@ -103,10 +103,6 @@ class _Tree:
 
 
 class FeatureHead(DraftSource):
-    measures_steps = True
-    in_process = True
-    stops_by_confidence = True
-
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
                  device: torch.device, context: int, seed: int | None = None, dtype: torch.dtype = torch.float32,
                  graph_buckets: list[int] | None = None, max_keys: int = 0, chain_steps: int = 0):
@@ -117,7 +113,7 @@ class FeatureHead(DraftSource):
         super().__init__(context)
         cfg = head.config
         self.head, self.device = head, device
-        self.taps = cfg.target_layers(target_layers)
+        self.capabilities = replace(IN_PROCESS, taps=cfg.target_layers(target_layers))
         shape = ModelConfig("eagle3", cfg.draft_vocab_size, cfg.hidden_size, cfg.intermediate_size, 1,
                             cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.rope_theta,
                             context, False, cfg.attention_bias, cfg.qk_norm)

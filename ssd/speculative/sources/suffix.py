@@ -33,7 +33,7 @@ import numpy as np
 
 from ssd.request.sequence import Sequence
 from ssd.speculative.plan import SeqPlan
-from ssd.speculative.records import Branch, Proposal, argmax_chain
+from ssd.speculative.records import Branch, Capabilities, Proposal, argmax_chain
 from ssd.speculative.sources.base import DraftSource
 
 ANCHOR = 2  # tokens a match starts from
@@ -168,7 +168,7 @@ class SuffixLookup(DraftSource):
     """draft="suffix"; beside a draft model, auto-K's lookup (adaptive_k.py) takes its `match`
     as it takes prompt lookup's."""
 
-    offers_trees = True
+    capabilities = Capabilities(offers_trees=True)
 
     @property
     def suffix_index(self) -> SuffixIndex:

@@ -274,15 +274,12 @@ class DraftEngine:
                 advanced.append(len(new))
                 row += len(guess) + 1
             # A first pass that feeds a prompt or many tokens missed while K was 0 is catch-up,
-            # not what one more draft token costs (auto-K reads step_s).
-            fed = [len(c.tokens) - len(g) for c, g in zip(chunks, guesses)]
+            # not what one more draft token costs (auto-K reads step_s); the batch is as far as
+            # its slowest sequence.
             elapsed = time.perf_counter() - start
-            if PassTimes.is_step(fed):
-                times.step(elapsed, min(advanced))  # the batch is as far as its slowest sequence
-                if self.pass_time is not None:
-                    self.pass_time.observe(sum(len(c.tokens) for c in chunks), elapsed, len(chunks))
-            else:
-                times.catch_up(elapsed, [(c.start, n) for c, n in zip(chunks, fed)])
+            reads = [(c.start, len(c.tokens) - len(g)) for c, g in zip(chunks, guesses)]
+            if times.timed_pass(elapsed, reads, min(advanced)) and self.pass_time is not None:
+                self.pass_time.observe(sum(len(c.tokens) for c in chunks), elapsed, len(chunks))
         return [d.proposal(times) for d in drafts]
 
     def _step(self, tokens: torch.Tensor, states: None, positions: torch.Tensor, batch) -> tuple[torch.Tensor, None]:
@@ -346,7 +343,7 @@ class DraftEngine:
         the draft would have picked itself saves a pass (a guessed row costs a few per cent of
         a step on a CPU, bench/pass_cost.py). Greedy requests only: a sampled row's pick is a draw, which a
         guess matches less often, and each guessed row would cost its distribution over the
-        whole vocabulary (measured slower, bench/README.md, "The draft's guesses"); requests
+        whole vocabulary (measured slower, docs/decision-log.md, "The draft's guesses"); requests
         whose logits the draft changes (penalties, a constraint) take none either."""
         if not self.guesses or most <= 0 or not argmax_chain(s):
             return []

@@ -69,21 +69,22 @@ class PassTimes:
     catchup_tokens: int = 0
     catchup_keys: float = 0.0
 
-    @staticmethod
-    def is_step(fed: list[int]) -> bool:
-        """Whether a pass that fed these tokens per sequence is a draft step."""
-        return max(fed, default=0) <= 2
-
     def step(self, seconds: float, tokens: int) -> None:
+        """A step pass (or a chain of them) that drafted `tokens` tokens in every sequence."""
         self.step_s += seconds
         self.steps += tokens
 
-    def catch_up(self, seconds: float, reads: list[tuple[int, int]]) -> None:
-        """A catch-up pass: `reads`, per sequence, (the first position it read, tokens read)."""
+    def timed_pass(self, seconds: float, reads: list[tuple[int, int]], tokens: int) -> bool:
+        """A pass that fed, per sequence, (the first position it read, tokens read) and drafted
+        `tokens` tokens in every sequence: a step, or catch-up (class doc). Returns whether a step."""
+        if max((n for _, n in reads), default=0) <= 2:
+            self.step(seconds, tokens)
+            return True
         self.catchup_s += seconds
         for start, n in reads:
             self.catchup_tokens += n
             self.catchup_keys += n * (start + (n + 1) / 2)  # each token attends to those before it and itself
+        return False
 
     @property
     def per_step(self) -> float | None:

@@ -189,11 +189,7 @@ class FeatureHead(DraftSource):
                 s.fed, s.pending = seq.num_tokens - 1, []
             t0 = time.perf_counter()
             last = dict(zip(drafting, self._pass(rows)))
-            took = time.perf_counter() - t0
-            if PassTimes.is_step([len(ids) for _, _, ids, _ in rows]):
-                times.step(took, 1)
-            else:
-                times.catch_up(took, [(first, len(ids)) for _, first, ids, _ in rows])
+            times.timed_pass(time.perf_counter() - t0, [(first, len(ids)) for _, first, ids, _ in rows], 1)
             deepest = max(drafts[b].k for b in drafting)
             trees = {b: _Tree(seqs[b].num_tokens - 1, seqs[b].num_tokens - 1 + deepest) for b in drafting
                      if plans[b].alternatives and argmax_chain(seqs[b]) and eligible(seqs[b])}

@@ -4,13 +4,13 @@ all measured in one run, interleaved.
 
     python bench/ar_speed.py --model smollm2-135m-instruct --tokens 128 --repeats 2
 """
-import argparse
 import time
 
 import torch
 import transformers
 
 from ssd import LLM, SamplingParams
+from ssd.bench.script_args import script_parser
 
 PROMPT = "def quicksort(arr):\n"
 
@@ -41,8 +41,7 @@ def weight_bytes_per_token(model: torch.nn.Module) -> int:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap = script_parser(None, model="smollm2-135m-instruct")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()

@@ -18,12 +18,12 @@ had to wait for a busy core is noise, not kernel time).
     python bench/attention_kernel.py [--threads 2] [--repeats 5] [--quick]
                                      [--variant avx512|avx2|portable] [--cases prefill,decode]
 """
-import argparse
 import time
 import types
 
 import torch
 
+from ssd.bench.script_args import script_parser
 from ssd.kernels import attention_cpu
 from ssd.kernels.build import VARIANTS, default_variant
 from ssd.layers.attention import Attention, AttentionBatch
@@ -103,8 +103,7 @@ def timeit(fn, data, budget=0.03, min_calls=3):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--threads", type=int, default=None)
+    ap = script_parser(None, model=None, threads=None)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer prefill lengths")
     ap.add_argument("--cases", default="prefill,decode")

@@ -20,6 +20,7 @@ from collections import defaultdict
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
 from ssd.bench.runner import WARMUP_PROMPT, WARMUP_TOKENS
+from ssd.bench.script_args import script_parser
 from ssd.speculative.records import Round
 
 KINDS = ("fill", "plain", "lookup", "draft")
@@ -64,12 +65,9 @@ def one(args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap = script_parser(__doc__, draft=True, max_tokens=96)
     ap.add_argument("--set", default="humaneval")
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--one", choices=["ar", "sd"], help=argparse.SUPPRESS)  # a run in this process
     args = ap.parse_args()

@@ -16,18 +16,17 @@ models on a GPU run so, with `--ignore-eos`: bench/gpu_run.sh).
     python bench/draft_compare.py --drafts qwen2.5-coder-0.5b-instruct --ks auto,5 --sets none \
         --prompt "Write a Python class LRUCache with get and put in O(1), with comments."
 """
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
+from ssd.bench.script_args import script_parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap = script_parser(__doc__, num_prompts=4, max_tokens=128, out=True)
     ap.add_argument("--drafts", required=True, help="comma-separated drafts, the first the reference")
     ap.add_argument("--sets", default="humaneval,gsm8k,mtbench", help="prompt sets, comma-separated; none: only "
                     "--prompt's")
@@ -39,9 +38,6 @@ def main() -> None:
     ap.add_argument("--ks", default="auto", help="K per draft, comma-separated: auto (auto-K) or a number")
     ap.add_argument("--siblings", default="default", help="branches off the chain per draft, comma-separated: "
                     "default, on, off")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     drafts, ks, sibs = args.drafts.split(","), args.ks.split(","), args.siblings.split(",")
     configs = {d + (f" K={k}" if len(ks) > 1 else "") + (f" siblings={b}" if len(sibs) > 1 else ""):

@@ -16,7 +16,6 @@ median).
     python bench/linear_kernel.py [--compare fp32|int8] [--threads 2] [--repeats 7]
                                   [--m 1,2,3,4] [--variant avx512|avx2|portable]
 """
-import argparse
 import statistics
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ssd.bench.script_args import script_parser
 from ssd.kernels import linear_cpu, linear_int8_cpu
 
 
@@ -62,9 +62,8 @@ def implementations(compare: str, variant: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = script_parser(None, model=None, threads=None)
     ap.add_argument("--compare", choices=list(SETUPS), default="fp32")
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--layers", type=int, default=None, help="weight copies per layer shape")
     ap.add_argument("--m", default=None, help="comma-separated M values")

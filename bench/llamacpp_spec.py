@@ -21,7 +21,6 @@ Each prompt is rendered with the target's chat template, as `ssd bench` renders 
 decoded greedily for --max-tokens tokens; the figures are llama-speculative's own "decoded N
 tokens in S seconds" and its acceptance. Per set and K: all decoded tokens / all seconds.
 """
-import argparse
 import json
 import re
 import subprocess
@@ -29,6 +28,7 @@ import tempfile
 from pathlib import Path
 
 from ssd.bench.prompts import PROMPT_SETS, load_prompt_set
+from ssd.bench.script_args import script_parser
 from ssd.models.loader import load_tokenizer
 from ssd.store import gguf_path, resolve_model
 
@@ -55,16 +55,11 @@ def run(binary: Path, target: Path, draft: Path | None, prompt: str, k: int, max
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_parser(__doc__, draft=True, num_prompts=4, max_tokens=128, threads=2)
     ap.add_argument("--bin", required=True, type=Path, help="the folder with llama-speculative")
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
     ap.add_argument("sets", nargs="*")
     ap.add_argument("--all", action="store_true")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--k", default="3,5,8", help="draft tokens per round (--spec-draft-n-max), one run each")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--lookup", action="store_true", help="llama-lookup (prompt lookup) instead of a draft model")
     ap.add_argument("--requests", type=Path, help="replay these requests through llama-lookup with -lcd (doc)")
     args = ap.parse_args()

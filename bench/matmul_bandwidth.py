@@ -2,19 +2,19 @@
 its GGUF blocks (as the engine loads it), grouped by kind (qkv, o, gate_up, down, lm_head) and
 type, each kind timed over all its layers in turn, as a pass reads them; GB/s of packed weights.
 A single-token pass is bound by these bytes, so this is what to compare with the machine's
-streaming bandwidth (bench/README.md, "Weight streaming on AMD").
+streaming bandwidth (bench/results/README.md, "Weight streaming on AMD").
 
     python bench/matmul_bandwidth.py --model qwen2.5-coder-1.5b-instruct --m 1,5 --threads 1,2
     python bench/matmul_bandwidth.py --model qwen2.5-coder-0.5b-instruct --weights q4_0
 
 Rows of x are random; the best of --repeats is reported (the host is shared).
 """
-import argparse
 import collections
 import time
 
 import torch
 
+from ssd.bench.script_args import script_parser
 from ssd.layers.linear import QuantLinear
 from ssd.models.loader import load_model
 from ssd.models.names import WEIGHTS
@@ -31,8 +31,7 @@ def best_of(repeats: int, fn) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap = script_parser(__doc__)
     ap.add_argument("--weights", choices=WEIGHTS, default="auto")
     ap.add_argument("--m", default="1", help="rows of x per call")
     ap.add_argument("--threads", default="2")

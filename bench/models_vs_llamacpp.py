@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from ssd.bench.script_args import script_parser
+
 PROMPT = "The history of the city of Rome"
 
 
@@ -63,15 +65,13 @@ def drop_caches() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = script_parser(__doc__, whole_doc=True, model=None, threads=2, out=True)
     ap.add_argument("--model", required=True, help="a store name or a .gguf file")
     ap.add_argument("--llama-bin", type=Path, required=True, help="llama.cpp's bin folder (../shared/tools/build-llamacpp.sh)")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cold", action="store_true")
     ap.add_argument("--side", choices=["ours"], help=argparse.SUPPRESS)  # the child process
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.side == "ours":
         print(json.dumps(ours(args.model, args.threads, args.tokens)))

@@ -10,12 +10,12 @@ These are the inputs of the speed-up model in docs/cost-model.md, "The speed-up 
 Each pass scores M new tokens after a 200-token context; the configurations are
 interleaved within each repeat, and the best repeat is reported (the host is shared).
 """
-import argparse
 import os
 import time
 
 import torch
 
+from ssd.bench.script_args import script_parser
 from ssd.models.loader import load_model
 from ssd.models.names import WEIGHTS
 from ssd.runner.kv_cache import PagedKVCache
@@ -26,8 +26,7 @@ CONTEXT = 200
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap = script_parser(__doc__)
     ap.add_argument("--weights", choices=WEIGHTS, default="auto", help="as LLM(weights=...): auto is the GGUF "
                     "blocks for a GGUF model")
     ap.add_argument("--m", default="1,2,3,4,5,6,7,8,9", help="tokens per pass")

@@ -12,7 +12,6 @@ histories as chat messages, streamed, and its TTFT is measured the same way (cli
 Shared prompt: ACLSum introductions cut to --system-tokens (1,500) as the system prompt and
 8 GSM8K questions, all submitted at once; TTFT p50 and output tok/s (all output tokens over the batch's wall time).
 """
-import argparse
 import json
 import statistics
 import sys
@@ -24,6 +23,7 @@ import httpx
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
 from ssd.bench.report import machine_info
+from ssd.bench.script_args import script_parser
 from ssd.bench.serving import ServerProcess, _free_port
 from ssd.store import gguf_path
 
@@ -89,17 +89,13 @@ def llama_chat(url: str, answers: list[str], max_tokens: int, cache: bool) -> li
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap = script_parser(__doc__, draft=True, threads=2, out=True)
     ap.add_argument("--modes", default="ar,sd")
-    ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--chat-tokens", type=int, default=160, help="most tokens per chat answer")
     ap.add_argument("--shared-tokens", type=int, default=64, help="most tokens per shared-prompt answer")
     ap.add_argument("--system-tokens", type=int, default=1500)
     ap.add_argument("--parts", default="chat,shared", help="which runs: chat, shared (default: both)")
     ap.add_argument("--llama-bin", type=Path, help="folder with llama-server (leave out: no llama.cpp rows)")
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     docs = [p.text for p in load_prompt_set("aclsum", 8)]
     questions = [p.text for p in load_prompt_set("gsm8k", 8)]

@@ -12,7 +12,6 @@ half are scored, so every scored token has at least ctx/2 tokens of context.
     python bench/quality.py --model qwen2.5-coder-1.5b-instruct --tokens 4096 --llamacpp \
         --llama-perplexity "$(bash bench/llamacpp.sh)/llama-perplexity"
 """
-import argparse
 import json
 import math
 import re
@@ -26,6 +25,7 @@ import torch
 
 from ssd import LLM
 from ssd.bench.prompts import read_records
+from ssd.bench.script_args import script_parser
 from ssd.runner.model_runner import Chunk
 from ssd.store import REGISTRY, gguf_path
 
@@ -116,14 +116,11 @@ def llama_perplexity(binary: str, gguf: Path, text: str, ctx: int, chunks: int, 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
+    ap = script_parser(__doc__, whole_doc=True, threads=None, out=True)
     ap.add_argument("--tokens", type=int, default=4096, help="tokens of text (half of them scored)")
     ap.add_argument("--ctx", type=int, default=512)
-    ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--llama-perplexity", metavar="BIN", help="llama.cpp's llama-perplexity, to run beside")
     ap.add_argument("--llamacpp", action="store_true", help="score llama-cpp-python's logits too (bench/llamacpp.sh)")
-    ap.add_argument("--out", metavar="FILE.json")
     args = ap.parse_args()
 
     probe = LLM(args.model, weights="gguf", threads=args.threads)
@@ -161,7 +158,7 @@ def main() -> None:
                                                   result["threads"])
     print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import time
 
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
+from ssd.bench.script_args import script_parser
 
 SETS = ("humaneval", "gsm8k", "mtbench", "aclsum")
 # name -> (LLM options, sampled too?)
@@ -77,12 +78,7 @@ def compare(paths: list[str]) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--num-prompts", type=int, default=2, help="per set (default: 2)")
-    ap.add_argument("--max-tokens", type=int, default=48)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", help="write the outputs here (JSON)")
+    ap = script_parser(__doc__, num_prompts=2, max_tokens=48, threads=None, out=True)
     ap.add_argument("--compare", nargs="+", metavar="FILE", help="A [A2] B: compare B with A")
     args = ap.parse_args()
     if args.compare:

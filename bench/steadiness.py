@@ -12,6 +12,8 @@ import statistics
 import subprocess
 import sys
 
+from ssd.bench.script_args import script_parser
+
 PROMPTS = {
     "code": "Write a Python function that checks whether a number is prime.",
     "chat": "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural "
@@ -38,12 +40,9 @@ def one_engine(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__, whole_doc=True, draft=True, max_tokens=128)
     p.add_argument("--engines", type=int, default=6)
     p.add_argument("--mode", default="sd", choices=("ar", "sd"))
-    p.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    p.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # (the child's part)
     args = p.parse_args()
     if args.one:

@@ -21,18 +21,17 @@ its trees).
     python bench/suffix_decoding.py [--sets humaneval-run,agent,mtbench] [--run 40] [--measure 20]
         [--tasks 24] [--num-prompts 8] [--max-tokens 128] [--out FILE.json]
 """
-import argparse
 import json
 import sys
 from pathlib import Path
 
+from tool_calls import PROMPTS as ASKS, TOOLS  # bench/tool_calls.py, beside this script
+
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
 from ssd.bench.report import machine_info
+from ssd.bench.script_args import script_parser
 from ssd.tools import Tools
-
-sys.path.insert(0, str(Path(__file__).parent))
-from tool_calls import PROMPTS as ASKS, TOOLS  # noqa: E402
 
 SYSTEM = ("You are an assistant with tools. Call a tool when it helps. Once a tool has returned its result, "
           "answer the user from it in a sentence or two.")
@@ -182,17 +181,12 @@ def mtbench(model, draft, configs, params, n: int) -> Totals:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--sets", default="humaneval-run,agent,mtbench")
+    ap = script_parser(__doc__, draft=True, sets="humaneval-run,agent,mtbench", num_prompts=8, max_tokens=128,
+                       out=True)
     ap.add_argument("--run", type=int, default=40)
     ap.add_argument("--measure", type=int, default=20)
     ap.add_argument("--tasks", type=int, default=24)
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS) + " (ar always runs)")
-    ap.add_argument("--out", type=Path)
     ap.add_argument("--requests-out", type=Path, help="every request's text as the target read it, in order, a "
                     "JSON line each (set, group, text, measured): what bench/llamacpp_spec.py --requests replays")
     args = ap.parse_args()

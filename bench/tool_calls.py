@@ -10,15 +10,14 @@ Per mode and choice: prompts, calls emitted (the call marker or a bare {"name", 
 answer in the raw output), calls parsed, arguments valid, the expected function called,
 finish_reason "tool_calls", decode tok/s, and whether SD's tokens equal AR's.
 """
-import argparse
 import json
 import sys
-from pathlib import Path
 
 import jsonschema
 
 from ssd import LLM, SamplingParams
 from ssd.bench.report import machine_info
+from ssd.bench.script_args import script_parser
 from ssd.tools import OPEN, Tools
 
 TOOLS = [
@@ -82,14 +81,9 @@ def check(out, name: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap = script_parser(__doc__, draft=True, max_tokens=160, threads=2, out=True)
     ap.add_argument("--modes", default="ar,sd")
     ap.add_argument("--choices", default="auto,required,required-one")
-    ap.add_argument("--max-tokens", type=int, default=160)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     params = SamplingParams.greedy(max_tokens=args.max_tokens)
     rows, records, reference = [], [], {}

@@ -7,10 +7,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ssd.errors import SSDError
-from ssd.store import MODEL_FORMS
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+from ssd.store import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_FORMS
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:

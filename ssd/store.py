@@ -30,6 +30,9 @@ from ssd.errors import ModelFileError, ModelNotFoundError
 from ssd.models.names import GGUF_LINK
 
 CHUNK = 16 << 20
+# The default pair that `ssd pull`, `ssd generate` and `ssd bench` use.
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
 # The forms resolve_model takes, as help texts list them (docs/models.md).
 MODEL_FORMS = "store name, Hugging Face hub id (org/name, org/name@REV, org/name:Q4_K_M), model folder or .gguf file"
 

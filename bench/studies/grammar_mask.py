@@ -10,13 +10,13 @@ position of a valid answer (mean, p50, max), consuming a token, and rolling 4 to
 Both compute masks on the CPU; the engine's step on the default target is ~30-60 ms here,
 so a mask's share of it is mean / step.
 """
-import argparse
 import json
 import statistics
 import time
 
 import torch
 
+from ssd.bench.script_args import script_parser
 from ssd.models.config import ModelConfig
 from ssd.models.loader import load_tokenizer
 from ssd.store import resolve_model
@@ -126,9 +126,7 @@ def run(lib, kind: str, spec, answer_ids: list[int]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--threads", type=int, default=1)
+    ap = script_parser(__doc__, threads=1)
     ap.add_argument("--repeat", type=int, default=3, help="runs per library and grammar; the best is reported")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

@@ -8,22 +8,17 @@ they drafted (prompt lookup's rounds beside the draft draw none), and the guesse
 Draft tokens per pass is 1.0 without guesses; each right guess adds to it, each guessed row
 costs a few per cent of a pass (bench/pass_cost.py --model qwen2.5-coder-0.5b-instruct).
 """
-import argparse
 
 import torch
 
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
+from ssd.bench.script_args import script_parser
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_parser(__doc__, draft=True, num_prompts=4, max_tokens=128, threads=2)
     ap.add_argument("sets", nargs="+")
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     counts = {"passes": 0, "drafted": 0, "guesses": 0, "guessed rows": 0}

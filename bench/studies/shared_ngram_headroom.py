@@ -14,13 +14,13 @@ in a `ssd bench` of these sets (the earlier sets' bench prompts, then this set's
 
     python bench/studies/shared_ngram_headroom.py humaneval gsm8k mtbench --num-prompts 4 --held-out 40 --threads 2
 """
-import argparse
 import collections
 
 import torch
 
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
+from ssd.bench.script_args import script_parser
 from ssd.speculative.sources.ngram_index import NgramIndex
 
 N_MAX = 4
@@ -43,13 +43,9 @@ def add(table: dict, out: list[int]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = script_parser(__doc__, num_prompts=4, max_tokens=128, threads=2)
     ap.add_argument("sets", nargs="+")
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--held-out", type=int, default=40)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print("| set | positions | own guess right | own, 1-token match | table where own has none | table where own is "

@@ -22,7 +22,6 @@ lookup rounds counted (lookup_headroom.py's model); decode time only.
 
     python bench/studies/suffix_headroom.py [--run 40] [--measure 20] [--max-tokens 128]
 """
-import argparse
 from types import SimpleNamespace
 
 from lookup_headroom import Costs
@@ -30,6 +29,7 @@ from tree_headroom import pass_seconds, runner_for
 
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
+from ssd.bench.script_args import script_parser
 from ssd.runner.model_runner import Chunk
 from ssd.speculative.sources.suffix import ANCHOR, SuffixIndex, SuffixLookup
 
@@ -96,13 +96,10 @@ def bound(truth, top1, runs: list[tuple[int, int]], costs: Costs) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap = script_parser(__doc__, draft=True, max_tokens=128)
     ap.add_argument("--draft-weights", default="q4_0")
     ap.add_argument("--run", type=int, default=40)
     ap.add_argument("--measure", type=int, default=20)
-    ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     answers = []
     with LLM(args.model) as llm:

@@ -20,6 +20,7 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.bench.prompts import load_prompt_set
+from ssd.bench.script_args import script_parser
 from ssd.models.loader import load_model
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
@@ -64,13 +65,8 @@ def simulate(top1, top2, p1, truth, k: int, tau: float | None) -> tuple[int, int
 def replay_setup(description: str, sets: str) -> tuple[argparse.Namespace, list[tuple[str, list[int], list[int]]]]:
     """The command line of a replay script, and the target's greedy outputs on its prompt sets:
     (set, prompt ids, output ids) per prompt."""
-    ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--model", default="qwen2.5-coder-1.5b-instruct")
-    ap.add_argument("--draft", default="qwen2.5-coder-0.5b-instruct")
+    ap = script_parser(description, draft=True, sets=sets, num_prompts=4, max_tokens=128)
     ap.add_argument("--draft-weights", default="q4_0")
-    ap.add_argument("--sets", default=sets)
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--max-tokens", type=int, default=128)
     args = ap.parse_args()
     outputs = []
     with LLM(args.model) as llm:

@@ -12,10 +12,7 @@ from ssd.bench.runner import (ENGINE_MODES, OPTIONS, PEERS, SWEEPS, BenchSpec, F
                               sweep_modes)
 from ssd.errors import SSDError
 from ssd.speculative.options import AUTO_K, declared, parse_k
-from ssd.store import MODEL_FORMS, resolve_model
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+from ssd.store import DEFAULT_DRAFT, DEFAULT_TARGET, MODEL_FORMS, resolve_model
 
 EXAMPLES = """examples:
   ssd bench humaneval --num-prompts 8                   AR, SD and SSD on 8 HumanEval prompts

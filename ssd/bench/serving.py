@@ -28,13 +28,12 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from ssd.bench.cli import DEFAULT_DRAFT, DEFAULT_TARGET
 from ssd.bench.prompts import PROMPT_SETS, load_prompt_set
 from ssd.bench.report import check_out, machine_info
 from ssd.bench.runner import follows
 from ssd.distributed.placement import engine_threads
 from ssd.errors import SSDError
-from ssd.store import gguf_path
+from ssd.store import DEFAULT_DRAFT, DEFAULT_TARGET, gguf_path
 
 PEERS = ("llamacpp", "llama-server", "llama-server-spec")
 

@@ -7,7 +7,8 @@ set, so by default none of those is counted). Counted: the answers' tokens, whic
 draft must propose, and the prompts' own tokens, for the words answers copy from their input
 (a name, a quantity, a term of the paper): on the benchmark's prompts a 32,768-token head
 then misses 2.0-4.3 % of the target's tokens where the answers' counts alone miss 2.0-5.1 %
-(bench/README.md; each request's own tokens, which the head adds, bring it to 0-1.4 %).
+(docs/decision-log.md, "Reduced-vocabulary draft head"; each request's own tokens, which the
+head adds, bring it to 0-1.4 %).
 The counts go to $SSD_HOME/vocab/<target>.json.
 """
 import argparse
@@ -17,8 +18,7 @@ from collections import Counter
 
 from ssd.bench.prompts import PROMPT_SETS, load_prompt_set
 from ssd.errors import SSDError
-
-DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+from ssd.store import DEFAULT_TARGET
 
 
 def count_outputs(model: str, sets: list[str], per_set: int, skip: int, max_tokens: int, batch: int) -> dict:

@@ -2,11 +2,10 @@
 
 Why: a decode step of one token makes about a dozen kernel calls per layer, and from Python
 each costs several microseconds of dispatch, argument checks and module calls besides its
-work: about 4 ms of a 0.5B draft's 22 ms step, 24 layers of it (bench/README.md, "Per-layer
-overhead"). The op makes the same calls from C++, in the same order, on the same kernels
-(quantised matmul, fused RMSNorm and RoPE, attention; ATen's silu, mul and add), so its
-result has the bits of the Python loop, which stays the path for everything else (other
-weights, CUDA, a kernel that could not be built).
+work, per layer (docs/decision-log.md, "Per-layer overhead"). The op makes the same calls
+from C++, in the same order, on the same kernels (quantised matmul, fused RMSNorm and RoPE,
+attention; ATen's silu, mul and add), so its result has the bits of the Python loop, which
+stays the path for everything else (other weights, CUDA, a kernel that could not be built).
 
 `LayerStack.run` returns None where the op does not apply, and the caller loops in Python.
 `experts` does the same for a mixture's experts (ssd/layers/moe.py).

@@ -1,8 +1,8 @@
 """Fused CPU steps of a decoder layer (csrc/fused.cpp): RMSNorm, and RoPE with the KV-cache write.
 
 Why: with quantised weights a decode step of a small model spends a tenth or more of its time
-dispatching the dozen torch calls of its glue, per layer (a 0.5B draft: 3.4 ms of a 23 ms step,
-bench/README.md). One op each for these two steps removes most of them. Rows are computed
+dispatching the dozen torch calls of its glue, per layer (docs/decision-log.md, "Per-layer
+overhead"). One op each for these two steps removes most of them. Rows are computed
 independently in a fixed order (batch-invariant); RoPE gives the bits of the torch expression
 it replaces, RMSNorm sums in its own fixed order (close to torch's, not equal to it).
 

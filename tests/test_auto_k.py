@@ -630,13 +630,31 @@ def test_the_catch_up_cost_grows_with_the_context_its_attention_reads():
     cost = CatchupCost()
     assert cost(100, 5000.0) is None
     keys = lambda n, start=0: n * (start + (n + 1) / 2)  # noqa: E731
+
+    def seen(seconds: float, n: int, k: float) -> None:  # expected: the fit's (before any, as measured)
+        cost.observe(seconds, n, k, cost(n, k) or seconds)
+
     for _ in range(3):
-        cost.observe(0.111, 148, keys(148))
-        cost.observe(0.0022, 3, keys(3, 1000))
-    cost.observe(1.213, 960, keys(960))
+        seen(0.111, 148, keys(148))
+        seen(0.0022, 3, keys(3, 1000))
+    seen(1.213, 960, keys(960))
     assert cost(960, keys(960)) == pytest.approx(1.213, rel=0.1)
     assert cost(148, keys(148)) == pytest.approx(0.111, rel=0.25)
     assert cost(300, keys(300)) < cost(960, keys(960)) * 300 / 960  # cheaper a token when shorter
     one = CatchupCost()
-    one.observe(1.0, 1000, 0.0)  # no keys counted: a cost per token
+    one.observe(1.0, 1000, 0.0, 1.0)  # no keys counted: a cost per token
     assert one(500, 0.0) == pytest.approx(0.5, rel=0.02)  # (the ridge shrinks it by 1 per cent)
+
+
+def test_a_dear_catch_up_waits_for_a_second():
+    """A catch-up 1.5x dearer than expected is held back: a spike is dropped when the next one
+    comes at the expected cost; one that the next confirms enters with it."""
+    cost = CatchupCost()
+    cost.observe(0.1, 100, 0.0, 0.1)
+    cost.observe(1.0, 100, 0.0, cost(100, 0.0))  # 10x: held back
+    assert cost(100, 0.0) == pytest.approx(0.1, rel=0.02)
+    cost.observe(0.1, 100, 0.0, cost(100, 0.0))  # the expected cost: the spike is dropped
+    assert cost(100, 0.0) == pytest.approx(0.1, rel=0.02)
+    for _ in range(2):  # dear twice in a row: both enter
+        cost.observe(1.0, 100, 0.0, cost(100, 0.0))
+    assert cost(100, 0.0) > 0.5

@@ -119,3 +119,50 @@ def test_the_retaken_timings_stand_where_cheaper():
     assert t.scale == 1.0 and t.retake_due()
     t.retake({1: 0.06, 3: 0.058})
     assert t(1) == 0.05 and t(3) == 0.058 and not t.retake_due()
+
+
+PROMPT, NEW = 300, 128
+
+
+def _requests(n: int, token_s: float, first_catchup: float = 1.0) -> list[float]:
+    """n requests one after another, each a PROMPT-token prompt and NEW tokens, whose draft
+    catches up its prompt (and what it missed at K = 0) at token_s a token; the first request's
+    first catch-up caught in a spike (first_catchup times as dear). Returns each request's share
+    of rounds at K = 0."""
+    policy = AutoK(K_MAX, verify_s, lambda: DRAFT_S, steps_measured=True)
+    rnd, shares, caught = random.Random(0), [], False
+    for r in range(n):
+        seq, seen, ks = _Seq(r), 0, []
+        seq.num_tokens, seq.params = PROMPT, SamplingParams(max_tokens=NEW)
+        while len(seq.output_ids) < NEW:
+            (k,) = policy.plan([seq]).ks
+            accepted = min(k, next(j for j in range(K_MAX + 1) if j == K_MAX or rnd.random() > ACCEPT))
+            catchup, missed = None, seq.num_tokens - seen
+            if k and missed > 2:
+                factor = 1.0 if caught else first_catchup
+                caught = True
+                catchup = (factor * (DRAFT_S + token_s * missed), missed, missed * (seen + (missed + 1) / 2))
+            if k:
+                seen = seq.num_tokens + accepted
+            times = RoundTimes(DRAFT_S * k + (catchup[0] if catchup else 0.0), verify_s(k + 1),
+                               step_s=DRAFT_S if k else None, catchup=catchup)
+            policy.learn([Round(seq, k, Proposal([0] * k), accepted, times=times)])
+            seq.num_tokens += accepted + 1
+            seq.output_ids += [0] * (accepted + 1)
+            ks.append(k)
+        policy.release(seq.seq_id)
+        shares.append(sum(k == 0 for k in ks) / len(ks))
+    return shares
+
+
+def test_a_catch_up_caught_in_a_spike_does_not_stop_later_requests_drafting():
+    """A fresh engine's first catch-up 30x as dear as the draft's reading of a prompt costs: read
+    as it came, it priced every later request's catch-up above what drafting saves, none drafted
+    again, and none measured a catch-up to correct it (K = 0 in every round after)."""
+    assert max(_requests(6, 0.0004, first_catchup=30.0)) < 0.05
+
+
+def test_a_catch_up_dear_for_good_is_learnt_at_the_second():
+    """A draft whose catch-up of a prompt costs more than drafting saves: from the third request
+    on the prompt is not read for it (the first dear catch-up is held back until one confirms it)."""
+    assert _requests(5, 0.03)[2:] == [1.0] * 3

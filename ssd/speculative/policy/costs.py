@@ -47,12 +47,29 @@ class CatchupCost:
     attention reads, each token's position + 1 summed) by decayed least squares over the
     catch-ups measured: a long prompt costs more a token than a short one, by attention's
     share, which grows with the context (docs/decision-log.md). Tokens count in thousands and
-    keys in millions, so the two columns are of a size."""
+    keys in millions, so the two columns are of a size.
+
+    A catch-up SPIKE times dearer than expected is held back until the next one confirms it:
+    one caught in a spike (a fresh engine's first long prompt, work beside it) would price every
+    later request's catch-up so dear that none drafted, and none would measure it again; one
+    that costs more for good is learnt at the second."""
 
     def __init__(self) -> None:
         self.sums: list[float] | None = None  # decayed sums of n n, n k, k k, n y, k y
+        self.dear: tuple[float, int, float] | None = None  # a catch-up held back (class doc)
 
-    def observe(self, seconds: float, tokens: int, keys: float) -> None:
+    def observe(self, seconds: float, tokens: int, keys: float, expected: float) -> None:
+        """A catch-up of `tokens` tokens (`keys` keys read) took `seconds`; `expected`: what was
+        expected of it (the fit's, or before any a guess)."""
+        held, self.dear = self.dear, None
+        if seconds > SPIKE * expected and held is None:
+            self.dear = (seconds, tokens, keys)
+            return
+        if held is not None and seconds > SPIKE * expected:  # confirmed: the held one enters too
+            self._add(*held)
+        self._add(seconds, tokens, keys)
+
+    def _add(self, seconds: float, tokens: int, keys: float) -> None:
         n, k = tokens / 1e3, keys / 1e6
         new = [n * n, n * k, k * k, n * seconds, k * seconds]
         self.sums = new if self.sums is None else [CATCHUP_DECAY * a + b for a, b in zip(self.sums, new)]

@@ -66,16 +66,18 @@ class CostModel:
         start = context - tokens
         if self.window is not None and tokens > self.window:
             tokens, start = self.window, 0
-        fitted = self.catchup(tokens, tokens * (start + (tokens + 1) / 2))
+        return self.draft_step + self._catchup_quiet(tokens, tokens * (start + (tokens + 1) / 2)) * self._draft_load()
+
+    def _catchup_quiet(self, tokens: int, keys: float) -> float:
+        """A catch-up's cost beyond a step, in start-up units (CatchupCost's fit). Before any was
+        measured: what a row adds to the target's pass, scaled by the draft's step against the
+        target's. A draft reads a prompt as the target verifies rows (a fixed share of a step
+        priced them at a third: docs/decision-log.md)."""
+        fitted = self.catchup(tokens, keys)
         if fitted is not None:
-            fitted *= self._draft_load()
-        else:
-            # Before any catch-up is measured: what a row adds to the target's pass, scaled by the
-            # draft's step against the target's. A draft reads a prompt as the target verifies
-            # rows (a fixed share of a step priced them at a third: docs/decision-log.md).
-            top = self.k_max + 1
-            fitted = tokens * (self.verify(top) - self.verify(1)) / (top - 1) * self.draft_step / self.verify(1)
-        return self.draft_step + fitted
+            return fitted
+        top = self.k_max + 1
+        return tokens * (self.verify(top) - self.verify(1)) / (top - 1) * self.draft_quiet / self.verify(1)
 
     def worth(self, seqs: list[Sequence], waiting: bool) -> list[float]:
         """Each sequence's token's worth, the seconds it saves later against the batch's plain
@@ -118,4 +120,5 @@ class CostModel:
             self.draft_measured = True
         if times.catchup is not None and times.catchup[1] > 0:  # a pass costs a step, plus what its tokens cost
             seconds, tokens, keys = times.catchup
-            self.catchup.observe(max(0.0, seconds - self.draft_step) / self._draft_load(), tokens, keys)
+            quiet = max(0.0, seconds - self.draft_step) / self._draft_load()
+            self.catchup.observe(quiet, tokens, keys, self._catchup_quiet(tokens, keys))

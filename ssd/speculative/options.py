@@ -37,10 +37,9 @@ AUTO_K = "auto"  # speculate_k=AUTO_K: K chosen each round (ssd/speculative/poli
 # docs/decision-log.md, "Auto-K against fixed K"); SSD's speculation cache is built for one
 # depth, so it keeps a fixed default.
 SSD_K = 4
-# draft_vocab="auto": the reduced head's size where the target's token counts are known. With
-# the default pair it kept acceptance within a point of the full head on all four prompt sets
-# and made SD 1.10-1.15x faster; 16384 lost 5 points on MT-Bench (docs/decision-log.md,
-# "Reduced-vocabulary draft head").
+# draft_vocab="auto": the reduced head's size where the target's token counts are known: as
+# accepted as the full head with a cheaper step, where a smaller one lost acceptance on open
+# chat (docs/decision-log.md, "Reduced-vocabulary draft head").
 AUTO_DRAFT_VOCAB = 32768
 
 
@@ -358,8 +357,8 @@ class SpecOptions:
         if device.type != "cpu":
             return "dequantized"
         # q4_0: the default draft's file is mostly Q5_0/Q8_0 (its 896-wide rows rule out the K
-        # types); at 4.5 bits a weight its step costs ~0.75x and SD ran 3-7 % faster on every
-        # set (docs/decision-log.md, "Draft weights").
+        # types); at 4.5 bits a weight its step reads fewer bytes, which SD gains more from than
+        # it loses in acceptance (docs/decision-log.md, "Draft weights").
         from ssd.models.loader import resolve_weights
         return "q4_0" if resolve_weights(folder, device, "auto") == "gguf" else "int8"
 

@@ -19,10 +19,10 @@ up to the round's K, which auto-K then sets to k_max for the sequences this appl
 (greedy requests whose logits nothing changes: their proposals are the draft's argmax, so
 only the proposals' length depends on the rule, and verification stays exact). Only where
 one sequence drafts alone: in a batch, one sequence's deeper draft holds up every other's
-pass and adds rows to a larger verify pass, which this rule does not price, and with it on,
-batches of 4 ran 0.84-0.88x (docs/algorithm.md, "The draft's stopping rule"); auto-K's K,
-which weighs the batch's costs, stands there. Replayed on the bench sets' greedy outputs
-(bench/studies/draft_stop_headroom.py), the rule gained 4-9 % over the best fixed K.
+pass and adds rows to a larger verify pass, which this rule does not price (batches ran
+slower with it on: docs/decision-log.md, "The draft's stopping rule"); auto-K's K, which
+weighs the batch's costs, stands there. Replayed on the bench sets' greedy outputs
+(bench/studies/draft_stop_headroom.py), the rule gained over the best fixed K.
 """
 from collections.abc import Callable
 from dataclasses import dataclass

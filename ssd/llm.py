@@ -134,7 +134,8 @@ class LLM:
             gen = torch.Generator(self.config.device)
             gen.manual_seed(params.seed)
         processor = self.engine.processor(params, len(ids))
-        calls = CallStream(self.tool_format, self._end_texts(), tools.names) if tools and tools.calls_parsed else None
+        calls = CallStream(self.tool_format, self._end_texts(), tools.names, tools.parallel) \
+            if tools and tools.calls_parsed else None
         return Sequence(text, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator,
                         processor=processor, tools=tools, calls=calls)
 
@@ -144,7 +145,7 @@ class LLM:
         if seq.tools is None or not seq.tools.calls_parsed:
             return None
         fmt = self.tool_format
-        return fmt.parse(fmt.text(seq.output_ids), self._end_texts(), seq.tools.names)
+        return fmt.parse(fmt.text(seq.output_ids), self._end_texts(), seq.tools.names, seq.tools.parallel)
 
     @functools.cached_property
     def tool_format(self) -> ToolFormat:

@@ -14,6 +14,7 @@ names them as tokens then) or plain text in others. A template that mentions nei
 nor `<tool_call>` has no tool support: such a model answers tools with a clear error.
 """
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from ssd.errors import SSDError
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 CHOICES = ("none", "auto", "required")
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+log = logging.getLogger("ssd")
 
 
 class ToolError(SSDError):
@@ -141,20 +143,30 @@ class ToolFormat:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     @staticmethod
-    def parse(text: str, end_texts: tuple[str, ...] = (), names: tuple[str, ...] = ()
+    def parse(text: str, end_texts: tuple[str, ...] = (), names: tuple[str, ...] = (), parallel: bool = True
               ) -> tuple[str, list[ToolCall]]:
         """The content before the first call and the calls. A call whose JSON does not parse,
         or has no name, leaves the whole output as content (no calls), as other servers do;
         only a last call cut short (by max_tokens) is dropped while the calls before it stand.
-        names: the request's functions; an output that is nothing but {"name": one of them,
-        "arguments": {...}} (bare or in a ```json fence, as Qwen2.5-Coder often answers) is
-        that call too."""
+        names: the request's functions; an output that is nothing but calls {"name": one of
+        them, "arguments": {...}} as JSON (bare or in a ```json fence, as Qwen2.5-Coder often
+        answers: one object, several one after another, or a list of them) is those calls too.
+        parallel False (parallel_tool_calls): the first call only, where no grammar bounded the
+        output to one (tool_choice "auto"), and a warning in the log."""
+        content, calls = ToolFormat._calls(text, end_texts, names)
+        if not parallel and len(calls) > 1:
+            log.warning("parallel_tool_calls is false and the model called %d tools: the first is kept", len(calls))
+            calls = calls[:1]
+        return content, calls
+
+    @staticmethod
+    def _calls(text: str, end_texts: tuple[str, ...], names: tuple[str, ...]) -> tuple[str, list[ToolCall]]:
         for end in end_texts:
             text = text.removesuffix(end)
         start = text.find(OPEN)
         if start < 0:
-            bare = _bare_call(text, names)
-            return ("", [bare]) if bare else (text, [])
+            bare = _bare_calls(text, names)
+            return ("", bare) if bare else (text, [])
         calls = []
         pattern = re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)"
         for block, closed in re.findall(pattern, text[start:], re.S):
@@ -171,22 +183,31 @@ class ToolFormat:
         return text[:start].rstrip(), calls
 
 
-def _bare_call(text: str, names: tuple[str, ...]) -> ToolCall | None:
-    body = re.fullmatch(r"\s*(?:```(?:json)?\s*)?(\{.*\})\s*(?:```)?\s*", text, re.S)
+def _bare_calls(text: str, names: tuple[str, ...]) -> list[ToolCall]:
+    """The calls of an output that is only calls as JSON (ToolFormat.parse); [] where any part
+    of it is not a call of the request's functions."""
+    body = re.fullmatch(r"\s*(?:```(?:json)?\s*)?([\[{].*[\]}])\s*(?:```)?\s*", text, re.S)
     if not names or body is None:
-        return None
+        return []
+    found, rest, decoder = [], body.group(1), json.JSONDecoder()
     try:
-        call = json.loads(body.group(1))
+        while rest:
+            value, end = decoder.raw_decode(rest)
+            found += value if isinstance(value, list) else [value]
+            rest = rest[end:].lstrip()
     except json.JSONDecodeError:
-        return None
-    if set(call) != {"name", "arguments"} or call["name"] not in names or not isinstance(call["arguments"], dict):
-        return None
-    return ToolCall(call["name"], json.dumps(call["arguments"]))
+        return []
+    if not all(isinstance(c, dict) and set(c) == {"name", "arguments"} and c["name"] in names
+               and isinstance(c["arguments"], dict) for c in found):
+        return []
+    return [ToolCall(c["name"], json.dumps(c["arguments"])) for c in found]
 
 
 def _may_be_bare_call(text: str) -> bool:
-    """Whether streamed text could still turn out to be a bare call (held back until the end)."""
+    """Whether streamed text could still turn out to be bare calls (held back until the end)."""
     head = text.lstrip()
+    if head.startswith("["):  # a list, while it may still be one of objects
+        return head[1:].lstrip()[:1] in ("", "{")
     return head.startswith(("{", "```")) or "```".startswith(head)
 
 
@@ -200,8 +221,9 @@ class CallStream:
     """A tool request's output as it streams: content is handed out until a call begins
     (text that could be the start of one is held back); the calls come at the end."""
 
-    def __init__(self, fmt: ToolFormat, end_texts: tuple[str, ...], names: tuple[str, ...] = ()):
-        self.fmt, self.end_texts, self.names = fmt, end_texts, names
+    def __init__(self, fmt: ToolFormat, end_texts: tuple[str, ...], names: tuple[str, ...] = (),
+                 parallel: bool = True):
+        self.fmt, self.end_texts, self.names, self.parallel = fmt, end_texts, names, parallel
         self.ids: list[int] = []
         self.sent = 0  # characters of content handed out
         self.in_call = False
@@ -233,7 +255,7 @@ class CallStream:
 
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The content not handed out yet, and the calls."""
-        content, calls = self.fmt.parse(self._text(), names=self.names)
+        content, calls = self.fmt.parse(self._text(), names=self.names, parallel=self.parallel)
         return content[self.sent:], calls
 
     def step(self, ids: list[int], last: bool) -> tuple[str, list[ToolCall]]:

@@ -94,3 +94,16 @@ def test_required_through_the_server_calls_once_and_finishes_with_tool_calls(tmp
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
     finally:
         server.stop()
+
+
+def test_two_calls_in_one_answer_are_two_tool_calls(llm):
+    """Asked for two things at once, the 1.5B writes two calls in one answer (two objects in
+    one json fence, unconstrained): both come back as tool calls, and with
+    parallel_tool_calls false the first alone."""
+    chat = [{"role": "user", "content": "Check the weather in Berlin and in Rome."}]
+    out = llm.generate(chat, SamplingParams.greedy(max_tokens=150), tools=TOOLS)[0]
+    assert out.finish_reason == "tool_calls", out.text
+    assert [(c.name, json.loads(c.arguments)["city"]) for c in out.tool_calls] == \
+        [("get_weather", "Berlin"), ("get_weather", "Rome")], out.text
+    one = llm.generate(chat, SamplingParams.greedy(max_tokens=150), tools=Tools.check(TOOLS, "auto", False))[0]
+    assert [json.loads(c.arguments)["city"] for c in one.tool_calls] == ["Berlin"]

@@ -66,6 +66,24 @@ def test_calls_are_parsed_from_the_models_format():
     assert ToolFormat.parse('{"name": "add", "arguments": 3}', names=("add",))[1] == []
 
 
+def test_several_json_calls_in_one_answer_are_calls():
+    """Qwen2.5-Coder writes two calls as two objects in one ```json fence, or as a list."""
+    one, two = '{"name": "add", "arguments": {"a": 1, "b": 2}}', '{"name": "sub", "arguments": {"a": 5, "b": 3}}'
+    names = ("add", "sub")
+    for text in (f"```json\n{one}\n{two}\n```", f"```json\n{one}\n\n{two}\n```", f"{one}\n{two}",
+                 f"[{one}, {two}]", f"```json\n[\n  {one},\n  {two}\n]\n```", f"```\n{one}{two}\n```"):
+        content, calls = ToolFormat.parse(text, names=names)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == \
+            [("add", {"a": 1, "b": 2}), ("sub", {"a": 5, "b": 3})], text
+        assert calls[0].id != calls[1].id
+    assert [c.name for c in ToolFormat.parse(f"[{one}, {two}]", names=names, parallel=False)[1]] == ["add"]
+    blocks = f"<tool_call>\n{one}\n</tool_call>\n<tool_call>\n{two}\n</tool_call>"
+    assert [c.name for c in ToolFormat.parse(blocks, parallel=False)[1]] == ["add"]  # (parallel_tool_calls)
+    for text in (f"```json\n{one}\nThen I will subtract.\n```", f'[{one}, {{"name": "mul", "arguments": {{}}}}]',
+                 f"[{one}, 3]", "[]", f"{one}\n{{not json"):  # anything else in it: all content
+        assert ToolFormat.parse(text, names=names) == (text, []), text
+
+
 class _Tok:  # what CallStream needs of a tokenizer: decode of ids that are characters here
     def decode(self, ids, skip_special_tokens=False):
         return "".join(map(chr, ids))
@@ -84,7 +102,13 @@ def test_streamed_content_stops_where_a_call_begins():
     assert "".join(stream.push([ord(ch)]) for ch in text) == ""  # held back: it may be a bare call
     assert stream.finish()[0] == "" and stream.finish()[1][0].name == "add"
     stream = CallStream(fmt, (), ("add",))
+    text = '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": {"a": 2}}]'
+    assert "".join(stream.push([ord(ch)]) for ch in text) == ""  # a list of calls is held back too
+    assert [json.loads(c.arguments)["a"] for c in stream.finish()[1]] == [1, 2]
+    stream = CallStream(fmt, (), ("add",))
     assert "".join(stream.push([ord(ch)]) for ch in "Hello there") == "Hello there"
+    stream = CallStream(fmt, (), ("add",))
+    assert "".join(stream.push([ord(ch)]) for ch in "[a link](x) here") == "[a link](x) here"
 
 
 def test_the_required_grammar_takes_every_form_the_parser_reads_and_ends_after_one_json_call(llm):

@@ -107,6 +107,11 @@ def test_seed_reproducible(client):
 
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list()] == [MODEL]
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.owned_by == "ssd-engine"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("no-such-model")
+    assert e.value.code == "model_not_found" and "no-such-model" in e.value.message
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 

@@ -1,6 +1,6 @@
 """OpenAI's routes of `ssd serve`: POST /v1/chat/completions and /v1/completions (streamed as
-server-sent events, or not) and GET /v1/models; request checks and response shapes in
-openai_protocol.py."""
+server-sent events, or not), GET /v1/models and /v1/models/{id}; request checks and response
+shapes in openai_protocol.py."""
 import asyncio
 import json
 import time
@@ -20,10 +20,21 @@ def routes(gw: Gateway) -> APIRouter:
     router = APIRouter(dependencies=[Depends(gw.bearer)])
     llm, name = gw.llm, gw.served_name
 
+    def card(model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "ssd-engine",
+                "max_model_len": llm.config.max_model_len}
+
     @router.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "ssd-engine", "max_model_len": llm.config.max_model_len}]}
+        return {"object": "list", "data": [card(name)]}
+
+    @router.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """The served model by its name or an alias (ids may hold a slash, as hub ids do)."""
+        if model_id not in gw.served:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server serves {name!r}",
+                           param="model", code="model_not_found")
+        return card(model_id)
 
     @router.post("/v1/chat/completions")
     async def chat_completions(request: Request):

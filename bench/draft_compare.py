@@ -9,7 +9,7 @@ each K (auto-K against fixed ones); `--siblings off,on` each draft without and w
 its chain (sibling leaves; a head's tree), with their rows and tokens taken a round; `--prompt
 TEXT` (repeatable) adds a set of one's own, `--prompts FILE` one from a JSONL of {"prompt": ...} (as
 `ssd bench --prompts` reads); `--chat-template off` sends every prompt as plain text (random-weight
-models on a GPU run so, with `--ignore-eos`: bench/gpu_run.sh).
+models on a GPU run so, with `--ignore-eos`: bench/gpu/gpu_run.sh).
 
     python bench/draft_compare.py --drafts qwen2.5-coder-0.5b-instruct,HEAD_DIR [--sets humaneval,gsm8k,mtbench]
         [--num-prompts 4] [--max-tokens 128] [--model qwen2.5-coder-1.5b-instruct] [--out FILE.json]

@@ -14,7 +14,7 @@ from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.adaptive_k import AutoK
 from ssd.speculative.policy.costs import CatchupCost, Timings, expected_tokens
-from ssd.speculative.policy.tunables import PROBE_BUDGET, PROBE_K
+from ssd.speculative.policy.tunables import PROBE_BUDGET, PROBE_K, TIME_WINDOW
 from ssd.speculative.records import Proposal, Round, RoundTimes
 from ssd.speculative.sources.ngram import PromptLookup
 from test_ngram import REPEATING
@@ -335,6 +335,35 @@ def test_a_plan_that_drafts_nothing_holds_where_planning_is_a_large_part_of_a_st
     policy.hold.rounds, planned[:] = 5, []
     policy.plan(seqs + [_Seq(64)])
     assert planned == [65]
+
+
+def test_one_slow_plan_does_not_hold_but_slow_planning_that_lasts_does(monkeypatch):
+    """Planning's time is read as a low quantile of the recent plans' (docs/cost-model.md,
+    "Reading the clock"): a plan caught in a spike of load (10 ms among 0.1 ms ones) holds
+    nothing; planning that stays slow (the machine's speed, or a batch that grew) does."""
+    from types import SimpleNamespace
+    import ssd.speculative.policy.adaptive_k as adaptive_k
+    took = [1e-4]
+    readings = iter(x for i in range(10**6) for x in (i, i + took[0]))  # (start, end) of each plan
+    monkeypatch.setattr(adaptive_k, "time", SimpleNamespace(perf_counter=lambda: next(readings)))
+    step = lambda rows: 0.01 + 0.0001 * rows  # noqa: E731
+    policy, seqs = AutoK(8, step, 0.002), [_Seq(i) for i in range(64)]
+
+    def run(rounds):
+        for _ in range(rounds):
+            ks = policy.plan(seqs).ks
+            _observe(policy, seqs, ks, [0] * len(ks), 0.002 * max(ks), step(sum(ks) + len(ks)))
+            if policy.hold.rounds:
+                return True
+        return False
+
+    assert not run(200)  # the draft is off for all; quick plans never hold
+    took[0] = 0.01
+    assert not run(1)
+    took[0] = 1e-4
+    assert not run(20)
+    took[0] = 0.01
+    assert run(TIME_WINDOW)
 
 
 def test_a_draft_that_is_always_accepted_drafts_deep():

@@ -11,7 +11,7 @@ from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.options import SpecOptions
 from ssd.speculative.policy.adaptive_k import AutoK
 from ssd.speculative.policy.draft_stop import BINS, DraftStop, StopRule
-from ssd.speculative.policy.tunables import STOP_PRIOR_TOKENS
+from ssd.speculative.policy.tunables import SPIKE, STOP_PRIOR_TOKENS
 from test_ngram import REPEATING
 
 
@@ -48,6 +48,25 @@ def test_floors_weigh_a_token_against_its_cost_at_the_rounds_rate():
     assert stop.rule(4, 0.005, verify, fallback_rate=50.0).floors[0] == pytest.approx(20.0 * 0.006 / mean)
     stop.observe_rate(2, 0.5)  # moving averages of tokens and seconds: (10 - 1.6) / 0.5
     assert stop.rule(4, 0.005, verify, fallback_rate=50.0).floors[0] == pytest.approx(16.8 * 0.006 / mean)
+
+
+def test_a_round_caught_in_a_spike_moves_the_rate_no_more_than_spike_allows():
+    """The rule's rate takes a round's time at most SPIKE times what the cost model expects of
+    it: a round a load spike made 20x slower does not make the draft run deep for long."""
+    from ssd.speculative.policy.rules import StopAtConfidence
+    from ssd.speculative.records import Proposal, Round, RoundTimes
+    verify = lambda rows: 0.02 + 0.001 * rows  # noqa: E731
+    policy = AutoK(4, verify, 0.005, stop=DraftStop())
+    plan = policy.plan([_Seq(0)])
+    assert plan.seqs[0].stop is not None
+    (rule,) = [r for r in policy.rules if isinstance(r, StopAtConfidence)]
+    expected = 3 * 0.005 + verify(4)
+    for seconds, bound in ((expected, expected), (20 * expected, SPIKE * expected)):
+        stop = rule.stop
+        stop.tokens = None
+        times = RoundTimes(3 * 0.005, seconds - 3 * 0.005)
+        policy.learn([Round(_Seq(0), 3, Proposal([0] * 3, confidences=[0.9] * 3), 2, times=times)])
+        assert stop.seconds == pytest.approx(bound)
 
 
 def _draft(model, floors: list[float], params: list[SamplingParams], k: int = 6):

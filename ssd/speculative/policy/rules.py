@@ -3,6 +3,7 @@ weigh by itself. Each rule is an object with its own state, its `adjust` of a pl
 making (`Planning`) and its `learn` from the round that plan made; AutoK.RULES names them in
 the order they apply. A new rule is one class here and one entry there.
 """
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -10,10 +11,11 @@ from ssd.request.sequence import Sequence
 from ssd.speculative.policy.choose import BatchRound, Option
 from ssd.speculative.policy.costs import Acceptance, expected_tokens
 from ssd.speculative.policy.draft_stop import DraftStop, StopRule
+from ssd.speculative.policy.estimators import LowQuantile
 from ssd.speculative.policy.model import CostModel
 from ssd.speculative.policy.siblings import SiblingOffer, SiblingPolicy, cut, eligible
 from ssd.speculative.policy.tunables import (EXPLORE_EVIDENCE, EXPLORE_GAP, HOLD_MAX, HOLD_MIN_S, HOLD_SHARE,
-                                             PRIOR_RATE, PROBE_BACKOFF, PROBE_BUDGET, PROBE_K, WITHOUT_EMA)
+                                             PRIOR_RATE, PROBE_BACKOFF, PROBE_BUDGET, PROBE_K, SPIKE, WITHOUT_EMA)
 from ssd.speculative.records import Branch, Round, RoundTimes, argmax_chain
 
 
@@ -190,10 +192,12 @@ class StopAtConfidence(Rule):
     """The draft's stopping rule (draft_stop.py) takes over the length of a drafting round where
     one sequence drafts alone (not a probe, not a lookup round, its proposals the draft's argmax
     chain): its K becomes k_max, a cap. The rule's rate before any round was measured: the one
-    expected of the K chosen."""
+    expected of the K chosen. A round's time enters the rate at most SPIKE times what the cost
+    model expects of it, so a spike of load cannot make the draft run deep for long."""
 
     def __init__(self, stop: DraftStop):
         self.stop = stop
+        self.priced: tuple[float, Callable[[int], float]] | None = None  # d and V(m) of the round planned
 
     def adjust(self, p: Planning, model: CostModel) -> None:
         drafting = [b for b, k in enumerate(p.ks) if k and p.seqs[b].seq_id not in p.lookups]
@@ -202,6 +206,7 @@ class StopAtConfidence(Rule):
             return
         b, k = drafting[0], p.ks[drafting[0]]
         p.ks[b] = p.k_max
+        self.priced = (model.draft_step, model.verify)
         p.stop = self.stop.rule(p.k_max, model.draft_step, model.verify,
                                 p.gains[b][k] / (k * model.draft_step + model.verify(k + 1)))
 
@@ -212,7 +217,12 @@ class StopAtConfidence(Rule):
         for r in stopped:
             self.stop.observe(r.proposal.confidences, r.accepted)
         if times.catchup is None and stopped:  # (a catch-up's pass is no draft step)
-            self.stop.observe_rate(sum(len(r.tokens) for r in rounds), times.draft_s + times.verify_s)
+            seconds = times.draft_s + times.verify_s
+            if self.priced is not None:
+                d, verify = self.priced
+                drafted = max(r.drafted for r in stopped)
+                seconds = min(seconds, SPIKE * (drafted * d + verify(drafted + 1)))
+            self.stop.observe_rate(sum(len(r.tokens) for r in rounds), seconds)
 
 
 class Branches(Rule):
@@ -245,6 +255,7 @@ class Hold(Rule):
 
     def __init__(self) -> None:
         self.rounds = 0  # rounds the last plan still holds for
+        self.planning = LowQuantile()  # a plan's host time (one slow plan is no reason to hold)
         self.holding = False  # this round's plan is a held one
         self.held_s = 0.0  # those rounds' time, not yet credited
 
@@ -258,6 +269,7 @@ class Hold(Rule):
 
     def after(self, took: float, p: Planning, model: CostModel) -> None:
         """A plan made in `took` seconds."""
+        took = self.planning.observe(took)
         if took > HOLD_MIN_S and not any(p.ks):
             n = len(p.seqs)
             self.rounds = min(HOLD_MAX, int(took / max(HOLD_SHARE * model.verify(n, n), 1e-9)))

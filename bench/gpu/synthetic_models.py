@@ -26,15 +26,15 @@ target's token counts (`ssd vocab`'s file, in the store under the target folder'
 exactly those first, so a draft run with `--draft-vocab N` (a reduced output layer) keeps them.
 
 With --target-layers-at-load the target's file holds only its embedding, output layer and final
-norm; bench/synthetic_load.py makes its random layers when the engine loads it, on the GPU (the
+norm; bench/gpu/synthetic_load.py makes its random layers when the engine loads it, on the GPU (the
 64 GB of Qwen2.5-32B's shapes do not fit a lent machine's 64 GiB disk as a file).
 
-    python bench/synthetic_models.py --target-like DIR --draft-like DIR --out DIR [--accept 0.8]
+    python bench/gpu/synthetic_models.py --target-like DIR --draft-like DIR --out DIR [--accept 0.8]
         [--target-shape llama3.1-8b --draft-shape llama3.2-1b] [--cpu-draft-shape qwen2.5-0.5b] [--head]
         [--subset N] [--target-layers-at-load]
 
 DIR: a model folder whose config.json and tokenizer files are copied (the weights are not
-read), e.g. ~/.cache/ssd-engine/models/qwen2.5-coder-1.5b-instruct. A shape (bench/shapes.py)
+read), e.g. ~/.cache/ssd-engine/models/qwen2.5-coder-1.5b-instruct. A shape (bench/gpu/shapes.py)
 replaces its layers' shapes and architecture; the vocabulary stays DIR's, for its tokenizer.
 """
 import argparse
@@ -52,7 +52,7 @@ EMBED_STD = 10.0  # the planted map must dominate the ~N(0, 4) noise of 28 rando
 INIT_STD = 0.02  # transformers' default initialiser range
 HEAD_QK = 2.0  # the head's q = k scale: a row's score on itself ~45 (head_dim 128), ~N(0, 4) on others
 HEAD_OUT = 10.0  # the head's attention output against its random MLP's ~N(0, 6) per coordinate
-AT_LOAD = "synthetic_layers.json"  # in a model folder whose layers bench/synthetic_load.py makes
+AT_LOAD = "synthetic_layers.json"  # in a model folder whose layers bench/gpu/synthetic_load.py makes
 
 
 def build(like: Path, out: Path, f: torch.Tensor, disagree: torch.Tensor | None, g: torch.Tensor | None,
@@ -190,7 +190,7 @@ def main() -> None:
     ap.add_argument("--target-name", default="target", help="the target's folder under OUT (the store keeps "
                     "its token counts by that name; default: target)")
     ap.add_argument("--target-layers-at-load", action="store_true",
-                    help="the target's layers are made at load (bench/synthetic_load.py), not written")
+                    help="the target's layers are made at load (bench/gpu/synthetic_load.py), not written")
     ap.add_argument("--accept", type=float, default=0.8, help="per-token greedy agreement (default: 0.8)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

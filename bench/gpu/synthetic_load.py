@@ -1,9 +1,9 @@
 """Random layers made when the engine loads a synthetic model whose file holds only its
-embedding, output layer and final norm (bench/synthetic_models.py --target-layers-at-load):
+embedding, output layer and final norm (bench/gpu/synthetic_models.py --target-layers-at-load):
 the layers are drawn on the GPU where there is one, so a target of 32B shapes (64 GB in bf16)
 runs on a machine whose disk cannot hold it as a file. Speed does not depend on the values.
 
-    python bench/synthetic_load.py ssd ARGS...   # the `ssd` command, with such models loadable
+    python bench/gpu/synthetic_load.py ssd ARGS...   # the `ssd` command, with such models loadable
 """
 import json
 import sys

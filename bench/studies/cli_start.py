@@ -2,7 +2,7 @@
 `ssd serve --help` and `ssd models` (none of them imports torch), against importing torch
 alone, on this machine. Median of N runs each, in turns.
 
-    python bench/cli_start.py [--runs 5]
+    python bench/studies/cli_start.py [--runs 5]
 """
 import argparse
 import shutil

@@ -4,7 +4,7 @@ rows riding in a prompt-fill pass, plain, lookup, drafting), their tokens and ti
 draft's catch-ups: where SD gains or loses when requests decode together (docs/cost-model.md,
 "Catch-up").
 
-    python bench/batch_rounds.py [--set humaneval] [--batch 8] [--max-tokens 96] [--runs 2]
+    python bench/studies/batch_rounds.py [--set humaneval] [--batch 8] [--max-tokens 96] [--runs 2]
 
 Each engine runs in a process of its own (one loaded model set at a time, as a user runs
 one), AR and SD taking turns run by run, each warmed up as `ssd bench` warms up (its warm-up

@@ -3,7 +3,7 @@ against captured (CUDA graphs), the bandwidth ceiling, host time per step, batch
 and greedy exactness. Random weights: speed does not depend on their values, and greedy
 equality holds for any weights (the GPU goals are stated on these shapes).
 
-    python bench/gpu_steps.py [--layers 32] [--context 512] [--out DIR]
+    python bench/gpu/gpu_steps.py [--layers 32] [--context 512] [--out DIR]
 
 Prints a table last; writes results.json under --out.
 """

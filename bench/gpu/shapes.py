@@ -1,5 +1,5 @@
 """Config fields of real models' shapes, for random-weight models on a lent GPU machine (only
-small files reach it): bench/gpu_steps.py, bench/gpu_profile.py, bench/synthetic_models.py."""
+small files reach it): bench/gpu/gpu_steps.py, bench/gpu/gpu_profile.py, bench/gpu/synthetic_models.py."""
 
 LLAMA_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192, "rope_theta": 500000.0}

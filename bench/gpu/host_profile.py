@@ -4,7 +4,7 @@ request at once, for AR and SD at K = 0 (every round plain decoding: what auto-K
 drafting does not pay), and with --profile the host's functions that cost most (cProfile, the
 whole run: prompts too).
 
-    python bench/host_profile.py --model M [--draft D] [--batch 64] [--tokens 48] [--profile 20]
+    python bench/gpu/host_profile.py --model M [--draft D] [--batch 64] [--tokens 48] [--profile 20]
 
 Speed runs are `ssd bench`'s; this says where the host's time goes in them.
 """

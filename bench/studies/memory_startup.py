@@ -2,7 +2,7 @@
 build the engine, time to the first token of one chat request, RSS against the GGUF files and
 the KV caches it allocates.
 
-    python bench/memory_startup.py
+    python bench/studies/memory_startup.py
 """
 import os
 import resource

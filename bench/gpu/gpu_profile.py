@@ -1,9 +1,9 @@
-"""Where a captured step's time goes on a GPU, for the shapes the GPU runs use (bench/shapes.py):
+"""Where a captured step's time goes on a GPU, for the shapes the GPU runs use (bench/gpu/shapes.py):
 a replay's device time, an engine-like step's wall (the pass, then its argmax read on the host),
 the kernels a step launches and their device time by name, and the host's calls
 (torch.profiler). Random bf16 weights: speed does not depend on their values.
 
-    python bench/gpu_profile.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--out DIR]
+    python bench/gpu/gpu_profile.py [--shapes qwen2.5-0.5b,qwen2.5-1.5b] [--out DIR]
 
 Prints a table last; writes results.json and one profiler table per shape under --out.
 """

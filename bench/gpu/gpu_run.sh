@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU measurement the open GPU work asks for, in one device call (a session is lent a
-# machine for minutes): random weights of real shapes (bench/synthetic_models.py), a planted
+# machine for minutes): random weights of real shapes (bench/gpu/synthetic_models.py), a planted
 # acceptance of 0.8, greedy, every row checked token-identical to AR.
 #
-#   [OLD=DIR] bash bench/gpu_run.sh LIKE PROMPTS OUT [PART ...]
+#   [OLD=DIR] bash bench/gpu/gpu_run.sh LIKE PROMPTS OUT [PART ...]
 #
 # LIKE holds target/ and draft/: the config and tokenizer files of a real pair (no weights;
 # e.g. qwen2.5-coder-1.5b-instruct and -0.5b-instruct), PROMPTS a JSONL of {"prompt": ...}.
@@ -16,20 +16,20 @@
 # Parts, in the order they run (all when none is named; each under its own time limit):
 #   ssd32     SSD with a small draft (45M weights of body, a 32,000-token output layer) on the host's
 #             cores beside a target of Qwen2.5-32B's shapes on the GPU (its layers made at load:
-#             bench/synthetic_load.py), against SD and SSD with that draft on the GPU, K = 4 and 6;
+#             bench/gpu/synthetic_load.py), against SD and SSD with that draft on the GPU, K = 4 and 6;
 #             where each round's time goes and SSD's bound (bench/round_costs.py)
 #   cpudraft  SSD with the draft on the host's CPU cores (--draft-device cpu: all but the
 #             first) beside the target on the GPU, against SD and SSD with the draft on the GPU;
 #             Llama-3.1-8B's shapes, a draft of Qwen2.5-0.5B's shapes; and the CPU draft's pass
 #             cost on the host (bench/pass_cost.py), the kernels' parallel build time
 #   head      SD with an EAGLE-3 head of the 8B's layer shape (a 32,000-token vocabulary, planted as the
-#             1B draft is: bench/synthetic_models.py --head) beside SD with the 1B draft, K = 4, 6 and auto,
+#             1B draft is: bench/gpu/synthetic_models.py --head) beside SD with the 1B draft, K = 4, 6 and auto,
 #             the target's passes captured with the layers the head reads (bench/draft_compare.py:
 #             interleaved, a drafted token's cost in target steps)
 #   owed      AR, SD and SSD at K = 4 and auto (auto-K after the start-up captures); 8B / 1B shapes
 #   thread    SSD's worker as a thread of the target's process against a process, one GPU
 #   batches   64, 16 and 4 concurrent requests, AR / SD / SSD with K = auto, 128 tokens each
-#   host      where a decode step's host time goes at a batch of 64 (bench/host_profile.py: AR and
+#   host      where a decode step's host time goes at a batch of 64 (bench/gpu/host_profile.py: AR and
 #             SD at K = 0 with the 1B draft, each step's wall against its synchronised passes, cProfile)
 #   profile   captured steps of Qwen2.5-32B's shapes (no files: 65 GB built on the GPU):
 #             a verify pass's time V for the SSD bound 1 + K*d/V
@@ -44,7 +44,7 @@ export PYTHONUNBUFFERED=1
 BASE=${PYTHONPATH:-}
 START=$SECONDS BUDGET=${BUDGET:-540}  # seconds; a part that might not end within it is skipped
 RES=/tmp/gpu-results SYN=/tmp/synth8b SYN32=/tmp/synth32b
-SSD=(python3 bench/synthetic_load.py ssd)  # `ssd` (the package is not installed there), with layers made at load
+SSD=(python3 bench/gpu/synthetic_load.py ssd)  # `ssd` (the package is not installed there), with layers made at load
 mkdir -p "$OUT" "$RES"
 exec > >(tee "$OUT/run.log") 2>&1
 use() {  # the ssd package of this commit (new) or OLD's (old)
@@ -83,13 +83,13 @@ if [[ $PARTS == *" cpudraft "* || $PARTS == *" ssd32 "* ]]; then
 fi
 TARGET=$SYN/target
 if [[ $PARTS == *" "@(cpudraft|head|owed|thread|batches|host)" "* ]]; then
-    timeout 150 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
+    timeout 150 python3 bench/gpu/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
         --target-shape llama3.1-8b --draft-shape llama3.2-1b --out $SYN --accept 0.8 \
         $([[ $PARTS == *" cpudraft "* ]] && echo --cpu-draft-shape qwen2.5-0.5b) \
         $([[ $PARTS == *" head "* ]] && echo --head) 2>&1 | tail -2
 fi
 if [[ $PARTS == *" ssd32 "* ]]; then  # 3 GB written: the 32B's layers are made when it loads
-    timeout 100 python3 bench/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
+    timeout 100 python3 bench/gpu/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
         --target-shape $SHAPE32 --draft-shape qwen2.5-0.5b-3l --subset 32000 --target-layers-at-load \
         --out $SYN32 --target-name qwen32b --accept 0.8 2>&1 | tail -2
 fi
@@ -144,13 +144,13 @@ if part batches 180; then
     done
 fi
 if part host 90; then
-    timeout 90 python3 bench/host_profile.py --model $SYN/target --draft $SYN/draft --batch 64 --profile 25 \
+    timeout 90 python3 bench/gpu/host_profile.py --model $SYN/target --draft $SYN/draft --batch 64 --profile 25 \
         >"$RES/host.log" 2>&1
     echo "(host: exit $?)"
     grep -E "^(AR|SD)" "$RES/host.log"
 fi
 if part profile 90; then
-    timeout 90 python3 bench/gpu_profile.py --shapes qwen2.5-32b --repeat 10 --out "$RES/profile" \
+    timeout 90 python3 bench/gpu/gpu_profile.py --shapes qwen2.5-32b --repeat 10 --out "$RES/profile" \
         2>&1 | grep -v Warning | tail -5
 fi
 if [ -n "${OLD:-}" ] && part owed 100; then

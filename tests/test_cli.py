@@ -71,7 +71,7 @@ def test_the_options_reference_in_docs_is_made_from_the_declarations():
 @pytest.mark.parametrize("argv", [["--help"], ["serve", "--help"], ["generate", "--help"], ["models"]])
 def test_help_and_the_model_list_load_no_torch(argv):
     """`ssd --help`, a command's help and `ssd models` answer without importing torch (its
-    import alone takes about a second: bench/cli_start.py measures the commands)."""
+    import alone takes about a second: bench/studies/cli_start.py measures the commands)."""
     code = ("import sys\nfrom ssd.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)

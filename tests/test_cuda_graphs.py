@@ -65,7 +65,7 @@ def test_interpreted_rms_norm_and_act_mul(fused):
     total, y = fused.add_rms_norm(x, h, norm.weight, 1e-6)
     assert torch.equal(total, x + h) and torch.equal(y, fused.rms_norm(x + h, norm.weight, 1e-6))
     # bf16: the norm reads the rounded sum (the interpreter rounds to bf16 its own way, so the
-    # sum's bits against torch's add are checked on the GPU: bench/gpu_profile.py)
+    # sum's bits against torch's add are checked on the GPU: bench/gpu/gpu_profile.py)
     xb, hb = x.bfloat16(), (h * 1e-2).bfloat16()
     total, y = fused.add_rms_norm(xb, hb, norm.weight, 1e-6)
     assert torch.equal(y, fused.rms_norm(total, norm.weight, 1e-6)) and rel_err(total, xb + hb) < 1e-2

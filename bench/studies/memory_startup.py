@@ -3,6 +3,12 @@ build the engine, time to the first token of one chat request, RSS against the G
 the KV caches it allocates.
 
     python bench/studies/memory_startup.py
+
+Found (AMD EPYC Zen 4, 2 cores, 2026-11-29, files in the page cache): import 2.3 s, the engine
+built in 4.8 s, the first request's first token 0.22 s after; RSS 2.06 GB against 1.61 GB of
+GGUF files and 2.70 GB of KV caches (0.48 of both): the caches' pages are only touched as
+tokens fill them. With the files read from disk cold, and a test suite running beside it, the
+engine took 66 s to build.
 """
 import os
 import resource

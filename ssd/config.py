@@ -86,6 +86,9 @@ class EngineConfig:
     tensor_parallel_timeout: float = 60.0  # seconds a rank may keep the others waiting before it counts as hung
     speculation: SpecOptions = field(default_factory=SpecOptions)
     model_config: ModelConfig = field(init=False, repr=False)
+    # Whether each model's passes choose their thread count, up to `threads`, by the machine's
+    # load (ssd/runner/threads.py): on a CPU, one process, threads not given.
+    follow_load: bool = field(init=False, repr=False, default=False)
 
     def __post_init__(self) -> None:
         spec = self.speculation = self.speculation.resolved(self.mode, self.draft in NAMED)
@@ -112,10 +115,14 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise SSDError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         # SSD pins the target to its cores around each step (the draft source's placement()).
+        given = self.threads is not None
         self.threads = engine_threads(self.threads)
         target_device = spec.target_device if self.mode == "ssd" else None
         self.device = resolve_device(self.device if target_device is None else parse_placement(target_device).device)
         self.dtype = resolve_dtype(self.dtype, self.device)
+        # (SSD pins the target and its worker to cores of their own: their counts stay.)
+        self.follow_load = not given and self.device.type == "cpu" and self.tensor_parallel_size == 1 \
+            and self.mode != "ssd"
         self.model = resolve_model(self.model)
         self.model_config = ModelConfig.from_folder(self.model)
         if self.draft is not None and self.draft not in NAMED and is_eagle_head(resolve_model(self.draft)):

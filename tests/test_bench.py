@@ -156,6 +156,7 @@ BASE = ["bench", "--model", SMOLLM, "--draft", SMOLLM, "--no-progress"]
     (["--modes", "ar,sd", "--f", "2"], "apply to mode ssd"),
     (["--f", "2,0"], "--f: expected a whole number >= 1, got '0'"),
     (["--batch-size", "0"], "must be at least 1"),
+    (["--busy-cores", "-1"], "--busy-cores must be 0 or more"),
     (["--temperature", "-1"], "temperature must be >= 0"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),
     (["--prompts", "/no/such/file.jsonl"], "cannot read prompts file"),
@@ -242,3 +243,28 @@ def test_a_lookup_sweep_is_plotted(tmp_path):
     assert [r.lookup_share for r in rows] == [0.25, 0.25, 0.25]
     names = {p.name for p in write_plots(tmp_path, result, rows)}
     assert "speedup_vs_lookup.png" in names
+
+
+def test_busy_cores_spin_beside_each_configuration_and_stop_after(smollm_dir, monkeypatch):
+    """--busy-cores: the loops run while a configuration generates (and a peer runs), none is
+    left after; the tokens are those of a quiet run (AR and SD agree)."""
+    import psutil
+
+    import ssd.bench.runner as runner
+    seen = []
+    real = runner.LLM.generate
+
+    def loops() -> list:
+        return [c for c in psutil.Process().children() if "while True" in " ".join(c.cmdline())]
+
+    def generate(self, *args, **kwargs):
+        seen.append(len(loops()))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(runner.LLM, "generate", generate)
+    spec = BenchSpec(str(smollm_dir), "ngram", expand_configs(["ar", "ngram"], 2), max_tokens=8, threads=2,
+                     busy_cores=1)
+    result = run_bench(spec, PROMPTS, progress=False)
+    assert seen and seen[:2] == [0, 0] and all(n == 1 for n in seen[2:])  # the warm-ups quiet, the turns busy
+    assert not loops()
+    assert all(r.same_as_ar for r in result.records if r.config != "ar")

@@ -64,7 +64,10 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                         "one prompt at a time. A peer that cannot run is reported as skipped")
     b.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     b.add_argument("--dtype", help="float32 / bfloat16 / float16 (default: float32 on cpu, bfloat16 on cuda)")
-    b.add_argument("--threads", type=int, help="CPU threads (default: all cores)")
+    b.add_argument("--threads", type=int, help="CPU threads (default: all cores, fewer while they are busy)")
+    b.add_argument("--busy-cores", type=int, default=0, metavar="N",
+                   help="a busy loop on N cores beside every configuration and peer while it runs: the engine "
+                        "on a machine doing other things (default: 0)")
     quantization = declared(OPTIONS["draft_quantization"])
     b.add_argument(quantization.flag, choices=[quantization.none if c is None else c for c in quantization.choices],
                    default=OPTIONS["draft_quantization"].default,
@@ -151,6 +154,8 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     k = parse_k(args.k)
     if (k != AUTO_K and k < 1) or args.batch_size < 1 or (args.threads is not None and args.threads < 1):
         raise SSDError("--k, --batch-size and --threads must be at least 1")
+    if args.busy_cores < 0:
+        raise SSDError(f"--busy-cores must be 0 or more, got {args.busy_cores}")
     draft = args.draft or (DEFAULT_DRAFT if args.model == DEFAULT_TARGET else None)
     if draft is None and (set(modes) - {"ar", "ngram"} or peers):
         raise SSDError("--draft is needed for sd, ssd and the peers' speculation when --model is not the default")
@@ -164,6 +169,7 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
                      temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                      batch_size=args.batch_size, chat_template=args.chat_template == "on", device=args.device,
                      dtype=args.dtype, threads=args.threads, sweep=sweep[0] if sweep else None,
+                     busy_cores=args.busy_cores,
                      draft_quantization=declared(OPTIONS["draft_quantization"]).parse(args.draft_quantization))
     spec.params()  # checks temperature and max_tokens
     return spec

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from ssd import LLM, SamplingParams
+from ssd.bench.busy import busy
 from ssd.bench.peers import PeerResult, PeerSkip, isolated, run_hf, run_llamacpp
 from ssd.bench.prompts import BenchPrompt
 from ssd.errors import SSDError
@@ -121,6 +122,7 @@ class BenchSpec:
     draft_quantization: str | None = "auto"  # the engine's option (SpecOptions.draft_quantization)
     seed: int = 0  # of every LLM's sampling generator
     sweep: str | None = None  # the --sweep key (SWEEPS) when the configurations sweep one
+    busy_cores: int = 0  # busy loops beside each configuration's turns and each peer (busy.py)
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,
@@ -172,7 +174,8 @@ def run_bench(spec: BenchSpec, prompt_sets: dict[str, list[BenchPrompt]], progre
     prompt_ids = _run_engines(result, progress)
     gc.collect()  # the engine's models are unreferenced now: free them before the peers load theirs
     for c in (c for c in spec.configs if c.is_peer):
-        _run_peer(result, c, prompt_ids)
+        with busy(spec.busy_cores):
+            _run_peer(result, c, prompt_ids)
     if spec.temperature == 0:
         ar = {(r.set, r.prompt_id): r.token_ids for r in result.records if r.config == "ar"}
         for r in result.records:
@@ -227,10 +230,11 @@ def _run_engines(result: BenchResult, progress: bool) -> dict[str, list[list[int
             for b, (batch, xs) in enumerate(zip(_batches(prompts, spec.batch_size),
                                                 _batches(inputs[name], spec.batch_size))):
                 for label in labels[b % len(labels):] + labels[:b % len(labels)]:
-                    start = time.perf_counter()
-                    outs = llms[label].generate(list(xs), [replace(params, json_schema=p.schema)
-                                                           if p.schema else params for p in batch])
-                    wall = time.perf_counter() - start
+                    with busy(spec.busy_cores):
+                        start = time.perf_counter()
+                        outs = llms[label].generate(list(xs), [replace(params, json_schema=p.schema)
+                                                               if p.schema else params for p in batch])
+                        wall = time.perf_counter() - start
                     for p, o in zip(batch, outs):
                         result.records.append(PromptRecord(name, p.id, label, b, wall, o.token_ids,
                                                            o.metrics.as_dict(), valid=follows(o.text, p.schema),

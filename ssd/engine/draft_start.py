@@ -147,4 +147,5 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
         fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,
         backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head),
         prefix_caching=config.enable_prefix_caching, window=opts.draft_window,
-        guesses=opts.draft_guesses if opts.draft_guesses is not None else config.mode == "sd")
+        guesses=opts.draft_guesses if opts.draft_guesses is not None else config.mode == "sd",
+        threads=config.threads if config.follow_load else None)

@@ -30,6 +30,7 @@ from ssd.request.sampler import next_tokens, token_logprobs
 from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import CacheFullError, PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
+from ssd.runner.threads import ThreadChooser
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.options import AUTO_K
 from ssd.speculative.plan import Plan
@@ -80,7 +81,8 @@ class LLMEngine:
             self.registry.register("draft source", self.source)
         self.k_max = config.speculation.k_max
         self.runner = ModelRunner(model, self.cache, config.device, target_buckets(config, self.k_max),
-                                  max_keys=config.max_model_len + self.k_max + 1)
+                                  max_keys=config.max_model_len + self.k_max + 1,
+                                  threads=ThreadChooser(config.threads) if config.follow_load else None)
         self.taps = self.source.capabilities.taps if self.source else ()  # what a feature head reads of every target pass
         self.runner.warm_up(taps=self.taps)
         self.speculate_k: int | str = 0  # set_speculate_k() changes it

@@ -9,6 +9,7 @@ from ssd.layers.attention import AttentionBatch
 from ssd.models.decoder import DecoderLM
 from ssd.runner.cuda_graphs import CapturedSteps
 from ssd.runner.kv_cache import PagedKVCache
+from ssd.runner.threads import ThreadChooser
 
 
 WARM_UP_OWNER = -(1 << 62)  # a cache owner id no sequence or draft tree uses
@@ -33,11 +34,12 @@ class Chunk:
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, cache: PagedKVCache, device: torch.device,
-                 graph_buckets: list[int] | None = None, max_keys: int = 0):
+                 graph_buckets: list[int] | None = None, max_keys: int = 0, threads: ThreadChooser | None = None):
         """graph_buckets: passes of up to max(graph_buckets) tokens, whose attention rows hold at
         most max_keys keys, run as CUDA graphs padded to the smallest bucket that holds them
-        (cuda_graphs.py); None: every pass eagerly."""
-        self.model, self.cache, self.device = model, cache, device
+        (cuda_graphs.py); None: every pass eagerly. threads: what chooses the CPU threads of
+        each pass (threads.py); None: the process's count."""
+        self.model, self.cache, self.device, self.threads = model, cache, device, threads
         if model.tp_group is not None:  # a captured step would not send the other ranks its inputs
             graph_buckets = None
         self.steps = None if not graph_buckets else CapturedSteps(model, cache.kv, cache.scratch_slot(), max_keys,
@@ -59,6 +61,9 @@ class ModelRunner:
             # what every catch-up costs, is the likely reason SD with auto K drafted nothing for
             # its first requests on a GPU (docs/kernels.md, "GPU").
             self.timed_pass(self.steps.buckets[-1] + 1, head=head, taps=taps)
+        # The thread count's first trial, on a decode step's pass, before any request's.
+        while self.threads is not None and self.threads.trialling:
+            self.timed_pass(1, head=head, taps=taps)
 
     @torch.inference_mode()
     def timed_pass(self, rows: int, repeat: int = 1, head: bool = True, taps: tuple[int, ...] = ()) -> float:
@@ -146,5 +151,14 @@ class ModelRunner:
             self.model.tp_group.send_pass(input_ids, positions, batch, logits_index, head)
         dev = self.device
         batch = AttentionBatch(*(t.to(dev) for t in (batch.slot_mapping, batch.rows, batch.q_row, batch.q_len)))
-        return self.model(input_ids.to(dev), positions.to(dev), batch, self.cache.kv,
-                          None if logits_index is None else logits_index.to(dev), head, taps)
+        args = (input_ids.to(dev), positions.to(dev), batch, self.cache.kv,
+                None if logits_index is None else logits_index.to(dev), head, taps)
+        if self.threads is None:
+            return self.model(*args)
+        n = self.threads.threads()
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+        t0 = time.perf_counter()
+        out = self.model(*args)  # (on a CPU: done when it returns)
+        self.threads.observe(len(input_ids), time.perf_counter() - t0)
+        return out

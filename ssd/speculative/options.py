@@ -426,6 +426,7 @@ class DraftConfig:
     prefix_caching: bool = True  # the draft's own prefix cache (EngineConfig.enable_prefix_caching)
     window: int | None = None  # SpecOptions.draft_window
     guesses: bool = False  # SpecOptions.draft_guesses
+    threads: int | None = None  # the most threads a pass takes, by the load (EngineConfig.follow_load); None: fixed
 
     def as_dict(self) -> dict:
         return asdict(self)

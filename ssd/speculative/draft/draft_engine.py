@@ -22,6 +22,7 @@ from ssd.request.sampler import probs_from_logits, sample, saguaro
 from ssd.runner.chain_graphs import CHAIN_ROWS, ChainSteps
 from ssd.runner.kv_cache import PagedKVCache
 from ssd.runner.model_runner import WARM_UP_OWNER, Chunk, ModelRunner
+from ssd.runner.threads import ThreadChooser
 from ssd.sampling_params import SamplingParams
 from ssd.speculative.draft.drafting import Drafting, PassTimes
 from ssd.speculative.draft.spec_cache import SpeculationCache
@@ -107,7 +108,7 @@ class DraftEngine:
     def __init__(self, model: DecoderLM, device: torch.device, *, k_max: int, cache_tokens: int,
                  block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None,
                  vocab_ids: tuple[int, ...] | None = None, prefix_salt: str | None = None,
-                 window: int | None = None, guesses: bool = False):
+                 window: int | None = None, guesses: bool = False, threads: int | None = None):
         """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
         vocab_ids: the token ids of a reduced-vocabulary head (the model's logits are for those,
         in that order): the draft proposes only them and each sequence's own tokens (DraftHead),
@@ -115,7 +116,9 @@ class DraftEngine:
         (PagedKVCache), None for none. window: the most tokens of a context the draft reads
         when catching up; beyond that it starts over from the context's last `window` tokens
         (positions from 0: RoPE sees the same distances), None for all. guesses: prompt lookup's
-        guesses of the draft's next tokens join its passes (_guess)."""
+        guesses of the draft's next tokens join its passes (_guess). threads: the most CPU
+        threads a pass takes, their count following the machine's load (ssd/runner/threads.py);
+        None: the process's count."""
         cfg = model.config
         self.window, self.guesses = window, guesses
         self.guessed = Acceptance(GUESS_DECAY)  # how often a guessed row was right (_guess_rows)
@@ -127,7 +130,8 @@ class DraftEngine:
         # A draft's bits need not match anything: buckets of every size, each its own graph.
         buckets = [1 << i for i in range(7)] if device.type == "cuda" else None
         max_keys = min(self.max_len, cache_tokens) + k_max + 1
-        self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=max_keys)
+        self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=max_keys,
+                                  threads=None if threads is None else ThreadChooser(threads))
         self.runner.warm_up(head=False)  # the draft's passes stop at hidden states (DraftHead)
         # The draft's pass by rows, timed now and then measured, to price its guesses (_guess_rows).
         self.pass_time = Timings({r: self.runner.timed_pass(r, repeat=2, head=False)
@@ -153,7 +157,7 @@ class DraftEngine:
         return cls(model, device, k_max=cfg.k_max, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
                    seed=cfg.seed, saguaro=saguaro, vocab_ids=ids,
                    prefix_salt=f"{cfg.model}|{cfg.dtype}|{cfg.weights}" if cfg.prefix_caching else None,
-                   window=cfg.window, guesses=cfg.guesses)
+                   window=cfg.window, guesses=cfg.guesses, threads=cfg.threads)
 
     def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None,
              k: int, processor: LogitsProcessor | None = None) -> DraftSeq:

@@ -1,0 +1,113 @@
+"""How many CPU threads a model's passes run with, following the machine's load
+(docs/kernels.md, "A busy machine").
+
+A kernel shares a pass among its threads and waits for the last of them, so a thread whose
+core another program holds makes every pass wait for it: with one of two cores busy, two
+threads ran slower than one. The engine cannot see the load, but it sees its passes: each
+pass's time over the fastest this runner ever took at its size is a ratio that a busy core
+raises. Now and then, and at once where passes run slow, the chooser tries a neighbouring
+thread count: passes alternate between the two counts (a change of load hits both alike),
+and the count whose passes ran faster stays. A trial that changes nothing waits longer
+before the next, so a quiet machine pays little for the checks; a machine that calms is
+tried again.
+
+A row's bits do not depend on the thread count (the kernels' invariance), so a count changed
+between passes changes no output. Threads a user asks for are not changed.
+"""
+from dataclasses import dataclass, field
+from statistics import median
+
+from ssd.speculative.policy.estimators import LowQuantile
+
+TRIAL_PASSES = 3  # passes at each of the two counts a trial compares
+MARGIN = 0.05  # the other count must run this much faster to be taken
+FIRST_WAIT = 32  # passes before the next trial after a change ...
+WAIT_GROWTH = 4  # ... times this after each trial that changed nothing ...
+MAX_WAIT = 2048  # ... up to this many at every thread ...
+CALM_WAIT = 256  # ... and this many at fewer: a machine that calms is not seen otherwise
+# Passes this much slower than the fastest at their size (a low quantile of the recent ones)
+# call a trial within SLOW_WAIT passes.
+SLOW = 1.3
+SLOW_WAIT = 16
+
+
+def _size(rows: int) -> int:
+    """Passes compared as of one size: the same rows up to 16, then within a power of two."""
+    return rows if rows <= 16 else 16 + rows.bit_length()
+
+
+@dataclass
+class _Trial:
+    counts: tuple[int, int]  # (the current count, the other)
+    ratios: tuple[list[float], list[float]] = field(default_factory=lambda: ([], []))
+    turn: int = 1  # which count the next pass runs with
+
+    def done(self) -> bool:
+        return all(len(r) >= TRIAL_PASSES for r in self.ratios)
+
+
+class ThreadChooser:
+    """The thread count of one model's passes (module doc): `threads()` before a pass,
+    `observe()` after it."""
+
+    def __init__(self, most: int):
+        self.most = most
+        self.count = most
+        self.fastest: dict[int, float] = {}  # by size: the fastest pass seen
+        self.recent = LowQuantile()  # the current count's ratios
+        self.trial: _Trial | None = _Trial((most, max(1, most // 2))) if most > 1 else None
+        self.wait = FIRST_WAIT
+        self.backoff = FIRST_WAIT
+        self.slow = False
+        self.up = True  # the direction of the next trial, where both are open
+
+    @property
+    def trialling(self) -> bool:
+        return self.trial is not None
+
+    def threads(self) -> int:
+        return self.count if self.trial is None else self.trial.counts[self.trial.turn]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A pass over `rows` tokens took `seconds`, at `threads()` threads."""
+        size = _size(rows)
+        fastest = self.fastest.get(size)
+        self.fastest[size] = seconds if fastest is None else min(fastest, seconds)
+        if fastest is None or fastest <= 0:  # the first of its size: nothing to compare with
+            return
+        ratio = seconds / fastest
+        if self.trial is not None:
+            t = self.trial
+            t.ratios[t.turn].append(ratio)
+            t.turn = 1 - t.turn if len(t.ratios[1 - t.turn]) < TRIAL_PASSES else t.turn
+            if t.done():
+                self._decide(t)
+            return
+        self.recent.observe(ratio)
+        slow = self.count == self.most and self.recent.value > SLOW and len(self.recent.recent) >= 4
+        if slow and not self.slow:
+            self.wait = min(self.wait, SLOW_WAIT)
+        self.slow = slow
+        self.wait -= 1
+        if self.wait <= 0 and self.most > 1:
+            self.trial = _Trial((self.count, self._other()))
+
+    def _other(self) -> int:
+        down = max(1, self.count // 2)
+        up = min(self.most, self.count * 2)
+        if self.count == self.most:
+            return down
+        if self.count == 1:
+            return up
+        self.up = not self.up
+        return up if self.up else down
+
+    def _decide(self, t: _Trial) -> None:
+        self.trial = None
+        if median(t.ratios[1]) < (1 - MARGIN) * median(t.ratios[0]):
+            self.count = t.counts[1]
+            self.recent = LowQuantile()
+            self.backoff = FIRST_WAIT
+        else:
+            self.backoff = min(MAX_WAIT if self.count == self.most else CALM_WAIT, self.backoff * WAIT_GROWTH)
+        self.wait = self.backoff

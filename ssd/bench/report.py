@@ -149,7 +149,8 @@ def _notes(result: BenchResult, rows: Sequence[Row]) -> list[str]:
              f"model {spec.model}, draft {spec.draft or '-'} (weights: {_draft_weights(result)}); "
              f"{result.device} {result.dtype}; "
              f"temperature {spec.temperature:g}; max {spec.max_tokens} tokens{' (ignore eos)' * spec.ignore_eos}; "
-             f"batch {spec.batch_size}; chat template {'on' if spec.chat_template else 'off'}",
+             f"batch {spec.batch_size}; chat template {'on' if spec.chat_template else 'off'}"
+             + (f"; {spec.busy_cores} busy cores beside each row (thr: the most threads)" if spec.busy_cores else ""),
              "tok/s: decode speed (tokens after the first / time after the first), mean over prompts; "
              "tok/s all: the same over all prompts together",
              "e2e tok/s: all tokens / generate() wall time, prefill included; TTFT: mean time to first token",

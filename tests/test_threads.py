@@ -6,6 +6,7 @@ import pytest
 
 from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig
+from ssd.speculative.policy.estimators import LowQuantile
 from ssd.runner.threads import CALM_WAIT, FIRST_WAIT, MAX_WAIT, TRIAL_PASSES, ThreadChooser
 
 # A decode step's seconds by thread count: quiet, two threads are 1.45x as fast as one; with one
@@ -27,7 +28,7 @@ def _run(chooser: ThreadChooser, passes: int, times, rng: random.Random, rows=la
 
 
 def test_a_quiet_machine_keeps_every_thread_and_checks_less_and_less_often():
-    rng, chooser = random.Random(0), ThreadChooser(2)
+    rng, chooser = random.Random(0), ThreadChooser(2, LowQuantile)
     counts = _run(chooser, 4000, lambda i: QUIET, rng, rows=lambda i: rng.choice([1, 1, 1, 5, 300]))
     assert chooser.count == 2
     # The trials' passes at one thread: the first at start-up, then rarer (waits 32, 128, 512, ...).
@@ -39,7 +40,7 @@ def test_a_quiet_machine_keeps_every_thread_and_checks_less_and_less_often():
 
 
 def test_a_machine_busy_from_the_start_runs_one_thread_from_the_first_request():
-    rng, chooser = random.Random(1), ThreadChooser(2)
+    rng, chooser = random.Random(1), ThreadChooser(2, LowQuantile)
     _run(chooser, 2 * TRIAL_PASSES + 1, lambda i: BUSY, rng)  # the warm-up's passes: the first trial
     assert not chooser.trialling and chooser.count == 1
     counts = _run(chooser, 1000, lambda i: BUSY, rng)
@@ -47,7 +48,7 @@ def test_a_machine_busy_from_the_start_runs_one_thread_from_the_first_request():
 
 
 def test_load_that_comes_is_followed_within_a_few_dozen_passes_and_calm_that_returns_too():
-    rng, chooser = random.Random(2), ThreadChooser(2)
+    rng, chooser = random.Random(2), ThreadChooser(2, LowQuantile)
     busy = range(1000, 2000)
     counts = _run(chooser, 3000, lambda i: BUSY if i in busy else QUIET, rng)
     first_one = counts.index(1, 1000)
@@ -61,7 +62,7 @@ def test_load_that_comes_is_followed_within_a_few_dozen_passes_and_calm_that_ret
 
 def test_a_slowdown_that_hits_every_count_alike_changes_nothing():
     """Passes twice as slow at any count (a slower clock, a thermal limit): no count is faster."""
-    rng, chooser = random.Random(3), ThreadChooser(2)
+    rng, chooser = random.Random(3), ThreadChooser(2, LowQuantile)
     counts = _run(chooser, 2000, lambda i: QUIET if i < 500 else {n: 2 * s for n, s in QUIET.items()}, rng)
     assert chooser.count == 2 and counts[500:].count(1) <= 4 * TRIAL_PASSES
 
@@ -73,13 +74,13 @@ def test_many_cores_settle_near_the_count_that_runs_fastest():
         slowest = 1 / 3 if n > 4 else 1.0
         return 0.08 / n / slowest
 
-    rng, chooser = random.Random(4), ThreadChooser(8)
+    rng, chooser = random.Random(4), ThreadChooser(8, LowQuantile)
     _run(chooser, 600, lambda i: {n: seconds(n) for n in (1, 2, 4, 8)}, rng)
     assert chooser.count == 4
 
 
 def test_one_thread_is_never_tried_against_itself():
-    chooser = ThreadChooser(1)
+    chooser = ThreadChooser(1, LowQuantile)
     assert not chooser.trialling and chooser.threads() == 1
     for _ in range(FIRST_WAIT * 4):
         chooser.observe(1, 0.01)

@@ -36,6 +36,7 @@ from ssd.speculative.options import AUTO_K
 from ssd.speculative.plan import Plan
 from ssd.speculative.policy.adaptive_k import AutoK, FixedK, KPolicy
 from ssd.speculative.policy.draft_stop import DraftStop
+from ssd.speculative.policy.estimators import LowQuantile
 from ssd.speculative.records import Proposal, Round, RoundTimes
 from ssd.speculative.round import speculative_round
 from ssd.speculative.sources.base import DraftSource
@@ -82,7 +83,7 @@ class LLMEngine:
         self.k_max = config.speculation.k_max
         self.runner = ModelRunner(model, self.cache, config.device, target_buckets(config, self.k_max),
                                   max_keys=config.max_model_len + self.k_max + 1,
-                                  threads=ThreadChooser(config.threads) if config.follow_load else None)
+                                  threads=ThreadChooser(config.threads, LowQuantile) if config.follow_load else None)
         self.taps = self.source.capabilities.taps if self.source else ()  # what a feature head reads of every target pass
         self.runner.warm_up(taps=self.taps)
         self.speculate_k: int | str = 0  # set_speculate_k() changes it

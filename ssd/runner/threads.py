@@ -14,10 +14,10 @@ tried again.
 A row's bits do not depend on the thread count (the kernels' invariance), so a count changed
 between passes changes no output. Threads a user asks for are not changed.
 """
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
-
-from ssd.speculative.policy.estimators import LowQuantile
+from typing import Protocol, Sized
 
 TRIAL_PASSES = 3  # passes at each of the two counts a trial compares
 MARGIN = 0.05  # the other count must run this much faster to be taken
@@ -46,15 +46,25 @@ class _Trial:
         return all(len(r) >= TRIAL_PASSES for r in self.ratios)
 
 
+class Reading(Protocol):
+    """A time read robustly over its recent measurements (the speculation policy's LowQuantile,
+    ssd/speculative/policy/estimators.py, given by the caller: this layer is below it)."""
+
+    value: float | None
+    recent: Sized
+
+    def observe(self, x: float) -> float: ...
+
+
 class ThreadChooser:
     """The thread count of one model's passes (module doc): `threads()` before a pass,
-    `observe()` after it."""
+    `observe()` after it. `reading` makes the estimator of the current count's ratios."""
 
-    def __init__(self, most: int):
-        self.most = most
+    def __init__(self, most: int, reading: Callable[[], Reading]):
+        self.most, self.reading = most, reading
         self.count = most
         self.fastest: dict[int, float] = {}  # by size: the fastest pass seen
-        self.recent = LowQuantile()  # the current count's ratios
+        self.recent = reading()  # the current count's ratios
         self.trial: _Trial | None = _Trial((most, max(1, most // 2))) if most > 1 else None
         self.wait = FIRST_WAIT
         self.backoff = FIRST_WAIT
@@ -106,7 +116,7 @@ class ThreadChooser:
         self.trial = None
         if median(t.ratios[1]) < (1 - MARGIN) * median(t.ratios[0]):
             self.count = t.counts[1]
-            self.recent = LowQuantile()
+            self.recent = self.reading()
             self.backoff = FIRST_WAIT
         else:
             self.backoff = min(MAX_WAIT if self.count == self.most else CALM_WAIT, self.backoff * WAIT_GROWTH)

@@ -30,6 +30,7 @@ from ssd.speculative.draft.vocab import DraftHead, ExtraTokens
 from ssd.speculative.options import DraftConfig
 from ssd.speculative.policy.costs import Acceptance, Timings, expected_tokens
 from ssd.speculative.policy.draft_stop import StopRule
+from ssd.speculative.policy.estimators import LowQuantile
 from ssd.speculative.records import Alternative, Proposal, argmax_chain, round_k
 from ssd.speculative.sources.ngram_index import NgramIndex
 
@@ -131,7 +132,7 @@ class DraftEngine:
         buckets = [1 << i for i in range(7)] if device.type == "cuda" else None
         max_keys = min(self.max_len, cache_tokens) + k_max + 1
         self.runner = ModelRunner(model, self.kv, device, buckets, max_keys=max_keys,
-                                  threads=None if threads is None else ThreadChooser(threads))
+                                  threads=None if threads is None else ThreadChooser(threads, LowQuantile))
         self.runner.warm_up(head=False)  # the draft's passes stop at hidden states (DraftHead)
         # The draft's pass by rows, timed now and then measured, to price its guesses (_guess_rows).
         self.pass_time = Timings({r: self.runner.timed_pass(r, repeat=2, head=False)

@@ -104,7 +104,7 @@ def stream_tuning() -> list[str]:
     """How the quantised matmul streams its weights, per CPU vendor (compiler defines; timing
     only: the results' bits do not depend on them). Intel: prefetch 2048 bytes ahead into L1,
     four groups of rows side by side for a single row of x. AMD: 8192 bytes ahead into L2 only,
-    one sequential stream per thread (bench/results/README.md, "Weight streaming on AMD")."""
+    one sequential stream per thread (docs/decision-log.md, "Weight streaming")."""
     if _cpuinfo("vendor_id") == "AuthenticAMD":
         return ["-DSSD_PF_BYTES=8192", "-DSSD_PF_L2=1", "-DSSD_M1_STREAMS=1"]
     return ["-DSSD_PF_BYTES=2048", "-DSSD_PF_L2=0", "-DSSD_M1_STREAMS=4"]

@@ -17,7 +17,7 @@ between passes changes no output. Threads a user asks for are not changed.
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from statistics import median
-from typing import Protocol, Sized
+from typing import Protocol
 
 TRIAL_PASSES = 3  # passes at each of the two counts a trial compares
 MARGIN = 0.05  # the other count must run this much faster to be taken
@@ -51,7 +51,6 @@ class Reading(Protocol):
     ssd/speculative/policy/estimators.py, given by the caller: this layer is below it)."""
 
     value: float | None
-    recent: Sized
 
     def observe(self, x: float) -> float: ...
 
@@ -64,7 +63,7 @@ class ThreadChooser:
         self.most, self.reading = most, reading
         self.count = most
         self.fastest: dict[int, float] = {}  # by size: the fastest pass seen
-        self.recent = reading()  # the current count's ratios
+        self.recent, self.measured = reading(), 0  # the current count's ratios, and how many
         self.trial: _Trial | None = _Trial((most, max(1, most // 2))) if most > 1 else None
         self.wait = FIRST_WAIT
         self.backoff = FIRST_WAIT
@@ -94,7 +93,8 @@ class ThreadChooser:
                 self._decide(t)
             return
         self.recent.observe(ratio)
-        slow = self.count == self.most and self.recent.value > SLOW and len(self.recent.recent) >= 4
+        self.measured += 1
+        slow = self.count == self.most and self.measured >= 4 and self.recent.value > SLOW
         if slow and not self.slow:
             self.wait = min(self.wait, SLOW_WAIT)
         self.slow = slow
@@ -116,7 +116,7 @@ class ThreadChooser:
         self.trial = None
         if median(t.ratios[1]) < (1 - MARGIN) * median(t.ratios[0]):
             self.count = t.counts[1]
-            self.recent = self.reading()
+            self.recent, self.measured = self.reading(), 0
             self.backoff = FIRST_WAIT
         else:
             self.backoff = min(MAX_WAIT if self.count == self.most else CALM_WAIT, self.backoff * WAIT_GROWTH)

@@ -14,7 +14,7 @@
 //   amax = max |x_i|, dx = amax / 127, q_i = nearbyint(x_i * (127 / amax)) (0 if amax = 0),
 //   sx = dx * float(sum_i q_i).
 // (llama.cpp quantises a K type's activations per 256 values; per 32 they stay closer to the
-// fp32 values, since one large value no longer coarsens 255 others: bench/results/README.md "Quality".)
+// fp32 values, since one large value no longer coarsens 255 others: docs/kernels.md, "Accuracy".)
 // For an output (m, n), integer products are summed exactly in int32, and each activation
 // block's sum goes into the fp32 accumulator acc (from 0, in ascending order along the row,
 // every step rounded once; the products marked [exact] are integers below 2^24):

@@ -35,6 +35,7 @@ def one_engine(args: argparse.Namespace) -> None:
             m = o.metrics
             out[name] = {"tok_s": m.tokens_per_second, "k0_rounds": m.k_hist[0] if m.k_hist else 0,
                          "rounds": m.rounds, "draft_s": m.draft_s, "verify_s": m.verify_s,
+                         "other_s": m.decode_s - m.draft_s - m.verify_s, "mean_k": m.mean_k,
                          "ms_per_pass": 1e3 * m.verify_s / max(m.rounds, 1)}
     print(json.dumps(out))
 
@@ -54,8 +55,9 @@ def main() -> None:
         line = subprocess.run(child, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         runs.append(json.loads(line))
         print(f"engine {i + 1}: " + "  ".join(
-            f"{n} {r['tok_s']:.1f} tok/s ({r['rounds']} rounds, K 0 in {r['k0_rounds']}, "
-            f"{r['ms_per_pass']:.0f} ms a pass, draft {r['draft_s']:.2f} s)" for n, r in runs[-1].items()), flush=True)
+            f"{n} {r['tok_s']:.1f} tok/s ({r['rounds']} rounds, mean K {r['mean_k']:.1f}, K 0 in {r['k0_rounds']}, "
+            f"{r['ms_per_pass']:.0f} ms a pass, draft {r['draft_s']:.2f} s, other {r['other_s']:.2f} s)"
+            for n, r in runs[-1].items()), flush=True)
     for name in PROMPTS:
         speeds = [r[name]["tok_s"] for r in runs]
         median = statistics.median(speeds)

@@ -14,7 +14,7 @@ from ssd.speculative.options import AUTO_K, SSD_K, SpecOptions
 from ssd.speculative.plan import Plan, SeqPlan
 from ssd.speculative.policy.adaptive_k import AutoK
 from ssd.speculative.policy.costs import CatchupCost, Timings, expected_tokens
-from ssd.speculative.policy.tunables import PROBE_BUDGET, PROBE_K, TIME_WINDOW
+from ssd.speculative.policy.tunables import PROBE_BUDGET, PROBE_K, SIZE_EVIDENCE, TIME_WINDOW
 from ssd.speculative.records import Proposal, Round, RoundTimes
 from ssd.speculative.sources.ngram import PromptLookup
 from test_ngram import REPEATING
@@ -52,16 +52,33 @@ def test_expected_tokens_and_timings():
     assert expected_tokens([0.5, 0.5]) == [1.0, 1.5, 1.75]
     t = Timings({1: 1.0, 3: 3.0})
     assert t(2) == 2.0 and t(5) == 5.0 and t(3) == 3.0
-    t.observe(3, 4.0)  # the first measurement replaces the start-up timing ...
+    for _ in range(SIZE_EVIDENCE - 1):  # the start-up timing stands until the rounds have measured enough ...
+        t.observe(1, 1.0)  # (the load stays 1)
+        t.observe(3, 4.0)
+        assert t(3) == 3.0
+    t.observe(3, 4.0)  # ... then their low quantile prices the size
     assert t(3) == 4.0
-    t.observe(3, 3.0)  # ... later ones are read as a low quantile of the recent ones
-    assert t(3) == 3.0
     for _ in range(3):  # a few slow passes move it no further than the quiet ones measured
+        t.observe(1, 1.0)
         t.observe(3, 30.0)
     assert t(3) == 4.0
     for _ in range(12):  # a slowdown that lasts does
+        t.observe(1, 1.0)
         t.observe(3, 5.0)
     assert t(3) == 5.0
+
+
+def test_a_size_measured_a_few_times_is_weighed_like_one_measured_often():
+    # Noisy passes (up to 30 % over the quiet time): the size chosen every round reads its low
+    # quantile, which falls the more passes it has; one pass of a deeper size, read alone, would
+    # price it at a typical pass and the chosen size would look the cheaper for good.
+    startup = {r: 0.035 + 0.003 * (r - 1) for r in range(1, 10)}
+    t = Timings(startup)
+    noise = [1.0, 1.3, 1.1, 1.25, 1.05, 1.2, 1.15, 1.3, 1.02, 1.28, 1.1, 1.22, 1.08, 1.3, 1.12, 1.18]
+    for x in noise:
+        t.observe(3, startup[3] * x)
+    t.observe(9, startup[9] * 1.15)
+    assert t(9) / t(3) == pytest.approx(startup[9] / startup[3], rel=0.02)
 
 
 def test_a_pass_never_reads_dearer_than_a_larger_one():

@@ -27,10 +27,11 @@ class _Seq:
 
 
 def _run(rounds: int, load=lambda i: 1.0, start_up=lambda rows: 1.0, draft_start_up: float = 1.0,
-         seed: int = 0) -> list[int]:
+         seed: int = 0, target_load=lambda i: 1.0, draft_load=lambda i: 1.0) -> list[int]:
     """K per round of one sequence's `rounds` rounds. load(i): how much slower than quiet the
-    machine runs round i, the draft and the target alike; start_up(rows): the same at start-up,
-    per size timed, and draft_start_up the draft's step's (timings taken again are quiet)."""
+    machine runs round i, the draft and the target alike, and target_load(i) and draft_load(i)
+    each alone beside it; start_up(rows): the same at start-up, per size timed, and draft_start_up the
+    draft's step's (timings taken again are quiet)."""
     started = []
 
     def timed(rows: int) -> float:
@@ -51,7 +52,8 @@ def _run(rounds: int, load=lambda i: 1.0, start_up=lambda rows: 1.0, draft_start
         (k,) = policy.plan([seq]).ks
         accepted = min(k, lengths[i])
         x = load(i)
-        times = RoundTimes(x * DRAFT_S * k, x * verify_s(k + 1), step_s=x * DRAFT_S if k else None)
+        xd, xt = x * draft_load(i), x * target_load(i)
+        times = RoundTimes(xd * DRAFT_S * k, xt * verify_s(k + 1), step_s=xd * DRAFT_S if k else None)
         policy.learn([Round(seq, k, Proposal([0] * k), accepted, times=times)])
         seq.num_tokens += accepted + 1
         seq.output_ids += [0] * (accepted + 1)
@@ -89,6 +91,27 @@ def test_a_lasting_slowdown_that_hits_draft_and_target_alike_is_read_as_such(qui
     lately follow, and so do the ones that did not (kept in start-up units, read at the load
     now), and the draft's step with them: every choice is the quiet machine's."""
     assert _run(200, lambda i: 3.0 if i >= 60 else 1.0) == quiet
+
+
+def test_passes_that_vary_pass_by_pass_steer_no_engine_away_from_the_others(quiet):
+    """The target's every pass up to 30 % over its quiet time, drawn anew for each engine (a
+    shared machine's jitter). Each size is read from enough of its passes before it is weighed
+    against the others: read from a pass or two, the deeper sizes exploration tried looked dearer
+    than the one the first rounds chose, read from many, and engines settled apart."""
+    means = []
+    for jitter in range(6):
+        rnd = random.Random(100 + jitter)
+        noise = [1.0 + 0.3 * rnd.random() for _ in range(200)]
+        means.append(_mean(_run(200, target_load=lambda i: noise[i])))
+    assert max(means) - min(means) <= 0.1 * _mean(quiet), means
+
+
+def test_a_thread_trial_changes_no_choice(quiet):
+    """The runners try another thread count now and then (docs/kernels.md, "A busy machine"):
+    three passes at one thread of two, 1.7x as slow, the target's after 32 rounds and every 128
+    after it, the draft's (a runner of its own) after 40."""
+    trial = lambda i, at: 1.7 if (i - at) % 128 < 3 and i >= at else 1.0  # noqa: E731
+    assert _run(200, target_load=lambda i: trial(i, 32), draft_load=lambda i: trial(i, 40)) == quiet
 
 
 def test_a_drift_is_followed(quiet):

@@ -2,7 +2,7 @@
 position (decayed counts), the tokens a round of K drafts is expected to gain, the target's
 pass by rows, and the draft's catch-up (docs/cost-model.md, "The speed-up model")."""
 from ssd.speculative.policy.estimators import DecayedRatio, LowQuantile
-from ssd.speculative.policy.tunables import CATCHUP_DECAY, CATCHUP_RIDGE, SPIKE
+from ssd.speculative.policy.tunables import CATCHUP_DECAY, CATCHUP_RIDGE, SIZE_EVIDENCE, SPIKE
 
 
 class Acceptance:
@@ -94,7 +94,10 @@ class Timings:
     attention, its rows' bookkeeping), as a low quantile of what recent batch passes say of it,
     (V - f(R)) / (n - 1). A table keyed by rows alone would mix the two (docs/cost-model.md,
     "Costs"). A batch pass past every size one sequence measured (R rows of a large batch) goes
-    to f, less c. Until a round has measured a size, f there is its start-up timing.
+    to f, less c. Until rounds have measured a size SIZE_EVIDENCE times, f there is its start-up
+    timing: a low quantile reads lower the more passes it has, so a size read from one or two
+    would be weighed against sizes read from many, and the sizes chosen first would look
+    cheapest for good (docs/cost-model.md, "Reading the clock").
 
     The load (`scale`) is a low quantile of the recent passes over the start-up timings of
     their sizes, and f and c are kept in start-up units (each pass divided by the load when it
@@ -138,18 +141,25 @@ class Timings:
         if seqs == 1:
             self.single = max(self.single, size)
         quiet = (seconds - self.per_seq() * (seqs - 1)) / self.scale
-        self.values[size] = self.times.setdefault(size, LowQuantile()).observe(quiet)
-        self.read.clear()
+        reading = self.times.setdefault(size, LowQuantile()).observe(quiet)
+        if self.measured(size):
+            self.values[size] = reading
+            self.read.clear()
+
+    def measured(self, size: int) -> bool:
+        """Rounds read f at this size, not its start-up timing (class doc)."""
+        times = self.times.get(size)
+        return times is not None and (len(times.recent) >= SIZE_EVIDENCE or size not in self.startup)
 
     def retake_due(self) -> bool:
         """Rounds found a start-up timing caught in a spike: the sizes no round measured may be too."""
-        return self.spiked and any(s not in self.times for s in self.startup)
+        return self.spiked and any(not self.measured(s) for s in self.startup)
 
     def retake(self, timed: dict[int, float]) -> None:
         """Start-up timings taken again (`timed`, by size, at the load now): the cheaper of the
         two stands (a load only makes a pass slower) for the sizes no round measured."""
         for s, v in timed.items():
-            if s in self.startup and s not in self.times:
+            if s in self.startup and not self.measured(s):
                 self.startup[s] = self.values[s] = min(self.startup[s], v / self.scale)
         self.spiked = False
         self.read.clear()

@@ -110,7 +110,7 @@ class CostModel:
                                 len(rounds))
             if self.retakes and self.verify.retake_due():  # (a spiked start-up: Timings; the draft's too)
                 self.retakes -= 1
-                again = {s: self.time_verify(s) for s in self.verify.startup if s not in self.verify.times}
+                again = {s: self.time_verify(s) for s in self.verify.startup if not self.verify.measured(s)}
                 self.verify.retake({s: t for s, t in again.items() if t is not None})
                 self.time_draft_again()
         deepest = max(drafted, default=0)  # a round drafts as deep as its longest proposal

@@ -6,6 +6,7 @@ are in docs/decision-log.md.
 # ---- Reading the clock (estimators.py) -------------------------------------------------------
 TIME_WINDOW = 16  # measurements a time is read over
 TIME_QUANTILE = 0.25  # ... as this quantile of them (a slowdown is taken once it holds 3/4 of the window)
+SIZE_EVIDENCE = 8  # a size's passes rounds must have measured before they, not its start-up timing, price it
 SPIKE = 1.5  # a time this many times what the model expects of it was caught in a spike (start-up
 #               timings, a catch-up, a round of the draft's stopping rule)
 RETAKES = 2  # times the start-up timings are taken again, at most, where rounds find them spiked

@@ -125,10 +125,14 @@ class LLM:
         if fill_context:
             params = dataclasses.replace(params, max_tokens=max(1, context - len(ids)))
         if len(ids) + params.max_tokens > context:
+            # OpenAI's wording, which clients match to tell an overflow from other errors (litellm's
+            # ContextWindowExceededError and the context fallbacks behind it).
+            where = "prompt" if isinstance(prompt, str) else "messages"
             raise ContextLengthError(
-                f"context length exceeded: the prompt has {len(ids)} tokens and max_tokens is {params.max_tokens}, "
-                f"{len(ids) + params.max_tokens} in all, but the context holds {context} tokens; "
-                + (f"lower max_tokens to at most {context - len(ids)}" if len(ids) < context else "shorten the prompt"))
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the {where}, {params.max_tokens} in the "
+                f"completion). Please reduce the length of the {where} or completion: "
+                + (f"max_tokens at most {context - len(ids)}" if len(ids) < context else f"a shorter {where}") + ".")
         gen = None
         if params.seed is not None:
             gen = torch.Generator(self.config.device)
@@ -268,9 +272,9 @@ class LLM:
         self.close()
 
     # ---- internals --------------------------------------------------------------------
-    def encode(self, prompt: Prompt) -> list[int]:
-        """The prompt's token ids."""
-        return self._encode(prompt)[1]
+    def encode(self, prompt: Prompt, tools: Tools | list[dict] | None = None) -> list[int]:
+        """The prompt's token ids (a chat rendered with the tools, as render() says)."""
+        return self._encode(prompt, tools if tools is None or isinstance(tools, Tools) else Tools.check(tools))[1]
 
     def render(self, prompt: Prompt, tools: Tools | list[dict] | None = None) -> str:
         """The text the model reads for this prompt: a chat rendered with the model's chat

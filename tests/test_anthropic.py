@@ -145,3 +145,53 @@ def test_the_key_is_required(server):
         bad.messages.create(model="m", max_tokens=4, messages=[{"role": "user", "content": "Hi"}])
     assert json.loads(e.value.response.text)["error"]["type"] == "authentication_error"
     assert httpx.get(server.url + "/health").status_code == 200  # still serving
+
+
+def test_count_tokens_counts_what_the_model_reads(client, local):
+    messages = [{"role": "user", "content": "What is 17 plus 25? Use the add tool."}]
+    n = client.messages.count_tokens(model="m", system=SYSTEM, tools=[ADD], messages=messages).input_tokens
+    chat = [{"role": "system", "content": SYSTEM}] + messages
+    tools = [{"type": "function", "function": {"name": "add", "description": ADD["description"],
+                                                "parameters": ADD["input_schema"]}}]
+    assert n == len(local.encode(chat, tools)) and n > len(local.encode(chat))  # (the tools are read too)
+    r = client.messages.create(model="m", max_tokens=1, **GREEDY, system=SYSTEM, tools=[ADD], messages=messages)
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == n
+    with pytest.raises(anthropic.BadRequestError, match="max_tokens"):  # not a field of count_tokens
+        client.messages.count_tokens(model="m", messages=messages, extra_body={"max_tokens": 5})
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="other", messages=messages)
+
+
+def test_a_failed_tool_result_reaches_the_model(server, local):
+    """is_error: chat templates have no field for it, so the tool message's content says it."""
+    def prompt_tokens(is_error: bool) -> int:
+        block = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "division by zero", "is_error": is_error}
+        body = {"model": "m", "messages": [
+            {"role": "user", "content": "Divide 1 by 0 with the div tool."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "add",
+                                               "input": {"a": 1, "b": 0}}]},
+            {"role": "user", "content": [block]}]}
+        r = httpx.post(server.url + "/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY}, timeout=60)
+        return r.json()["input_tokens"]
+
+    def chat(result: str) -> list[dict]:
+        call = {"id": "toolu_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 0}'}}
+        return [{"role": "user", "content": "Divide 1 by 0 with the div tool."},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "toolu_1", "content": result}]
+    assert prompt_tokens(False) == len(local.encode(chat("division by zero")))
+    assert prompt_tokens(True) == len(local.encode(chat("Error: division by zero")))
+    r = httpx.post(server.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, timeout=60, json={
+        "model": "m", "messages": [{"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "t", "content": "x", "is_error": "yes"}]}]})
+    assert r.status_code == 400 and "is_error" in r.json()["error"]["message"]
+
+
+def test_every_route_under_messages_answers_in_anthropic_shape(server):
+    routes = (("POST", "/v1/messages/batches"), ("GET", "/v1/messages"), ("GET", "/v1/messages/count_tokens"))
+    for method, path in routes:
+        r = httpx.request(method, server.url + path, headers={"x-api-key": KEY}, timeout=60)
+        assert r.status_code in (404, 405), r.text
+        assert r.json()["type"] == "error" and r.json()["error"]["type"] in ("not_found_error", "invalid_request_error")
+    r = httpx.post(server.url + "/v1/chat/completions/x", timeout=60)  # (OpenAI's routes keep OpenAI's shape)
+    assert r.status_code == 404 and "error" in r.json() and "type" not in r.json()

@@ -122,12 +122,12 @@ def test_prompt_and_max_tokens_must_fit_the_context(smollm_dir):
         assert 90 < n < 128
         with pytest.raises(ContextLengthError) as e:
             llm.generate(prompt)  # the default max_tokens, 256
-        assert str(e.value) == (f"context length exceeded: the prompt has {n} tokens and max_tokens is 256, "
-                                f"{n + 256} in all, but the context holds 128 tokens; lower max_tokens to at "
-                                f"most {128 - n}")
-        with pytest.raises(ContextLengthError, match=f"max_tokens is {129 - n},"):
+        assert str(e.value) == (f"This model's maximum context length is 128 tokens. However, you requested "
+                                f"{n + 256} tokens ({n} in the prompt, 256 in the completion). Please reduce the "
+                                f"length of the prompt or completion: max_tokens at most {128 - n}.")
+        with pytest.raises(ContextLengthError, match=f"{129 - n} in the completion"):
             next(llm.stream(prompt, SamplingParams(max_tokens=129 - n)))
-        with pytest.raises(ContextLengthError, match="the prompt has 1[3-9][0-9] tokens.*shorten the prompt"):
+        with pytest.raises(ContextLengthError, match=r"\(1[3-9][0-9] in the prompt.*a shorter prompt"):
             llm.generate("word " * 140, SamplingParams(max_tokens=1))
         with pytest.raises(ContextLengthError):  # one request too long: none runs
             llm.generate(["Hello", prompt], SamplingParams.greedy(max_tokens=40))
@@ -250,7 +250,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     (["--model", SMOLLM, "--prompt", "hi", "--top-p", "2"], "top_p"),
     (["--model", SMOLLM, "--prompt", "hi", "--max-tokens", "0"], "max_tokens"),
     (["--model", SMOLLM, "--prompt", "hi", "--max-model-len", "64", "--max-tokens", "100"],
-     "context length exceeded"),
+     "maximum context length is 64 tokens"),
 ])
 def test_cli_bad_input_exits_2_without_traceback(args, word):
     r = run_cli("generate", *args)

@@ -21,6 +21,7 @@ from ssd.tools import ToolCall, ToolError, Tools
 
 FIELDS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
           "metadata", "tools", "tool_choice", "cache_control", "service_tier", "cache_salt"}
+COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "cache_control"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                503: "overloaded_error"}
@@ -85,8 +86,17 @@ def parse_messages(messages) -> list[dict]:
                 calls.append({"id": str(block.get("id", "")), "type": "function",
                               "function": {"name": block["name"], "arguments": json.dumps(block.get("input", {}))}})
             elif kind == "tool_result" and m["role"] == "user":
+                extra = set(block) - {"type", "tool_use_id", "content", "is_error", "cache_control"}
+                if extra:
+                    raise APIError(400, f"{at}.{sorted(extra)[0]} is not supported", param=f"{at}.{sorted(extra)[0]}")
                 result = _text(f"{at}.content", block.get("content", ""))
-                chat.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": result})
+                failed = block.get("is_error", False)
+                if not isinstance(failed, bool):
+                    raise APIError(400, f"{at}.is_error must be a boolean", param=f"{at}.is_error")
+                # Chat templates have no field for a failed call (Qwen's and Hermes' render the
+                # content alone), so the model reads it in the content.
+                chat.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")),
+                             "content": f"Error: {result}" if failed else result})
             else:
                 raise APIError(400, f"{at}: content blocks of type {kind!r} are not supported in a {m['role']} "
                                     "turn (text, and tool_use / tool_result)", param=at)
@@ -128,11 +138,10 @@ def _tools(body: dict) -> Tools | None:
         raise APIError(400, anthropic(str(e)), param=anthropic(e.param)) from None
 
 
-def parse_request(body, served: set[str]) -> ParsedRequest:
-    """A /v1/messages body, checked."""
+def _check_fields(body, fields: set[str], served: set[str]) -> None:
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    unknown = sorted(set(body) - FIELDS)
+    unknown = sorted(set(body) - fields)
     if unknown:
         raise APIError(400, f"{unknown[0]}: this field is not supported by this server", param=unknown[0])
     model = body.get("model")
@@ -141,6 +150,20 @@ def parse_request(body, served: set[str]) -> ParsedRequest:
     if model not in served:
         raise APIError(404, f"model: {model!r} does not exist; this server serves {sorted(served)[0]!r}",
                        param="model")
+
+
+def parse_count(body, served: set[str]) -> tuple[list[dict], Tools | None]:
+    """A /v1/messages/count_tokens body, checked: the chat and the tools whose tokens it counts."""
+    _check_fields(body, COUNT_FIELDS, served)
+    chat = parse_messages(body.get("messages"))
+    if body.get("system") is not None:
+        chat.insert(0, {"role": "system", "content": _text("system", body["system"])})
+    return chat, _tools(body)
+
+
+def parse_request(body, served: set[str]) -> ParsedRequest:
+    """A /v1/messages body, checked."""
+    _check_fields(body, FIELDS, served)
     max_tokens = body.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
         raise APIError(400, "max_tokens: a positive integer is required", param="max_tokens")

@@ -1,6 +1,6 @@
-"""Anthropic's route of `ssd serve`: POST /v1/messages (streamed as Anthropic's events, or
-not), with errors in Anthropic's shape; request checks and response shapes in
-anthropic_protocol.py."""
+"""Anthropic's routes of `ssd serve`: POST /v1/messages (streamed as Anthropic's events, or
+not) and /v1/messages/count_tokens, with errors in Anthropic's shape; request checks and
+response shapes in anthropic_protocol.py."""
 import asyncio
 import json
 from collections.abc import AsyncIterator
@@ -8,11 +8,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ssd.errors import SSDError
 from ssd.outputs import StreamChunk
 from ssd.request.sequence import Sequence
 from ssd.serving import anthropic_protocol as anthropic
 from ssd.serving.gateway import Gateway
-from ssd.serving.openai_protocol import APIError
+from ssd.serving.openai_protocol import APIError, api_error
 
 
 def routes(gw: Gateway) -> APIRouter:
@@ -36,6 +37,20 @@ def routes(gw: Gateway) -> APIRouter:
         (seq,), (a,) = seqs, answers
         return JSONResponse(anthropic.message(anthropic.new_id(), name, a.text, a.last.tool_calls,
                                               a.last.finish_reason, seq.detokenizer.matched, a.last.metrics))
+
+    @router.post("/v1/messages/count_tokens")
+    async def count_tokens(request: Request):
+        """The tokens the model would read for these messages, system prompt and tools."""
+        try:
+            gw.x_api_key(request)
+            chat, tools = anthropic.parse_count(await gw.body_json(request), gw.served)
+            ids = await asyncio.to_thread(gw.llm.encode, chat, tools)
+        except APIError as e:
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+        except SSDError as e:
+            e = api_error(e)
+            return JSONResponse(anthropic.error_body(e), status_code=e.status)
+        return {"input_tokens": len(ids)}
 
     async def stream(seq: Sequence, queue: asyncio.Queue) -> AsyncIterator[str]:
         """Anthropic's event sequence: message_start (sent with the first tokens, when the

@@ -1,10 +1,10 @@
 """`ssd serve`: an HTTP server (FastAPI on uvicorn) over one EngineLoop, with OpenAI's and
 Anthropic's APIs.
 
-Routes: POST /v1/chat/completions and /v1/completions (openai_routes.py), POST /v1/messages
-(Anthropic's Messages API, anthropic_routes.py), GET /v1/models, GET /health, GET /metrics
-(Prometheus); what the routes share is gateway.py. Errors use OpenAI's JSON shape, and
-Anthropic's on /v1/messages.
+Routes: POST /v1/chat/completions and /v1/completions, GET /v1/models and /v1/models/{id}
+(openai_routes.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages
+API, anthropic_routes.py), GET /health, GET /metrics (Prometheus); what the routes share is
+gateway.py. Errors use OpenAI's JSON shape, and Anthropic's under /v1/messages.
 A client that goes away cancels its request. SIGTERM / SIGINT: uvicorn stops accepting and
 lets requests in flight finish (for up to --shutdown-timeout seconds, then cancels them);
 then the engine stops and the SSD draft worker with it.
@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException
 
 from ssd.errors import SSDError
 from ssd.llm import LLM
-from ssd.serving import anthropic_routes, openai_routes
+from ssd.serving import anthropic_protocol, anthropic_routes, openai_routes
 from ssd.serving.engine_loop import EngineLoop
 from ssd.serving.gateway import Gateway
 from ssd.serving.metrics import ServerMetrics
@@ -53,7 +53,8 @@ class _StatusCounter:
         await self.app(scope, receive, counted)
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/models", "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
+          "/health", "/metrics")
 
 
 def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics: ServerMetrics,
@@ -69,21 +70,24 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
 
     app = FastAPI(title="ssd-engine", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
+    def answer(request, e: APIError) -> JSONResponse:
+        """An error in the shape of the API the route belongs to: Anthropic's under /v1/messages."""
+        anthropic = request.url.path.rstrip("/") == "/v1/messages" or request.url.path.startswith("/v1/messages/")
+        return JSONResponse(anthropic_protocol.error_body(e) if anthropic else e.body(), status_code=e.status)
+
     @app.exception_handler(APIError)
     async def on_api_error(request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return answer(request, e)
 
     @app.exception_handler(HTTPException)
     async def on_http_error(request, e: HTTPException):  # unknown route, wrong method
         kind = "not_found" if e.status_code == 404 else None
-        return JSONResponse(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                     code=kind).body(), status_code=e.status_code)
+        return answer(request, APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=kind))
 
     @app.exception_handler(Exception)
     async def on_bug(request, e: Exception):
         log.exception("ssd: request failed")
-        return JSONResponse(APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error").body(),
-                            status_code=500)
+        return answer(request, APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error"))
 
     @app.get("/health")
     async def health():

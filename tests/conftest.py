@@ -160,3 +160,12 @@ def tool_model(smollm_dir, tmp_path_factory) -> Path:
             (folder / f.name).symlink_to(f.resolve())
     (folder / "chat_template.jinja").write_text((Path(__file__).parent / "data" / "qwen2.5-chat-template.jinja").read_text())
     return folder
+
+
+@pytest.fixture(scope="module")
+def tool_llm(tool_model):
+    """The tool model in this process: what the servers' answers are checked against."""
+    from ssd import LLM
+
+    with LLM(tool_model) as llm:
+        yield llm

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from serving import start_server
-from ssd import LLM, SamplingParams
+from ssd import SamplingParams
 
 KEY = "anthropic-key"
 GREEDY = {"extra_body": {"temperature": 0}}  # the client of today no longer names temperature
@@ -33,17 +33,11 @@ def client(server):
     return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def local(tool_model):
-    with LLM(tool_model) as llm:
-        yield llm
-
-
-def test_a_message_equals_generate(client, local):
+def test_a_message_equals_generate(client, tool_llm):
     r = client.messages.create(model="m", max_tokens=24, **GREEDY, system=SYSTEM,
                                messages=[{"role": "user", "content": "What do cats eat?"}])
-    want = local.generate([[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What do cats eat?"}]],
-                          SamplingParams.greedy(max_tokens=24))[0]
+    chat = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What do cats eat?"}]
+    want = tool_llm.generate([chat], SamplingParams.greedy(max_tokens=24))[0]
     assert r.type == "message" and r.role == "assistant" and r.model == "m" and r.id.startswith("msg_")
     assert [b.type for b in r.content] == ["text"] and r.content[0].text == want.text
     assert r.stop_reason == {"stop": "end_turn", "length": "max_tokens"}[want.finish_reason]
@@ -147,13 +141,13 @@ def test_the_key_is_required(server):
     assert httpx.get(server.url + "/health").status_code == 200  # still serving
 
 
-def test_count_tokens_counts_what_the_model_reads(client, local):
+def test_count_tokens_counts_what_the_model_reads(client, tool_llm):
     messages = [{"role": "user", "content": "What is 17 plus 25? Use the add tool."}]
     n = client.messages.count_tokens(model="m", system=SYSTEM, tools=[ADD], messages=messages).input_tokens
     chat = [{"role": "system", "content": SYSTEM}] + messages
     tools = [{"type": "function", "function": {"name": "add", "description": ADD["description"],
                                                 "parameters": ADD["input_schema"]}}]
-    assert n == len(local.encode(chat, tools)) and n > len(local.encode(chat))  # (the tools are read too)
+    assert n == len(tool_llm.encode(chat, tools)) and n > len(tool_llm.encode(chat))  # (the tools are read too)
     r = client.messages.create(model="m", max_tokens=1, **GREEDY, system=SYSTEM, tools=[ADD], messages=messages)
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == n
     with pytest.raises(anthropic.BadRequestError, match="max_tokens"):  # not a field of count_tokens
@@ -162,7 +156,7 @@ def test_count_tokens_counts_what_the_model_reads(client, local):
         client.messages.count_tokens(model="other", messages=messages)
 
 
-def test_a_failed_tool_result_reaches_the_model(server, local):
+def test_a_failed_tool_result_reaches_the_model(server, tool_llm):
     """is_error: chat templates have no field for it, so the tool message's content says it."""
     def prompt_tokens(is_error: bool) -> int:
         block = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "division by zero", "is_error": is_error}
@@ -179,8 +173,8 @@ def test_a_failed_tool_result_reaches_the_model(server, local):
         return [{"role": "user", "content": "Divide 1 by 0 with the div tool."},
                 {"role": "assistant", "content": None, "tool_calls": [call]},
                 {"role": "tool", "tool_call_id": "toolu_1", "content": result}]
-    assert prompt_tokens(False) == len(local.encode(chat("division by zero")))
-    assert prompt_tokens(True) == len(local.encode(chat("Error: division by zero")))
+    assert prompt_tokens(False) == len(tool_llm.encode(chat("division by zero")))
+    assert prompt_tokens(True) == len(tool_llm.encode(chat("Error: division by zero")))
     r = httpx.post(server.url + "/v1/messages/count_tokens", headers={"x-api-key": KEY}, timeout=60, json={
         "model": "m", "messages": [{"role": "user", "content": [
             {"type": "tool_result", "tool_use_id": "t", "content": "x", "is_error": "yes"}]}]})

@@ -2,12 +2,13 @@
 Anthropic's APIs.
 
 Routes: POST /v1/chat/completions and /v1/completions, GET /v1/models and /v1/models/{id}
-(openai_routes.py), POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages
-API, anthropic_routes.py), GET /health, GET /metrics (Prometheus); what the routes share is
-gateway.py. Errors use OpenAI's JSON shape, and Anthropic's under /v1/messages.
-A client that goes away cancels its request. SIGTERM / SIGINT: uvicorn stops accepting and
-lets requests in flight finish (for up to --shutdown-timeout seconds, then cancels them);
-then the engine stops and the SSD draft worker with it.
+(openai_routes.py), POST /v1/responses, GET and DELETE /v1/responses/{id} (responses_routes.py),
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, anthropic_routes.py),
+GET /health, GET /metrics (Prometheus); what the routes share is gateway.py. Errors use
+OpenAI's JSON shape, and Anthropic's under /v1/messages. A client that goes away cancels its
+request. SIGTERM / SIGINT: uvicorn stops accepting and lets requests in flight finish (for up
+to --shutdown-timeout seconds, then cancels them); then the engine stops and the SSD draft
+worker with it.
 """
 import asyncio
 import logging
@@ -24,7 +25,7 @@ from starlette.exceptions import HTTPException
 
 from ssd.errors import SSDError
 from ssd.llm import LLM
-from ssd.serving import anthropic_protocol, anthropic_routes, openai_routes
+from ssd.serving import anthropic_protocol, anthropic_routes, openai_routes, responses_routes
 from ssd.serving.engine_loop import EngineLoop
 from ssd.serving.gateway import Gateway
 from ssd.serving.metrics import ServerMetrics
@@ -53,8 +54,8 @@ class _StatusCounter:
         await self.app(scope, receive, counted)
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/messages", "/v1/messages/count_tokens", "/v1/models",
-          "/health", "/metrics")
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+          "/v1/models", "/health", "/metrics")
 
 
 def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics: ServerMetrics,
@@ -101,6 +102,7 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
 
     app.include_router(openai_routes.routes(gw))
     app.include_router(anthropic_routes.routes(gw))
+    app.include_router(responses_routes.routes(gw))
     app.add_middleware(_StatusCounter, metrics=metrics)
     return app
 

@@ -171,7 +171,7 @@ class ToolFormat:
         pattern = re.escape(OPEN) + r"(.*?)(" + re.escape(CLOSE) + r"|$)"
         for block, closed in re.findall(pattern, text[start:], re.S):
             try:
-                call = json.loads(block)
+                call = json.loads(_single_braces(block))
                 name, arguments = call["name"], call.get("arguments", {})
                 if not isinstance(name, str):
                     raise TypeError
@@ -189,7 +189,7 @@ def _bare_calls(text: str, names: tuple[str, ...]) -> list[ToolCall]:
     body = re.fullmatch(r"\s*(?:```(?:json)?\s*)?([\[{].*[\]}])\s*(?:```)?\s*", text, re.S)
     if not names or body is None:
         return []
-    found, rest, decoder = [], body.group(1), json.JSONDecoder()
+    found, rest, decoder = [], _single_braces(body.group(1)), json.JSONDecoder()
     try:
         while rest:
             value, end = decoder.raw_decode(rest)
@@ -201,6 +201,14 @@ def _bare_calls(text: str, names: tuple[str, ...]) -> list[ToolCall]:
                and isinstance(c["arguments"], dict) for c in found):
         return []
     return [ToolCall(c["name"], json.dumps(c["arguments"])) for c in found]
+
+
+def _single_braces(text: str) -> str:
+    """A call written in doubled braces, {{"name": ..., "arguments": {...}}}, as one: Qwen2.5's
+    chat template shows the call format that way (a format string's escape left in), and its
+    models copy it now and then."""
+    inner = text.strip()
+    return inner[1:-1] if inner.startswith("{{") and inner.endswith("}}") else text
 
 
 def _may_be_bare_call(text: str) -> bool:

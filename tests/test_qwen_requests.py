@@ -107,3 +107,33 @@ def test_two_calls_in_one_answer_are_two_tool_calls(llm):
         [("get_weather", "Berlin"), ("get_weather", "Rome")], out.text
     one = llm.generate(chat, SamplingParams.greedy(max_tokens=150), tools=Tools.check(TOOLS, "auto", False))[0]
     assert [json.loads(c.arguments)["city"] for c in one.tool_calls] == ["Berlin"]
+
+
+def test_an_agent_runs_a_tool_through_the_responses_api(tmp_path):
+    """openai-agents' default agent loop (tool_choice auto) on the default pair in SD: the model
+    calls the tool and the SDK runs it. (Given the tool's result, the 1.5B calls it again,
+    greedy, whatever the system prompt: the loop stops at the first call.)"""
+    import asyncio
+
+    import agents
+    import openai
+    server = start_server("--model", TARGET, "--draft", DRAFT, "--mode", "sd", tmp_path=tmp_path, timeout=600)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"{city}: 17 degrees Celsius, light rain"
+
+    try:
+        client = openai.AsyncOpenAI(base_url=server.base_url, api_key="none", timeout=600)
+        agent = agents.Agent(name="weather", instructions="Answer with the tools you have.", tools=[get_weather],
+                             model=agents.OpenAIResponsesModel(model=TARGET, openai_client=client),
+                             model_settings=agents.ModelSettings(temperature=0, max_tokens=120),
+                             tool_use_behavior="stop_on_first_tool")
+        agents.set_tracing_disabled(True)
+        result = asyncio.run(agents.Runner.run(agent, "What's the weather in Oslo right now?"))
+        assert calls == ["Oslo"] and result.final_output == "Oslo: 17 degrees Celsius, light rain"
+    finally:
+        server.stop()

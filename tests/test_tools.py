@@ -84,6 +84,15 @@ def test_several_json_calls_in_one_answer_are_calls():
         assert ToolFormat.parse(text, names=names) == (text, []), text
 
 
+def test_a_call_in_the_templates_doubled_braces_is_a_call():
+    """Qwen2.5's template shows {{"name": ..., "arguments": ...}}; its models copy it now and then."""
+    doubled = '{{"name": "add", "arguments": {"a": 1, "b": 2}}}'
+    for text in (doubled, f"```json\n{doubled}\n```", f"<tool_call>\n{doubled}\n</tool_call>"):
+        content, calls = ToolFormat.parse(text, names=("add",))
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2})], text
+    assert ToolFormat.parse('{{"a": 1}}', names=("add",)) == ('{{"a": 1}}', [])  # (not a call: content)
+
+
 class _Tok:  # what CallStream needs of a tokenizer: decode of ids that are characters here
     def decode(self, ids, skip_special_tokens=False):
         return "".join(map(chr, ids))

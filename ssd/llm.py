@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import torch
 from tqdm import tqdm
 
+from ssd.checks import is_int
 from ssd.config import EngineConfig
 from ssd.engine.llm_engine import LLMEngine
 from ssd.errors import ContextLengthError, PromptError, SSDError
@@ -17,7 +18,7 @@ from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, finish_reason, template_messages
 
-Prompt = str | list[dict]
+Prompt = str | list[dict] | list[int]  # text, a chat, or token ids read as they are
 
 
 class LLM:
@@ -64,19 +65,19 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False, tools: Tools | list[dict] | None = None) -> list[RequestOutput]:
-        """One output per prompt. A prompt is a string or a chat: a list of {"role": "system" |
+        """One output per prompt. A prompt is a string, a chat: a list of {"role": "system" |
         "user" | "assistant" | "tool", "content": str} messages (an assistant's may carry
-        OpenAI's "tool_calls"), rendered with the model's chat template.
+        OpenAI's "tool_calls"), rendered with the model's chat template, or token ids.
         sampling_params: one for all prompts, or a list of one per prompt. tools: OpenAI's
         function definitions, or Tools(definitions, choice, parallel) (ssd/tools.py), for chats
         with a model whose template renders tools; the outputs then carry tool_calls. Every
         prompt is checked (PromptError, ContextLengthError, ToolError) before any is run."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
-                                        and isinstance(prompts[0], dict)):
+                                        and (isinstance(prompts[0], dict) or is_int(prompts[0]))):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
-            raise PromptError(f"prompts must be a string, a chat (a list of messages) or a list of those, "
-                              f"got {type(prompts).__name__}")
+            raise PromptError(f"prompts must be a string, a chat (a list of messages), token ids or a list of "
+                              f"those, got {type(prompts).__name__}")
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -288,6 +289,14 @@ class LLM:
             if not prompt:
                 raise PromptError("the prompt is empty")
             return prompt, self.tokenizer(prompt).input_ids
+        if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+            vocab = self.config.model_config.vocab_size
+            outside = next((t for t in prompt if not 0 <= t < vocab), None)
+            if outside is not None:
+                raise PromptError(f"the prompt's token id {outside} is outside the vocabulary of {vocab} tokens")
+            if tools is not None:
+                raise PromptError("tools need a chat (a list of messages), not token ids")
+            return self.tokenizer.decode(prompt), [int(t) for t in prompt]
         self._check_chat(prompt)
         if not self.tokenizer.chat_template:
             raise PromptError(f"model {self.config.model.name} has no chat template; pass a plain string")
@@ -302,12 +311,10 @@ class LLM:
     def _check_chat(chat) -> None:
         roles = ("system", "user", "assistant", "tool")
         if not isinstance(chat, list):
-            raise PromptError(f"a prompt must be a string or a chat (a list of {{'role': ..., 'content': ...}} "
-                              f"messages), got {type(chat).__name__}")
+            raise PromptError(f"a prompt must be a string, a chat (a list of {{'role': ..., 'content': ...}} "
+                              f"messages) or token ids, got {type(chat).__name__}")
         if not chat:
             raise PromptError("the chat is empty: it needs at least one {'role': ..., 'content': ...} message")
-        if all(isinstance(t, int) for t in chat):
-            raise PromptError("token ids are not accepted as a prompt; pass the text or a chat")
         for i, m in enumerate(chat):
             if not isinstance(m, dict) or "role" not in m or "content" not in m:
                 raise PromptError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
@@ -341,4 +348,6 @@ class LLM:
         finished = finish_reason(seq.finish_reason, calls) or "length"
         return RequestOutput(seq.prompt, text, list(seq.output_ids), finished,
                              seq.metrics(), list(seq.from_draft),
-                             None if seq.params.logprobs is None else list(seq.logprobs), calls or None)
+                             None if seq.params.logprobs is None else list(seq.logprobs), calls or None,
+                             seq.token_ids[:seq.num_prompt_tokens],
+                             None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs))

@@ -140,6 +140,9 @@ class RequestOutput:
     from_draft: list[bool] = field(default_factory=list)  # per token: an accepted draft proposal?
     logprobs: list[TokenLogprob] | None = None  # per token, where SamplingParams.logprobs asked for them
     tool_calls: list | None = None  # ssd.tools.ToolCall, where the request had tools and the model called them
+    prompt_token_ids: list[int] = field(default_factory=list)
+    # Per prompt token (the first None), where SamplingParams.prompt_logprobs asked for them.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     def __getitem__(self, key: str):  # out["text"], as the reference engine's dicts allow
         return getattr(self, key)
@@ -151,6 +154,8 @@ class RequestOutput:
             out["logprobs"] = [asdict(lp) for lp in self.logprobs]
         if self.tool_calls:
             out["tool_calls"] = [asdict(c) for c in self.tool_calls]
+        if self.prompt_logprobs is not None:
+            out["prompt_logprobs"] = [lp and asdict(lp) for lp in self.prompt_logprobs]
         return out
 
 

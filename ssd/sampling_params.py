@@ -34,7 +34,10 @@ class SamplingParams:
     json_schema (a JSON schema as a dict or JSON text; {"type": "object"} for any JSON
     object), regex, or grammar (Lark as llguidance reads it, or GBNF as llama.cpp writes it).
     logprobs: the emitted token's log-probability and that many top alternatives (0..20),
-    from the logits after those changes (RequestOutput.logprobs).
+    from the logits after those changes (RequestOutput.logprobs). prompt_logprobs: the same
+    for each prompt token after the first, under the model's own logits given the tokens
+    before it (RequestOutput.prompt_logprobs: how a prompt is scored); such a request reads
+    no cached prompt blocks (their positions' logits were never kept).
     cache_salt: the request's tenant: it shares cached prompt blocks only with requests of the
     same salt (None: with the other unsalted ones), so no caller learns from a fast answer
     that another caller's text was there (docs/algorithm.md, "KV caches")."""
@@ -57,6 +60,7 @@ class SamplingParams:
     regex: str | None = None
     grammar: str | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     cache_salt: str | None = None
 
     def __post_init__(self) -> None:
@@ -86,9 +90,10 @@ class SamplingParams:
             raise SamplingParamsError(f"repetition_penalty must be > 0 and finite (1: none), "
                                       f"got {self.repetition_penalty!r}")
         self.logit_bias = self._bias(self.logit_bias)
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS, also="(alternatives to each token) or None",
-                      error=SamplingParamsError)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), 0, MAX_LOGPROBS, also="(alternatives to each token) or None",
+                          error=SamplingParamsError)
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt
                                             or len(self.cache_salt) > MAX_SALT):
             raise SamplingParamsError(f"cache_salt must be a non-empty string of at most {MAX_SALT} characters, "

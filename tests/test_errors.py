@@ -68,8 +68,9 @@ def test_empty_prompt(smollm):
     (None, "prompts must be a string, a chat .* got NoneType"),
     (b"hello", "prompts must be a string, a chat .* got bytes"),
     ({"role": "user", "content": "hi"}, "prompts must be a string, a chat .* got dict"),  # a message, not a chat
-    ([1, 2, 3], "a prompt must be a string or a chat .* got int"),  # a batch of three ints
-    ([[1, 2, 3]], "token ids are not accepted as a prompt"),
+    ([1, "a"], "chat message 0 must be a dict"),  # neither token ids nor a chat
+    ([[1, 10**9]], "token id 1000000000 is outside the vocabulary"),
+    ([[1, 2], 5], "a prompt must be a string, a chat .* or token ids, got int"),
 ])
 def test_generate_refuses_what_is_not_text_or_a_chat(smollm, prompts, message):
     with pytest.raises(PromptError, match=message):
@@ -77,7 +78,7 @@ def test_generate_refuses_what_is_not_text_or_a_chat(smollm, prompts, message):
 
 
 @pytest.mark.parametrize("prompt, message", [
-    (5, "got int"), (None, "got NoneType"), (b"hello", "got bytes"), ([1, 2, 3], "token ids are not accepted"),
+    (5, "got int"), (None, "got NoneType"), (b"hello", "got bytes"), ([1, 2.5], "chat message 0 must be a dict"),
 ])
 def test_stream_refuses_what_is_not_text_or_a_chat(smollm, prompt, message):
     with pytest.raises(PromptError, match=message):

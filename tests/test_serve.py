@@ -326,7 +326,7 @@ def test_raw_http_errors(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     r = httpx.post(server.base_url + "/chat/completions", content=b"{not json", headers=auth)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
-    r = httpx.post(server.base_url + "/completions", json={"prompt": [1, 2, 3]}, headers=auth)
+    r = httpx.post(server.base_url + "/completions", json={"prompt": [[1, 2], 3]}, headers=auth)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     r = httpx.get(server.base_url + "/nothing-here", headers=auth)
     assert r.status_code == 404 and "error" in r.json()
@@ -522,3 +522,32 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_prompt_is_scored_as_lm_evaluation_harness_asks(client, smollm):
+    """echo, logprobs and max_tokens 0 or 1, prompts as token ids in a batch: each prompt's
+    tokens' logprobs (the first null), equal to the engine's prompt_logprobs."""
+    texts = ["The capital of France is Paris.", "Two plus two is four, and three plus three is six."]
+    ids = [smollm.encode(t) for t in texts]
+    want = smollm.generate(ids, SamplingParams.greedy(max_tokens=1, prompt_logprobs=1))
+    for max_tokens in (0, 1):
+        r = client.completions.create(model=MODEL, prompt=ids, echo=True, logprobs=1, max_tokens=max_tokens,
+                                      temperature=0, seed=1234)
+        assert [c.index for c in r.choices] == [0, 1]
+        for c, w, p in zip(r.choices, want, ids):
+            lp = c.logprobs
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            assert lp.token_logprobs[1:len(p)] == [x.logprob for x in w.prompt_logprobs[1:]]
+            tops = [max(t.values()) for t in lp.top_logprobs[1:len(p)]]
+            assert tops == [x.top[0][1] for x in w.prompt_logprobs[1:]]
+            assert len(lp.tokens) == len(p) + max_tokens and c.text.startswith(smollm.tokenizer.decode(p))
+            assert c.finish_reason == "length" or max_tokens  # (one token may be the end of text)
+        assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 2 * max_tokens
+    one = client.completions.create(model=MODEL, prompt=texts[0], echo=True, max_tokens=3, temperature=0)
+    assert one.choices[0].text.startswith(texts[0]) and one.choices[0].logprobs is None
+    for bad, says in ((dict(prompt=ids[0], echo=True, stream=True, max_tokens=1), "stream"),
+                      (dict(prompt=ids[0], max_tokens=0), "max_tokens"),
+                      (dict(prompt=[[1, 2], "text", 3], max_tokens=1), "prompt"),
+                      (dict(prompt=[10**9], max_tokens=1), "vocabulary")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.completions.create(model=MODEL, **bad)

@@ -14,6 +14,7 @@ import warnings
 from contextlib import nullcontext
 from pathlib import Path
 
+import torch
 
 from ssd.checks import check_int
 from ssd.config import EngineConfig
@@ -199,9 +200,14 @@ class LLMEngine:
         that ends at its sequence's newest token, from the request's processed logits. Returns
         (sequence, token, its logprobs or None)."""
         taps = self.taps
-        out = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start,
-                                         int(w.samples)) for w in work], taps=taps)
+        # Logits rows a chunk needs: its last (a token is drawn after it), or every row over the
+        # prompt where the request scores it (prompt_logprobs).
+        rows = [w.num_new if self._scores(w) else int(w.samples) for w in work]
+        out = self.runner.forward([Chunk(w.seq.seq_id, w.seq.token_ids[w.start:w.start + w.num_new], w.start, n)
+                                   for w, n in zip(work, rows)], taps=taps)
         logits = out[0] if taps else out
+        if any(rows[i] > int(w.samples) for i, w in enumerate(work)):
+            logits = self._score_prompts(work, rows, logits)
         if taps:  # the draft source reads the target's states of every position it ran
             states = out[1].permute(1, 0, 2).reshape(out[1].shape[1], -1)
             at = 0
@@ -222,6 +228,36 @@ class LLMEngine:
             lps = None if seq.params.logprobs is None else token_logprobs(rows, [token], seq.params.logprobs)
             out.append((seq, token, lps))
         return out
+
+    @staticmethod
+    def _scores(w: Work) -> bool:
+        """Whether this chunk's rows score its sequence's prompt."""
+        return w.seq.params.prompt_logprobs is not None and w.start < w.seq.num_prompt_tokens
+
+    def _score_prompts(self, work: list[Work], rows: list[int], logits: torch.Tensor) -> torch.Tensor:
+        """Each scored chunk's prompt tokens' logprobs from its rows (row i: the token at position
+        start + i + 1, under the model's logits); returns the rows a token is drawn from, one a
+        sampling chunk (its last)."""
+        keep, at = [], 0
+        for w, n in zip(work, rows):
+            if n > int(w.samples):
+                seq = w.seq
+                scored = seq.prompt_logprobs
+                if not scored:
+                    scored.append(None)  # (the first token: nothing before it to score it by)
+                count = min(n, seq.num_prompt_tokens - 1 - w.start)
+                if count > 0:
+                    tokens = seq.token_ids[w.start + 1:w.start + 1 + count]
+                    for pos, lp in enumerate(token_logprobs(logits[at:at + count], tokens, seq.params.prompt_logprobs),
+                                             w.start + 1):
+                        if pos < len(scored):  # (prefilled again after a preemption: the same values)
+                            scored[pos] = lp
+                        else:
+                            scored.append(lp)
+            if w.samples:
+                keep.append(at + n - 1)
+            at += n
+        return logits[keep]
 
     def _speculate(self, seqs: list[Sequence], plan: Plan) -> list[Advance]:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding,

@@ -51,7 +51,9 @@ class Scheduler:
                and self.cache.can_reserve(self.waiting[0].seq_id, self.waiting[0].num_tokens + 1)
                and not self._shares_a_prefill(self.waiting[0])):
             seq = self.waiting.popleft()
-            cached = self.cache.match(seq.seq_id, seq.token_ids, seq.params.cache_salt)
+            # (Scoring a prompt needs the logits of all its positions: none is read from the cache.)
+            cached = self.cache.match(seq.seq_id, seq.token_ids, seq.params.cache_salt,
+                                      reuse=seq.params.prompt_logprobs is None)
             if not seq.output_ids:
                 seq.stats.cached_tokens = cached
             self.running.append(seq)

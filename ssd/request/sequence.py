@@ -33,6 +33,8 @@ class Sequence:
     finish_reason: str | None = None
     from_draft: list[bool] = field(default_factory=list)  # per output token
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if params.logprobs is set
+    # Per prompt token (the first None), if params.prompt_logprobs is set; filled as prefill runs.
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     stats: RequestMetrics = field(default_factory=RequestMetrics)  # speculation counters
     seq_id: int = field(default_factory=lambda: next(_ids))
     arrival: float = field(default_factory=time.perf_counter)

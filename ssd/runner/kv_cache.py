@@ -151,14 +151,18 @@ class PagedKVCache:
             del self.names[owner][start // bs:]
 
     # ---- prefix caching --------------------------------------------------------------------
-    def match(self, owner: int, tokens: list[int], tenant: str | None = None) -> int:
+    def match(self, owner: int, tokens: list[int], tenant: str | None = None, reuse: bool = True) -> int:
         """Start a new owner from the cached blocks its tokens begin with, among its tenant's
         (its request's cache_salt; prefix_cache.py); returns how many leading positions it got
-        (whole blocks, and never the last token, whose logits the caller needs)."""
+        (whole blocks, and never the last token, whose logits the caller needs). reuse False:
+        none (the caller needs every position's logits); its blocks are still named for its
+        tenant."""
         if self.prefix is None or owner in self.tables:
             return self.cached(owner)
         if tenant is not None:
             self.tenants[owner] = tenant
+        if not reuse:
+            return 0
         names = self.prefix.names(tokens[:len(tokens) - 1], tenant=tenant)
         blocks = self.prefix.lookup(names)
         for block in blocks:

@@ -78,12 +78,13 @@ class Gateway:
         seed; a choice that cannot be queued cancels those before it."""
         seqs: list[Sequence] = []
         try:
-            for i in range(req.n):
-                params = req.params
-                if req.n > 1 and params.seed is not None:
-                    params = dataclasses.replace(params, seed=(params.seed + i) % MAX_SEED)
-                seqs.append(self.engine.submit(req.prompt, params, functools.partial(sink, i), req.fill_context,
-                                               req.tools))
+            for p, prompt in enumerate(req.prompts):  # (choice p * n + i: prompt p's i-th)
+                for i in range(req.n):
+                    params = req.params
+                    if req.n > 1 and params.seed is not None:
+                        params = dataclasses.replace(params, seed=(params.seed + i) % MAX_SEED)
+                    seqs.append(self.engine.submit(prompt, params, functools.partial(sink, len(seqs)),
+                                                   req.fill_context, req.tools))
             return seqs
         except QueueFullError as e:
             raise APIError(429, str(e), type="requests", code="rate_limit_exceeded") from None
@@ -92,7 +93,7 @@ class Gateway:
         except SSDError as e:
             raise api_error(e, req.constraint_field) from None
         finally:
-            if len(seqs) < req.n:
+            if len(seqs) < req.n * len(req.prompts):
                 for seq in seqs:
                     self.engine.cancel(seq)
 

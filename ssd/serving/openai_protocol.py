@@ -2,11 +2,13 @@
 and the JSON the server answers with.
 
 Every field of a request is either used, accepted because it cannot change the result
-(`user`, `metadata`, ...), accepted only at its neutral value (`best_of: 1`, `echo: false`,
-...), or refused with a 400 that names it. None is ignored silently. Extensions, as vLLM and
-llama-server name them: top_k, min_p, min_tokens, repetition_penalty, ignore_eos, a
-constraint as `json_schema` (a schema), `regex` or `grammar` (Lark or GBNF) beside OpenAI's
-`response_format`, and vLLM's `cache_salt` (the request's tenant for the prefix cache).
+(`user`, `metadata`, ...), accepted only at its neutral value (`best_of: 1`, chat's `echo:
+false`, ...), or refused with a 400 that names it. None is ignored silently. Completions take
+`echo`, and with it `max_tokens: 0` and `logprobs`: the prompt scored, as lm-evaluation-harness
+asks. Extensions, as vLLM and llama-server name them: top_k, min_p, min_tokens,
+repetition_penalty, ignore_eos, a constraint as `json_schema` (a schema), `regex` or `grammar`
+(Lark or GBNF) beside OpenAI's `response_format`, and vLLM's `cache_salt` (the request's
+tenant for the prefix cache).
 """
 import json
 import time
@@ -54,7 +56,8 @@ CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls", "to
 COMPLETION = COMMON | {"prompt"}
 # Accepted only at the value that leaves the output as it is.
 NEUTRAL = {"echo": (False,), "best_of": (1,), "suffix": ("",), "functions": ([],), "function_call": ("none", "auto")}
-MAX_N = 16  # choices per request
+MAX_N = 16  # choices per prompt
+MAX_CHOICES = 256  # choices per request (completions: prompts x n)
 
 
 @dataclass
@@ -68,6 +71,13 @@ class ParsedRequest:
     logprobs: bool = False  # whether the answer carries logprobs (params.logprobs: how many alternatives)
     constraint_field: str | None = None  # the field that carried a constraint, for errors found later
     tools: Tools | None = None
+    batch: list | None = None  # completions: the prompts of a list of them (each with its n choices)
+    echo: bool = False  # completions: the prompt's text (and its logprobs) before the answer's
+    score_only: bool = False  # completions: max_tokens 0 with echo, the prompt scored and nothing generated
+
+    @property
+    def prompts(self) -> list:
+        return self.batch if self.batch is not None else [self.prompt]
 
 
 def _get(body: dict, name: str, kinds: tuple, default=None):
@@ -166,23 +176,26 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
     """A request body of /v1/chat/completions (chat=True) or /v1/completions, checked."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
-    _check_fields(body, CHAT if chat else COMPLETION)
+    echo = False if chat else _get(body, "echo", (bool,), False)
+    _check_fields({k: v for k, v in body.items() if chat or k != "echo"}, CHAT if chat else COMPLETION)
     model = body.get("model")
     if model is not None and model not in served:
         raise APIError(404, f"the model {model!r} does not exist; this server serves {sorted(served)[0]!r}",
                        param="model", code="model_not_found")
+    batch = None
     if chat:
         prompt = parse_messages(body.get("messages"))
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise APIError(400, "'prompt' must be one string (lists of prompts and token ids are not supported)",
-                           param="prompt")
+        batch = _prompts(body.get("prompt"))
+        prompt, batch = batch[0], batch if len(batch) > 1 else None
     max_tokens = _get(body, "max_completion_tokens", (int,)) if chat else None
     max_tokens = max_tokens if max_tokens is not None else _get(body, "max_tokens", (int,))
     stream = _get(body, "stream", (bool,), False)
+    score_only = echo and max_tokens == 0
+    if score_only:  # (one token is drawn and dropped: the engine generates at least one)
+        max_tokens = 1
+    if echo and stream:
+        raise APIError(400, "'echo' is not supported with 'stream' here: send it without stream", param="echo")
     options = _get(body, "stream_options", (dict,), {})
     unknown = set(options) - {"include_usage"}
     if unknown:
@@ -193,6 +206,9 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
     n = _get(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
+    if n * len(batch or [prompt]) > MAX_CHOICES:
+        raise APIError(400, f"{len(batch)} prompts of {n} choices each: at most {MAX_CHOICES} choices a request",
+                       param="prompt")
     logprobs, top = _logprobs(body, chat)
     number = (int, float)
     try:
@@ -207,6 +223,7 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
             frequency_penalty=_get(body, "frequency_penalty", number, 0.0),
             repetition_penalty=_get(body, "repetition_penalty", number, 1.0),
             logit_bias=_get(body, "logit_bias", (dict,)), logprobs=top if logprobs else None,
+            prompt_logprobs=top if logprobs and echo else None,
             cache_salt=_get(body, "cache_salt", (str,)), **_constraint(body))
     except SSDError as e:
         raise APIError(400, str(e), param=_param(str(e))) from None
@@ -222,7 +239,19 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
     field = next((f for f in ("response_format", "json_schema", "regex", "grammar")
                   if body.get(f) is not None and body[f] != {"type": "text"}), None)
     return ParsedRequest(prompt, params, stream, include_usage, chat and max_tokens is None, n, logprobs, field,
-                         tools)
+                         tools, batch, echo, score_only)
+
+
+def _prompts(prompt) -> list:
+    """Completions' `prompt`: a string, token ids, or a list of either (a batch)."""
+    ids = lambda p: isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool)  # noqa: E731
+                                                      for t in p)
+    if isinstance(prompt, str) or ids(prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or ids(p) for p in prompt):
+        return prompt
+    raise APIError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of either",
+                   param="prompt")
 
 
 def _param(message: str) -> str:
@@ -273,12 +302,13 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(metrics: list[RequestMetrics]) -> dict:
-    """Token counts of a request's choices: the prompt once (and how much of it came from the
-    prefix cache), every choice's output."""
-    prompt, out = metrics[0].prompt_tokens, sum(m.output_tokens for m in metrics)
+def usage(metrics: list[RequestMetrics], n: int = 1) -> dict:
+    """Token counts of a request's choices, n a prompt: each prompt once (and how much of it came
+    from the prefix cache), every choice's output."""
+    firsts = metrics[::n]
+    prompt, out = sum(m.prompt_tokens for m in firsts), sum(m.output_tokens for m in metrics)
     return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
-            "prompt_tokens_details": {"cached_tokens": metrics[0].cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(m.cached_tokens for m in firsts)}}
 
 
 def speculation(m: RequestMetrics, mode: str) -> dict:
@@ -309,8 +339,8 @@ def tool_calls_json(calls: list[ToolCall], delta: bool = False) -> list[dict]:
              "function": {"name": c.name, "arguments": c.arguments}} for k, c in enumerate(calls)]
 
 
-def completion(chat: bool, rid: str, model: str, choices: list[Choice], mode: str, tokenizer) -> dict:
-    """The whole answer; `ssd_metrics` describes the first choice."""
+def completion(chat: bool, rid: str, model: str, choices: list[Choice], mode: str, tokenizer, n: int = 1) -> dict:
+    """The whole answer (n choices a prompt); `ssd_metrics` describes the first choice."""
     out = []
     for i, c in enumerate(choices):
         lps = logprobs_json(chat, tokenizer, c.logprobs)
@@ -320,7 +350,7 @@ def completion(chat: bool, rid: str, model: str, choices: list[Choice], mode: st
         out.append({"index": i, "message": message, "logprobs": lps, "finish_reason": c.finish_reason} if chat else
                    {"index": i, "text": c.text, "logprobs": lps, "finish_reason": c.finish_reason})
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": out, "usage": usage([c.metrics for c in choices]),
+            "model": model, "choices": out, "usage": usage([c.metrics for c in choices], n),
             "ssd_metrics": speculation(choices[0].metrics, mode)}
 
 
@@ -352,5 +382,7 @@ def logprobs_json(chat: bool, tokenizer, lps: list[TokenLogprob] | None, offset:
                             for x in lps]}
     tokens = [text(x.token_id) for x in lps]
     offsets = [offset + sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    # (An echoed prompt's first token has no logprob: null, as OpenAI's.)
     return {"tokens": tokens, "token_logprobs": [x.logprob for x in lps],
-            "top_logprobs": [{text(t): lp for t, lp in x.top} for x in lps], "text_offset": offsets}
+            "top_logprobs": [None if x.top is None else {text(t): lp for t, lp in x.top} for x in lps],
+            "text_offset": offsets}

@@ -2,6 +2,7 @@
 server-sent events, or not), GET /v1/models and /v1/models/{id}; request checks and response
 shapes in openai_protocol.py."""
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -9,9 +10,9 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ssd.outputs import StreamChunk
+from ssd.outputs import StreamChunk, TokenLogprob
 from ssd.request.sequence import Sequence
-from ssd.serving.gateway import Gateway
+from ssd.serving.gateway import Answer, Gateway
 from ssd.serving.openai_protocol import (APIError, Choice, chunk, completion, logprobs_json, new_id, parse_request,
                                          speculation, usage)
 
@@ -54,9 +55,21 @@ def routes(gw: Gateway) -> APIRouter:
         answers = await gw.collect(seqs, queue, request)
         if answers is None:
             return Response(status_code=499)
-        choices = [Choice(a.text, a.last.finish_reason, a.last.metrics, a.logprobs if req.logprobs else None,
-                          a.last.tool_calls) for a in answers]
-        return JSONResponse(completion(chat, rid, name, choices, llm.config.mode, llm.tokenizer))
+        choices = [echoed(seq, a, req) if req.echo else
+                   Choice(a.text, a.last.finish_reason, a.last.metrics, a.logprobs if req.logprobs else None,
+                          a.last.tool_calls) for seq, a in zip(seqs, answers)]
+        return JSONResponse(completion(chat, rid, name, choices, llm.config.mode, llm.tokenizer, req.n))
+
+    def echoed(seq: Sequence, a: Answer, req) -> Choice:
+        """A completion with its prompt before it (echo): the prompt's text and, with logprobs, its
+        tokens' (the first null); score_only (max_tokens 0): the prompt alone."""
+        text, lps, m = a.text, a.logprobs if req.logprobs else None, a.last.metrics
+        if req.score_only:
+            text, lps, m = "", [] if req.logprobs else None, dataclasses.replace(m, output_tokens=0)
+        if lps is not None:
+            first = TokenLogprob(seq.token_ids[0], None, None)
+            lps = [first] + seq.prompt_logprobs[1:seq.num_prompt_tokens] + lps
+        return Choice(seq.prompt + text, "length" if req.score_only else a.last.finish_reason, m, lps)
 
     async def stream(chat: bool, rid: str, req, seqs: list[Sequence], queue: asyncio.Queue) -> AsyncIterator[str]:
         data = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
@@ -84,7 +97,7 @@ def routes(gw: Gateway) -> APIRouter:
             else:
                 if req.include_usage:
                     yield data({**chunk(chat, rid, name, None, None, choices=False),
-                                "usage": usage([c.metrics for c in last])})
+                                "usage": usage([c.metrics for c in last], req.n)})
             yield "data: [DONE]\n\n"
         finally:
             gw.settle(seqs, last)

@@ -43,7 +43,12 @@ _ISA_FLAGS = {"avx512": ["-mavx2", "-mfma", "-mavx512f", "-mavx512dq"],
 # (aarch64: every aarch64 CPU has "asimd", NEON; "asimddp" is the dot-product extension).
 _CPU_FLAGS = {"avx512": {"avx2", "fma", "avx512f", "avx512dq"}, "avx2": {"avx2", "fma"},
               "dotprod": {"asimd", "asimddp"}, "neon": {"asimd"}, "portable": set()}
-_OPENMP = () if sys.platform == "darwin" else ("-fopenmp",)  # Apple clang has none (the kernels need none)
+
+def _openmp(system: str = sys.platform) -> tuple[str, ...]:
+    """-fopenmp, but not on macOS: Apple clang has none (the kernels need none)."""
+    return () if system == "darwin" else ("-fopenmp",)
+
+
 _AT_HWCAP, _HWCAP_ASIMD, _HWCAP_ASIMDDP = 16, 1 << 1, 1 << 20  # Linux aarch64 (asm/hwcap.h)
 _MISSING = object()
 
@@ -61,17 +66,21 @@ def _cpuinfo(key: str) -> str | None:
     return None
 
 
-def _arm_flags() -> frozenset[str]:
-    """An aarch64 CPU's features that the builds need: macOS says them through sysctl; Linux
-    through the auxiliary vector's HWCAP (the program's view of the CPU, also under qemu-user,
-    whose /proc/cpuinfo is the host's)."""
-    if sys.platform == "darwin":
-        try:
-            out = subprocess.run(["sysctl", "-n", "hw.optional.arm.FEAT_DotProd"], capture_output=True,
-                                 text=True, timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        return frozenset({"asimd", "asimddp"} if out == "1" else {"asimd"})
+def _sysctl(name: str) -> str:
+    """macOS's value of a sysctl key, "" where it has none (or sysctl cannot be run)."""
+    try:
+        return subprocess.run(["sysctl", "-n", name], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _arm_flags(system: str = sys.platform, sysctl=_sysctl) -> frozenset[str]:
+    """An aarch64 CPU's features that the builds need: macOS says them through sysctl
+    (hw.optional.arm.FEAT_DotProd is 1 on every Apple M chip; missing on an older macOS, where
+    NEON alone is assumed); Linux through the auxiliary vector's HWCAP (the program's view of
+    the CPU, also under qemu-user, whose /proc/cpuinfo is the host's)."""
+    if system == "darwin":
+        return frozenset({"asimd", "asimddp"} if sysctl("hw.optional.arm.FEAT_DotProd") == "1" else {"asimd"})
     try:
         raw = Path("/proc/self/auxv").read_bytes()
     except OSError:
@@ -171,8 +180,9 @@ class CppKernel:
         read(f"{self.name}.cpp")
         return found
 
-    def flags(self, variant: str) -> list[str]:
-        return ["-O3", *_OPENMP, "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
+    def flags(self, variant: str, system: str = sys.platform) -> list[str]:
+        """The compiler's flags for this build on `system` (sys.platform's names)."""
+        return ["-O3", *_openmp(system), "-ffp-contract=off", f"-DSSD_NS={self._ns(variant)}", *stream_tuning(),
                 *_ISA_FLAGS[variant], *self.requires.get(variant, (set(), []))[1]]
 
     @functools.cached_property
@@ -228,7 +238,7 @@ class CppKernel:
             # Lists of their own: load() appends torch's libraries to extra_ldflags in place, and
             # a shared list would change every later kernel's flags, so its hash (a rebuild).
             cpp_extension.load(name=ns, sources=[str(src)], extra_cflags=self.flags(variant),
-                               extra_ldflags=list(_OPENMP), build_directory=str(d),
+                               extra_ldflags=list(_openmp()), build_directory=str(d),
                                is_python_module=False, verbose=False)
         return ns
 

@@ -164,7 +164,7 @@ class LLM:
                ) -> tuple[Tools, SamplingParams]:
         """The request's tools, checked against this model; for tool_choice "required" or a
         named function, the params gain the grammar of valid calls."""
-        tools = tools if isinstance(tools, Tools) else Tools.check(tools)
+        tools = _checked(tools)
         if isinstance(prompt, str):
             raise ToolError("tools need a chat (a list of messages), not a plain prompt", "tools")
         if not ToolFormat.supported(self.tokenizer):
@@ -275,12 +275,12 @@ class LLM:
     # ---- internals --------------------------------------------------------------------
     def encode(self, prompt: Prompt, tools: Tools | list[dict] | None = None) -> list[int]:
         """The prompt's token ids (a chat rendered with the tools, as render() says)."""
-        return self._encode(prompt, tools if tools is None or isinstance(tools, Tools) else Tools.check(tools))[1]
+        return self._encode(prompt, _checked(tools))[1]
 
     def render(self, prompt: Prompt, tools: Tools | list[dict] | None = None) -> str:
         """The text the model reads for this prompt: a chat rendered with the model's chat
         template and the tools (what another engine is given to read the same prompt)."""
-        return self._encode(prompt, tools if tools is None or isinstance(tools, Tools) else Tools.check(tools))[0]
+        return self._encode(prompt, _checked(tools))[0]
 
     def _encode(self, prompt: Prompt, tools: Tools | None = None) -> tuple[str, list[int]]:
         """The text the model reads (a chat rendered with the model's chat template, with the
@@ -351,3 +351,8 @@ class LLM:
                              None if seq.params.logprobs is None else list(seq.logprobs), calls or None,
                              seq.token_ids[:seq.num_prompt_tokens],
                              None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs))
+
+
+def _checked(tools: Tools | list[dict] | None) -> Tools | None:
+    """OpenAI's function definitions as Tools, checked (Tools and None as they are)."""
+    return tools if tools is None or isinstance(tools, Tools) else Tools.check(tools)

@@ -16,7 +16,7 @@ import uuid
 from ssd.errors import SSDError
 from ssd.outputs import RequestMetrics
 from ssd.sampling_params import SamplingParams
-from ssd.serving.openai_protocol import APIError, ParsedRequest, _get
+from ssd.serving.openai_protocol import APIError, ParsedRequest, _get, joined_text
 from ssd.tools import ToolCall, ToolError, Tools
 
 FIELDS = {"model", "messages", "max_tokens", "system", "temperature", "top_p", "top_k", "stop_sequences", "stream",
@@ -39,19 +39,7 @@ def new_id() -> str:
 
 def _text(where: str, content) -> str:
     """A string, or a list of text blocks, as one string."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, block in enumerate(content):
-            if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str) \
-                    or set(block) - {"type", "text", "cache_control"}:
-                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-                raise APIError(400, f"{where}[{j}]: content blocks of type {kind!r} are not supported here "
-                                    "(text only)", param=f"{where}[{j}]")
-            parts.append(block["text"])
-        return "".join(parts)
-    raise APIError(400, f"{where} must be a string or a list of text blocks", param=where)
+    return joined_text(where, content, {"text"}, {"type", "text", "cache_control"})
 
 
 def parse_messages(messages) -> list[dict]:

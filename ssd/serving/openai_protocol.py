@@ -103,6 +103,24 @@ def _check_fields(body: dict, allowed: set[str]) -> None:
         raise APIError(400, f"unsupported parameter '{name}'", param=name)
 
 
+def joined_text(where: str, content, kinds: set[str], keys: set[str] | None = None) -> str:
+    """A string, or a list of text parts (their `type` among `kinds`; with `keys`, no other
+    field), as one string; anything else a 400 naming where (the Responses and Messages APIs)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
+    parts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in kinds or not isinstance(part.get("text"), str) \
+                or (keys is not None and set(part) - keys):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise APIError(400, f"{where}[{j}]: content of type {kind!r} is not supported here (text only)",
+                           param=f"{where}[{j}]")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 def _content(i: int, message: dict) -> str:
     content = message.get("content")
     if isinstance(content, str):

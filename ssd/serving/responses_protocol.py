@@ -14,7 +14,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ssd.outputs import RequestMetrics
-from ssd.serving.openai_protocol import APIError, ParsedRequest, _get
+from ssd.serving.openai_protocol import APIError, ParsedRequest, _get, joined_text, tool_calls_json
 from ssd.serving.openai_protocol import parse_request as parse_chat_request
 from ssd.tools import ToolCall
 
@@ -42,18 +42,7 @@ class ResponsesRequest:
 
 def _text(where: str, content) -> str:
     """A string, or a list of input_text / output_text parts, as one string."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = []
-        for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise APIError(400, f"{where}[{j}]: content of type {kind!r} is not supported (text only)",
-                               param=f"{where}[{j}]")
-            parts.append(part["text"])
-        return "".join(parts)
-    raise APIError(400, f"{where} must be a string or a list of text parts", param=where)
+    return joined_text(where, content, TEXT_PARTS)
 
 
 def parse_input(items) -> list[dict]:
@@ -200,7 +189,8 @@ def usage(m: RequestMetrics) -> dict:
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    done = status == "completed"
+    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if done else []
     return {"id": item_id, "type": "message", "status": status, "role": "assistant", "content": content}
 
 
@@ -256,8 +246,7 @@ class ResponseStore:
     def keep(self, body: dict, conversation: list[dict], text: str, calls: list[ToolCall] | None) -> None:
         turn = {"role": "assistant", "content": text or None}
         if calls:
-            turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                  for c in calls]
+            turn["tool_calls"] = tool_calls_json(calls)
         self.kept[body["id"]] = body, conversation + [turn]
         while len(self.kept) > self.most:
             self.kept.popitem(last=False)

@@ -33,6 +33,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-timeout", type=float, default=60.0, metavar="S",
                    help="seconds a tensor-parallel rank may keep rank 0 waiting in a pass before it counts as hung "
                         "(default: 60)")
+    p.add_argument("--seeded-sampling", choices=("shared-noise", "rejection"), default="shared-noise",
+                   help="how requests with a seed sample: shared-noise: by noise keyed by the seed, position and "
+                        "token, the same tokens in every mode, at any K, in any batch; rejection: rejection "
+                        "sampling, the same tokens at a fixed K only (default: shared-noise)")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="compute every prompt whole (default: full blocks of prompts seen before, and of earlier "
                         "turns of a chat, are read from the KV cache)")
@@ -83,7 +87,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, threads=args.threads, max_model_len=args.max_model_len,
               weights=args.weights, enable_prefix_caching=args.prefix_caching, cuda_graph_rows=args.cuda_graph_rows,
               tensor_parallel_size=args.tensor_parallel_size, tensor_parallel_address=args.tensor_parallel_address,
-              tensor_parallel_timeout=args.tensor_parallel_timeout)
+              tensor_parallel_timeout=args.tensor_parallel_timeout, seeded_sampling=args.seeded_sampling)
     if args.mode == "ar":
         if args.draft:
             raise SSDError("--draft needs --mode sd or --mode ssd")
@@ -204,11 +208,12 @@ def cmd_check(args: argparse.Namespace) -> None:
     kw = llm_kwargs(args)
     draft, mode = kw.pop("draft"), kw.pop("mode")
     engine_keys = ("device", "dtype", "threads", "max_model_len", "weights", "enable_prefix_caching",
-                   "cuda_graph_rows", "tensor_parallel_size", "tensor_parallel_address", "tensor_parallel_timeout")
+                   "cuda_graph_rows", "tensor_parallel_size", "tensor_parallel_address", "tensor_parallel_timeout",
+                   "seeded_sampling")
     engine = {key: kw.pop(key) for key in engine_keys}
     report = check(args.model, draft, prompts, mode=mode, engine=engine, spec=kw, params=sampling_params(args),
                    greedy_tokens=args.max_tokens, samples=args.samples, sample_tokens=args.sample_tokens,
-                   alpha=args.alpha, foil=args.foil, seed=args.seed or 0,
+                   alpha=args.alpha, foil=args.foil, seed=args.seed,
                    log=lambda line: print(f"ssd check: {line}", file=sys.stderr, flush=True))
     print("\n".join(report.lines()))
     if not report.passed:

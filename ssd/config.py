@@ -15,6 +15,7 @@ from ssd.errors import SSDError
 from ssd.models.config import ModelConfig
 from ssd.models.loader import resolve_weights
 from ssd.models.shard import plan
+from ssd.request.noise import SEEDED_SAMPLING
 from ssd.speculative.draft.eagle import is_eagle_head
 from ssd.speculative.options import SpecOptions
 from ssd.speculative.sources.named import NAMED
@@ -71,6 +72,8 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     block_size: int = 16
     seed: int | None = None
+    # How seeded sampled requests draw (ssd/request/noise.py): "shared-noise" or "rejection".
+    seeded_sampling: str = "shared-noise"
     weights: str = "auto"
     enable_prefix_caching: bool = True  # full blocks of shared prompt prefixes computed once (kv_cache.py)
     # On CUDA, the target's passes of up to this many tokens run as one CUDA graph padded to this
@@ -112,6 +115,8 @@ class EngineConfig:
             check_int("kv_cache_tokens", self.kv_cache_tokens, 1)
         if self.seed is not None:
             check_int("seed", self.seed, 0, 2**64 - 1)
+        if self.seeded_sampling not in SEEDED_SAMPLING:
+            raise SSDError(f"seeded_sampling must be one of {', '.join(SEEDED_SAMPLING)}, got {self.seeded_sampling!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise SSDError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         # SSD pins the target to its cores around each step (the draft source's placement()).

@@ -5,7 +5,10 @@ A speculative configuration (SD or SSD, with every option the user runs) is comp
 decoding of the same target:
 
   greedy   each prompt's greedy continuation, token for token;
-  sampled  many short seeded samples per prompt from each engine, and a chi-square test of
+  seeded   (given a seed) each prompt's sampled continuation with that seed, token for token:
+           seeded requests draw by shared noise (ssd/request/noise.py), which pins their tokens
+           in every mode;
+  sampled  many short unseeded samples per prompt from each engine, and a chi-square test of
            homogeneity on the joint distribution of their first tokens (cells expected below
            5 times pooled). Under exactness both samples come from one distribution.
 
@@ -113,6 +116,7 @@ class SampledResult:
 class Report:
     alpha: float  # the family-wise level: each of the n sampled tests is held to alpha / n
     greedy: list[GreedyResult] = field(default_factory=list)
+    seeded: list[GreedyResult] = field(default_factory=list)  # the seeded sampled continuations
     sampled: list[SampledResult] = field(default_factory=list)
 
     @property
@@ -121,14 +125,15 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return (all(g.first_difference is None for g in self.greedy)
+        return (all(g.first_difference is None for g in self.greedy + self.seeded)
                 and all(s.p >= self.threshold for s in self.sampled))
 
     def lines(self) -> list[str]:
         out = []
-        for g in self.greedy:
-            verdict = "equal" if g.first_difference is None else f"DIFFERENT from token {g.first_difference}"
-            out.append(f"greedy   prompt {g.prompt}: {g.tokens} tokens, {verdict}")
+        for kind, results in (("greedy", self.greedy), ("seeded", self.seeded)):
+            for g in results:
+                verdict = "equal" if g.first_difference is None else f"DIFFERENT from token {g.first_difference}"
+                out.append(f"{kind:8s} prompt {g.prompt}: {g.tokens} tokens, {verdict}")
         for s in self.sampled:
             line = (f"sampled  prompt {s.prompt}: {s.samples} samples each, {s.outcomes} outcomes, p = {s.p:.3g}"
                     f" ({'ok' if s.p >= self.threshold else 'REJECTED'})")
@@ -144,45 +149,56 @@ class Report:
 
 
 def greedy_runs(llm, prompts: list, params: SamplingParams) -> list[list[int]]:
-    """Each prompt's greedy token ids (params with temperature 0)."""
+    """Each prompt's token ids (params with temperature 0, or seeded)."""
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
-def sample_runs(llm, prompt, params: SamplingParams, n: int, first_seed: int) -> Counter:
-    """Counts of the token-id tuples of n seeded samples (seeds first_seed .. first_seed + n - 1)."""
-    outs = llm.generate([prompt] * n, [replace(params, seed=first_seed + i) for i in range(n)])
+def sample_runs(llm, prompt, params: SamplingParams, n: int) -> Counter:
+    """Counts of the token-id tuples of n samples without a seed of their own: drawn from the
+    engine's generator and verified by rejection sampling (a seeded request's draws are its
+    seed's: the seeded check compares those token for token)."""
+    outs = llm.generate([prompt] * n, replace(params, seed=None))
     return Counter(tuple(o.token_ids) for o in outs)
 
 
 def check(model, draft, prompts: list, *, mode: str = "sd", engine: dict | None = None,
           spec: dict | None = None, params: SamplingParams | None = None, greedy_tokens: int = 64,
-          samples: int = 400, sample_tokens: int = 4, alpha: float = 0.01, foil: bool = True, seed: int = 0,
-          log=lambda line: None) -> Report:
+          samples: int = 400, sample_tokens: int = 4, alpha: float = 0.01, foil: bool = True,
+          seed: int | None = None, log=lambda line: None) -> Report:
     """Run the check. engine: LLM options shared by every engine (device, threads, weights ...);
     spec: the speculative engine's own options (speculate_k, fan_out ...). params: the sampling
     params checked (temperature 0: the greedy check only); their max_tokens is replaced by
-    greedy_tokens and sample_tokens. One engine is loaded at a time."""
+    greedy_tokens and sample_tokens. seed: where sampled, each prompt's continuation of
+    greedy_tokens with this seed is compared token for token (under seeded_sampling
+    "shared-noise", the default); the engines' generators are seeded from it. One engine is
+    loaded at a time."""
     from ssd import LLM
 
     engine, spec = engine or {}, spec or {}
     params = params or SamplingParams(temperature=1.0)
     greedy = replace(params, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=None, max_tokens=greedy_tokens)
     sampled = None if params.temperature == 0 else replace(params, max_tokens=sample_tokens)
+    noise = engine.get("seeded_sampling", "shared-noise") == "shared-noise"
+    seeded = replace(params, max_tokens=greedy_tokens, seed=seed) if noise and seed is not None and sampled else None
+    seed = seed or 0
     batch = max(16, min(samples, 64))
     runs: dict[str, tuple[list, list]] = {}
-    # Plain decoding, the speculative engine, then the draft alone (the foil); disjoint seeds.
+    # Plain decoding, the speculative engine, then the draft alone (the foil); their generators
+    # seeded apart.
     engines = [("plain", model, engine, 0), (mode, model, dict(engine, draft=draft, mode=mode, **spec), 1)]
     if foil and sampled is not None:
         engines.append(("foil", draft, engine, 2))
     for name, path, options, k in engines:
         log(f"{name}: loading {path}")
-        with LLM(path, max_num_seqs=batch, **options) as llm:
+        with LLM(path, max_num_seqs=batch, seed=seed + k * 1_000_003, **options) as llm:
             g = greedy_runs(llm, prompts, greedy) if name != "foil" else []
+            if seeded is not None and name != "foil":
+                g.extend(greedy_runs(llm, prompts, seeded))
             s = []
             if sampled is not None:
                 for i, prompt in enumerate(prompts):
                     log(f"{name}: {samples} samples of prompt {i}")
-                    s.append(sample_runs(llm, prompt, sampled, samples, seed + (k * len(prompts) + i) * samples))
+                    s.append(sample_runs(llm, prompt, sampled, samples))
             runs[name] = (g, s)
     report = Report(alpha)
     plain_g, plain_s = runs["plain"]
@@ -191,7 +207,7 @@ def check(model, draft, prompts: list, *, mode: str = "sd", engine: dict | None 
         diff = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
         if diff is None and len(a) != len(b):
             diff = min(len(a), len(b))
-        report.greedy.append(GreedyResult(i, len(a), diff))
+        (report.greedy if i < len(prompts) else report.seeded).append(GreedyResult(i % len(prompts), len(a), diff))
     for i, (a, b) in enumerate(zip(plain_s, spec_s)):
         result = SampledResult(i, samples, len(set(a) | set(b)), homogeneity(a, b)[2])
         if "foil" in runs:

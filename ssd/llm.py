@@ -14,6 +14,7 @@ from ssd.errors import ContextLengthError, PromptError, SSDError
 from ssd.models.loader import load_tokenizer
 from ssd.outputs import RequestOutput, StreamChunk
 from ssd.request.detokenizer import TextStream
+from ssd.request.noise import request_noise
 from ssd.request.sequence import Sequence
 from ssd.sampling_params import SamplingParams
 from ssd.tools import CallStream, ToolCall, ToolError, ToolFormat, Tools, finish_reason, template_messages
@@ -142,7 +143,8 @@ class LLM:
         calls = CallStream(self.tool_format, self._end_texts(), tools.names, tools.parallel) \
             if tools and tools.calls_parsed else None
         return Sequence(text, ids, params, TextStream(self.tokenizer, params.stop), gen or self.generator,
-                        processor=processor, tools=tools, calls=calls)
+                        noise=request_noise(params, self.config.seeded_sampling), processor=processor, tools=tools,
+                        calls=calls)
 
     def tool_calls(self, seq: Sequence) -> tuple[str, list[ToolCall]] | None:
         """A finished request's content and tool calls; None where it had no tools, or

@@ -1,3 +1,4 @@
+import shutil
 from pathlib import Path
 
 import pytest
@@ -93,6 +94,17 @@ def truncated_draft(smollm_dir, tmp_path_factory):
     return truncated_gguf(gguf_path(SMOLLM), tmp_path_factory.mktemp("smollm-12-layers") / "draft.gguf", 12)
 
 
+@pytest.fixture
+def other_vocab(smollm_dir, tmp_path):
+    """The test model with one token added to its table: the same text, another vocabulary."""
+    other = tmp_path / "other-vocab"
+    shutil.copytree(smollm_dir, other)
+    tok = transformers.AutoTokenizer.from_pretrained(smollm_dir)
+    tok.add_tokens(["<not-in-the-target>"])
+    tok.save_pretrained(other)
+    return other
+
+
 @pytest.fixture(scope="session")
 def ar_outputs(smollm):
     def run(prompts, params):
@@ -169,3 +181,13 @@ def tool_llm(tool_model):
 
     with LLM(tool_model) as llm:
         yield llm
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A run that checks more p-values than chance.CHECKS would break the suite's bound on failing
+    by chance (chance.py): it fails, saying so."""
+    import chance
+    if chance.checked > chance.CHECKS:
+        print(f"\nthis run checked {chance.checked} p-values, more than chance.CHECKS = {chance.CHECKS}: raise CHECKS "
+              f"(and so lower chance.PASS) to keep the family-wise bound")
+        session.exitstatus = 1

@@ -48,6 +48,20 @@ def test_check_passes_sd_and_rejects_a_rule_that_accepts_every_draft(tiny_pair, 
     assert "FAIL" in biased.lines()[-1]
 
 
+def test_check_compares_seeded_runs_token_for_token(tiny_pair, monkeypatch):
+    target, draft = tiny_pair
+    kw = dict(mode="sd", spec=dict(speculate_k=2), params=SamplingParams(temperature=0.8, ignore_eos=True),
+              greedy_tokens=12, samples=40, sample_tokens=2, foil=False, seed=5)
+    report = check(target, draft, [PROMPT], **kw)
+    assert report.passed and [(g.tokens, g.first_difference) for g in report.seeded] == [(12, None)]
+    assert any(line.startswith("seeded   prompt 0: 12 tokens, equal") for line in report.lines())
+    # A rule that accepts every draft token changes the seeded tokens.
+    monkeypatch.setattr(ssd.speculative.round, "greedy_tree",
+                        lambda best, drafts, branches: (len(drafts), [], best[len(drafts)]))
+    biased = check(target, draft, [PROMPT], **kw)
+    assert not biased.passed and biased.seeded[0].first_difference is not None
+
+
 def test_check_finds_a_greedy_difference(tiny_pair, monkeypatch):
     target, draft = tiny_pair
     monkeypatch.setattr(ssd.speculative.round, "greedy_tree",

@@ -3,6 +3,7 @@ import torch
 
 from ssd import LLM, SamplingParams
 from ssd.speculative.sources.ngram import PromptLookup
+from chance import fits
 from tiny_pair import NEW, PROMPT, V, exact_joint, marginal_p_values, drafter
 
 REPEATING = "def add(a, b):\n    return a + b\n\n\ndef add_three(a, b, c):\n    return a + b + c\n\n\ndef add"
@@ -43,7 +44,7 @@ def test_ngram_sampling_follows_the_target(tiny_pair):
         prompt_ids = llm.encode(PROMPT)
     assert sum(o.metrics.accepted for o in outs) > 100  # the path is really taken
     p_values = marginal_p_values(torch.tensor([o.token_ids for o in outs]), exact_joint(target, prompt_ids, temperature))
-    assert min(p_values) > 1e-3, p_values
+    assert all(map(fits, p_values)), p_values
 
 
 def test_a_draft_with_another_tokenizer_samples_the_target(tiny_pair, tmp_path):
@@ -78,4 +79,4 @@ def test_a_draft_with_another_tokenizer_samples_the_target(tiny_pair, tmp_path):
         prompt_ids = llm.encode(PROMPT)
     assert sum(o.metrics.accepted for o in outs) > 100  # the path is really taken
     p_values = marginal_p_values(torch.tensor([o.token_ids for o in outs]), exact_joint(target, prompt_ids, temperature))
-    assert min(p_values) > 1e-3, p_values
+    assert all(map(fits, p_values)), p_values

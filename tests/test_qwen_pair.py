@@ -45,3 +45,32 @@ def test_smollm_drafts_for_the_qwen_target_through_text(prompts, ar):
         outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == ar
     assert sum(o.metrics.accepted for o in outs) / sum(o.metrics.drafted for o in outs) > 0.2
+
+
+@pytest.fixture(scope="module")
+def seeded_requests():
+    chosen = (load_prompt_set("humaneval", 5) + load_prompt_set("gsm8k", 5) + load_prompt_set("mtbench", 5)
+              + load_prompt_set("aclsum", 5))
+    return [([{"role": "user", "content": p.text}], SamplingParams(temperature=0.8, max_tokens=32, seed=s))
+            for p in chosen for s in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def ar_seeded(seeded_requests):
+    with LLM(TARGET, max_num_seqs=8) as llm:
+        return [o.token_ids for o in llm.generate([p for p, _ in seeded_requests], [sp for _, sp in seeded_requests])]
+
+
+@pytest.mark.parametrize("mode, options", [
+    ("sd", dict(draft=DRAFT, speculate_k="auto")), ("sd", dict(draft=DRAFT, speculate_k=6)),
+    ("ssd", dict(draft=DRAFT, speculate_k=4)), ("sd", dict(draft="suffix")), ("sd", dict(draft="ngram")),
+], ids=["sd-auto", "sd-k6", "ssd-k4", "suffix", "lookup"])
+def test_seeded_sampling_on_the_qwen_pair_equals_ar(seeded_requests, ar_seeded, mode, options):
+    """One seed, one answer: 20 prompts x 3 seeds at T = 0.8, in batches of 8 (docs/exactness.md,
+    "Seeds and generators")."""
+    prompts, params = zip(*seeded_requests)
+    with LLM(TARGET, mode=mode, max_num_seqs=8, **options) as llm:
+        outs = llm.generate(list(prompts), list(params))
+    assert [o.token_ids for o in outs] == ar_seeded
+    if options["draft"] == DRAFT:
+        assert sum(o.metrics.accepted for o in outs) / sum(o.metrics.drafted for o in outs) > 0.3

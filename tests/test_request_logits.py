@@ -11,6 +11,7 @@ from ssd import LLM, SamplingParams
 from ssd.errors import GrammarError, SamplingParamsError
 from ssd.exactness import pooled_p_value
 from ssd.request.logits_process import LogitsProcessor
+from chance import fits
 from tiny_pair import CHARS_PROMPT, NEW, V, exact_joint, drafter
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city", "languages"],
@@ -165,10 +166,10 @@ def test_sampling_follows_the_changed_distribution(tiny_chars_pair, mode):
     joint = exact_joint(target, prompt_ids, temperature, _reference(len(prompt_ids)))
     for i in range(NEW):
         marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
-        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+        assert fits(pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal)), i
     last_two = joint.sum(dim=list(range(NEW - 2))).flatten()
     counts = (tokens[:, -2] * V + tokens[:, -1]).bincount(minlength=V * V).double()
-    assert pooled_p_value(counts, last_two) > 1e-3
+    assert fits(pooled_p_value(counts, last_two))
 
 
 # ---- bad input -----------------------------------------------------------------------

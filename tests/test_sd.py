@@ -1,8 +1,5 @@
 """Synchronous speculative decoding: exactly AR's output, with real draft models."""
-import shutil
-
 import pytest
-from transformers import AutoTokenizer
 
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError, VocabularyMismatchError
@@ -72,17 +69,6 @@ def test_sampled_sd_is_reproducible_with_a_seed(smollm_dir, truncated_draft):
         a = sd.generate("Once upon a time", params)[0]
         b = sd.generate(["Once upon a time", "Hello"], [params, SamplingParams(max_tokens=5)])[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
-
-
-@pytest.fixture
-def other_vocab(smollm_dir, tmp_path):
-    """The test model with one token added to its table: the same text, another vocabulary."""
-    other = tmp_path / "other-vocab"
-    shutil.copytree(smollm_dir, other)
-    tok = AutoTokenizer.from_pretrained(smollm_dir)
-    tok.add_tokens(["<not-in-the-target>"])
-    tok.save_pretrained(other)
-    return other
 
 
 def test_a_draft_with_another_vocabulary_drafts_through_text_in_sd_only(smollm_dir, other_vocab, ar_outputs):

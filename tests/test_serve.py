@@ -488,6 +488,19 @@ def test_speculative_modes_serve_exactly(spec_server, sequential):
     disconnect_mid_stream(spec_server, {})
 
 
+def test_a_seeded_request_gets_ars_tokens_from_a_speculative_server(spec_server, smollm):
+    """One seed, one answer (docs/exactness.md, "Seeded requests"): n choices with a seed from an SD
+    or SSD server are plain decoding's draws with seeds 7, 8, 9, and so is choice 1 asked alone."""
+    c = openai.OpenAI(base_url=spec_server.base_url, api_key="none", max_retries=0, timeout=120)
+    messages = chat(QUESTIONS[3])
+    r = c.chat.completions.create(model=MODEL, messages=messages, temperature=0.8, max_tokens=24, n=3, seed=7)
+    want = [o.text for o in smollm.generate([messages] * 3, [SamplingParams(temperature=0.8, max_tokens=24, seed=7 + i)
+                                                              for i in range(3)])]
+    assert [ch.message.content for ch in sorted(r.choices, key=lambda ch: ch.index)] == want
+    alone = c.chat.completions.create(model=MODEL, messages=messages, temperature=0.8, max_tokens=24, seed=8)
+    assert alone.choices[0].message.content == want[1]
+
+
 @pytest.mark.long
 def test_sigterm_ends_the_ssd_worker(tmp_path, truncated_draft):
     s = start_server("--model", MODEL, "--mode", "ssd", "--draft", str(truncated_draft), tmp_path=tmp_path)

@@ -20,6 +20,7 @@ from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.named import NAMED
 from ssd.speculative.verifier import greedy_tree
 import ssd.speculative.verifier as verifier
+from chance import fits
 from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values
 
 PROMPTS = ["Write a Python function that reverses a string.", "What is the capital of France? Explain.",
@@ -198,7 +199,7 @@ def test_sampled_sd_with_siblings_follows_the_target(tiny_pair):
     tokens, outs, prompt_ids = _sampled_with_siblings(tiny_pair, 4000)
     assert sum(o.metrics.rescues for o in outs) > 200, sum(o.metrics.rescues for o in outs)
     joint = exact_joint(tiny_pair[0], prompt_ids, 1.0)
-    assert min(marginal_p_values(tokens, joint)) > 1e-3
+    assert all(map(fits, marginal_p_values(tokens, joint)))
 
 
 def test_a_sibling_taken_whenever_the_chain_is_rejected_is_caught(tiny_pair, monkeypatch):

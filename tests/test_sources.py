@@ -9,6 +9,7 @@ from ssd.errors import SSDError
 from ssd.speculative.records import Proposal
 from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.named import NAMED
+from chance import fits
 from tiny_pair import NEW, PROMPT, exact_joint, marginal_p_values
 
 
@@ -40,7 +41,7 @@ def test_a_new_source_samples_the_target(repeat, tiny_pair):
         prompt_ids = llm.encode(PROMPT)
     tokens = torch.tensor([o.token_ids for o in outs])
     assert sum(o.metrics.accepted for o in outs) > 100  # the path is really taken
-    assert min(marginal_p_values(tokens, exact_joint(target, prompt_ids, temperature))) > 1e-3
+    assert all(map(fits, marginal_p_values(tokens, exact_joint(target, prompt_ids, temperature))))
 
 
 def test_a_named_source_runs_in_sd_only(repeat, smollm_dir):

@@ -25,6 +25,7 @@ from ssd.speculative.draft.draft_engine import DraftEngine
 from ssd.speculative.draft.fanout import FanOut
 from ssd.speculative.draft.ssd_draft import SSDDraft
 from ssd.speculative.link.protocol import SpecRequest
+from chance import fits
 from tiny_pair import NEW, PROMPT, V, exact_joint
 
 PROMPTS = ["def fibonacci(n):", "The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
@@ -218,10 +219,10 @@ def test_ssd_sampling_follows_the_target(tiny_pair, options):
     joint = exact_joint(target, prompt_ids, temperature)
     for i in range(NEW):  # every position's marginal, then the last two tokens jointly
         marginal = joint.sum(dim=[d for d in range(NEW) if d != i])
-        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+        assert fits(pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal)), i
     last_two = joint.sum(dim=list(range(NEW - 2))).flatten()
     counts = (tokens[:, -2] * V + tokens[:, -1]).bincount(minlength=V * V).double()
-    assert pooled_p_value(counts, last_two) > 1e-3
+    assert fits(pooled_p_value(counts, last_two))
 
 
 # ---- failures of the draft worker -----------------------------------------------------
@@ -472,8 +473,8 @@ def test_sampling_follows_the_target_on_gguf_blocks(tiny_gguf_pair, mode):
     joint = exact_joint_ours(target, prompt_ids, temperature, new)
     for i in range(new):
         marginal = joint.sum(dim=[d for d in range(new) if d != i])
-        assert pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal) > 1e-3, i
+        assert fits(pooled_p_value(tokens[:, i].bincount(minlength=V).double(), marginal)), i
     last_two = joint.sum(dim=list(range(new - 2))).flatten()
     counts = (tokens[:, -2] * V + tokens[:, -1]).bincount(minlength=V * V).double()
-    assert pooled_p_value(counts, last_two) > 1e-3
+    assert fits(pooled_p_value(counts, last_two))
 

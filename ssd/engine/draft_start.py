@@ -144,6 +144,7 @@ def draft_config(config: EngineConfig, folder: Path, draft_model: ModelConfig, e
         cache_tokens=(1 if same_vocabulary else 2) * config.kv_cache_tokens + config.max_num_seqs * per_seq,
         block_size=config.block_size,
         max_num_seqs=config.max_num_seqs, max_model_len=config.max_model_len, seed=config.seed,
+        seeded_sampling=config.seeded_sampling,
         fan_out=opts.fan_out, fan_out_miss=opts.fan_out_miss, tree_budget=opts.tree_budget, fit_tree=opts.fit_tree,
         backup=opts.backup, saguaro_c=opts.saguaro_c, vocab_ids=None if head is None else list(head),
         prefix_caching=config.enable_prefix_caching, window=opts.draft_window,

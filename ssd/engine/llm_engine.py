@@ -27,7 +27,7 @@ from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.loader import shared_model
 from ssd.request.constraint import Grammars
 from ssd.request.logits_process import LogitsProcessor
-from ssd.request.sampler import next_tokens, token_logprobs
+from ssd.request.sampler import next_token, token_logprobs
 from ssd.request.sequence import Sequence
 from ssd.runner.kv_cache import CacheFullError, PagedKVCache
 from ssd.runner.model_runner import Chunk, ModelRunner
@@ -224,7 +224,7 @@ class LLMEngine:
             rows = logits[row:row + 1]
             if seq.processor is not None:
                 rows = seq.processor.process(rows, seq.token_ids)
-            token = best[row] if plain[row] else int(next_tokens(rows, seq.params, seq.generator)[0])
+            token = best[row] if plain[row] else next_token(rows, seq.params, seq.generator, seq.noise, seq.num_tokens)
             lps = None if seq.params.logprobs is None else token_logprobs(rows, [token], seq.params.logprobs)
             out.append((seq, token, lps))
         return out

@@ -6,6 +6,7 @@ the verifier applies the same function to the target's and the draft's logits.
 import torch
 
 from ssd.outputs import TokenLogprob
+from ssd.request.noise import SharedNoise
 from ssd.sampling_params import SamplingParams
 
 
@@ -55,11 +56,14 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     return (probs / race).argmax(-1)
 
 
-def next_tokens(logits: torch.Tensor, params: SamplingParams,
-                generator: torch.Generator | None) -> torch.Tensor:
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+               noise: SharedNoise | None, position: int) -> int:
+    """The token at `position` from one row of logits [1, V]: the argmax for a greedy request, the
+    shared noise's draw for a request that has it, else a draw by the generator."""
     if params.greedy_decoding:
-        return logits.argmax(-1)
-    return sample(probs_from_logits(logits, params), generator)
+        return int(logits.argmax(-1)[0])
+    probs = probs_from_logits(logits, params)
+    return noise.choose(probs, [position])[0] if noise is not None else int(sample(probs, generator)[0])
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -8,6 +8,7 @@ import torch
 from ssd.outputs import RequestMetrics, TokenLogprob
 from ssd.request.detokenizer import TextStream
 from ssd.request.logits_process import LogitsProcessor
+from ssd.request.noise import SharedNoise
 from ssd.sampling_params import SamplingParams
 
 _ids = count()
@@ -23,6 +24,9 @@ class Sequence:
     params: SamplingParams
     detokenizer: TextStream = field(repr=False)  # the output's text
     generator: torch.Generator | None = field(default=None, repr=False)
+    # A seeded sampled request's draws under "shared-noise" (ssd/request/noise.py): its tokens
+    # are then drawn by it, not by the generator.
+    noise: SharedNoise | None = field(default=None, repr=False)
     # Penalties, bias, min_tokens and a constraint (None: the model's logits as they are).
     processor: LogitsProcessor | None = field(default=None, repr=False)
     tools: object | None = field(default=None, repr=False)  # ssd.tools.Tools, read by the API layer (ssd/llm.py)

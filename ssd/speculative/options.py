@@ -415,6 +415,7 @@ class DraftConfig:
     max_num_seqs: int
     max_model_len: int
     seed: int | None = None
+    seeded_sampling: str = "shared-noise"  # EngineConfig.seeded_sampling: seeded requests draft by the target's noise
     # SSD's speculation tree (the worker); SD drafts without one.
     fan_out: int | list[int] | str = 3
     fan_out_miss: int | list[int] | None = None

@@ -23,6 +23,7 @@ the request's metrics (RequestMetrics.record); an SSD worker learns the outcome 
 request, where the speculation cache and the fan-out read it (ssd_draft.py).
 """
 import time
+from collections import abc
 
 import torch
 import torch.nn.functional as F
@@ -121,6 +122,8 @@ def _verify(seq: Sequence, prop: Proposal, br: list[Branch], rows: torch.Tensor,
         if best is None:
             best = rows.argmax(-1).tolist() + tree[n + 1:].argmax(-1).tolist()
         return greedy_tree(best, prop.tokens, br)
+    if seq.noise is not None:  # the target's own draws decide: drafter-invariant (noise.py)
+        return greedy_tree(_Draws(seq, torch.cat([rows, tree[n + 1:]]), n, br), prop.tokens, br)
     p = probs_from_logits(rows, seq.params)
     # The target's head may be padded past the draft's vocabulary: q is 0 there.
     q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
@@ -135,3 +138,25 @@ def _verify(seq: Sequence, prop: Proposal, br: list[Branch], rows: torch.Tensor,
     i = next(i for i, b in enumerate(br) if b.parent == verdict.accepted)
     return verdict.accepted, [i], int(sample(probs_from_logits(tree[n + 1 + i:n + 2 + i], seq.params),
                                              seq.generator)[0])
+
+
+class _Draws(abc.Sequence):
+    """A seeded request's draws under shared noise at the nodes of a round's tree, each
+    computed when greedy_tree first reads it (the rows past the first rejection cost nothing):
+    node i's row gives the token at the sequence's position num_tokens + depth(i)."""
+
+    def __init__(self, seq: Sequence, rows: torch.Tensor, n: int, branches: list[Branch]):
+        self.seq, self.rows, self.drawn = seq, rows, {}
+        self.depth = list(range(n + 1))
+        for b in branches:
+            self.depth.append(self.depth[b.parent] + 1)
+
+    def __getitem__(self, node: int) -> int:
+        if node not in self.drawn:
+            seq = self.seq
+            p = probs_from_logits(self.rows[node:node + 1], seq.params)
+            self.drawn[node] = seq.noise.choose(p, [seq.num_tokens + self.depth[node]])[0]
+        return self.drawn[node]
+
+    def __len__(self) -> int:
+        return len(self.depth)

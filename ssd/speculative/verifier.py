@@ -11,6 +11,7 @@ Every emitted token is then distributed exactly as the target's. With one-hot (g
 the same formula accepts exactly the prefix where d_i == argmax p_i and gives t = argmax p_i,
 whether q is one-hot, soft, or None.
 """
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +40,10 @@ def verify(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
     return Verdict(accepted=int(k[0]), token=int(t[0]))
 
 
-def greedy_tree(best: list[int], drafts: list[int], branches: list[Branch]) -> tuple[int, list[int], int]:
+def greedy_tree(best: Sequence[int], drafts: list[int], branches: list[Branch]) -> tuple[int, list[int], int]:
     """Greedy verification of a draft tree (the chain `drafts`, and `branches` off it) from the
-    argmax of its rows `best` (the newest token's, the chain's, then one per branch): from the
+    argmax of its rows `best` (the newest token's, the chain's, then one per branch; or a seeded
+    request's draws there under shared noise, read as needed: round.py): from the
     newest token, step to the child that holds the target's token there, while there is one.
     Returns the chain's drafts accepted, the branches taken after them (indices, in path
     order) and the target's token after the last node reached. Without branches: verify()'s

@@ -18,6 +18,7 @@ from ssd.errors import SSDError
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.request.logits_process import LogitsProcessor
+from ssd.request.noise import SharedNoise, request_noise
 from ssd.request.sampler import probs_from_logits, sample, saguaro
 from ssd.runner.chain_graphs import CHAIN_ROWS, ChainSteps
 from ssd.runner.kv_cache import PagedKVCache
@@ -70,6 +71,7 @@ class DraftSeq:
     seq_id: int
     params: SamplingParams
     generator: torch.Generator | None
+    noise: SharedNoise | None = None  # a seeded request's shared noise: the target's (noise.py)
     processor: LogitsProcessor | None = None  # SD: the request's penalties and constraint, the draft's copy
     tokens: list[int] = field(default_factory=list)  # confirmed tokens, then the current speculation
     confirmed: int = 0
@@ -109,7 +111,8 @@ class DraftEngine:
     def __init__(self, model: DecoderLM, device: torch.device, *, k_max: int, cache_tokens: int,
                  block_size: int = 16, seed: int | None = None, saguaro: tuple[float, int] | None = None,
                  vocab_ids: tuple[int, ...] | None = None, prefix_salt: str | None = None,
-                 window: int | None = None, guesses: bool = False, threads: int | None = None):
+                 window: int | None = None, guesses: bool = False, threads: int | None = None,
+                 seeded_sampling: str = "shared-noise"):
         """saguaro: (C, n) to draft sampled requests from Saguaro's distribution (SSD).
         vocab_ids: the token ids of a reduced-vocabulary head (the model's logits are for those,
         in that order): the draft proposes only them and each sequence's own tokens (DraftHead),
@@ -119,8 +122,10 @@ class DraftEngine:
         (positions from 0: RoPE sees the same distances), None for all. guesses: prompt lookup's
         guesses of the draft's next tokens join its passes (_guess). threads: the most CPU
         threads a pass takes, their count following the machine's load (ssd/runner/threads.py);
-        None: the process's count."""
+        None: the process's count. seeded_sampling: the target's (EngineConfig): under
+        "shared-noise" a seeded request drafts by the target's noise (ssd/request/noise.py)."""
         cfg = model.config
+        self.seeded_sampling = seeded_sampling
         self.window, self.guesses = window, guesses
         self.guessed = Acceptance(GUESS_DECAY)  # how often a guessed row was right (_guess_rows)
         self.passes = 0
@@ -158,7 +163,7 @@ class DraftEngine:
         return cls(model, device, k_max=cfg.k_max, cache_tokens=cfg.cache_tokens, block_size=cfg.block_size,
                    seed=cfg.seed, saguaro=saguaro, vocab_ids=ids,
                    prefix_salt=f"{cfg.model}|{cfg.dtype}|{cfg.weights}" if cfg.prefix_caching else None,
-                   window=cfg.window, guesses=cfg.guesses, threads=cfg.threads)
+                   window=cfg.window, guesses=cfg.guesses, threads=cfg.threads, seeded_sampling=cfg.seeded_sampling)
 
     def sync(self, seq_id: int, num_valid: int, new_tokens: list[int], params: SamplingParams | None,
              k: int, processor: LogitsProcessor | None = None) -> DraftSeq:
@@ -170,7 +175,8 @@ class DraftEngine:
         if s is None:
             if params is None:
                 raise SSDError(f"draft protocol: first request for sequence {seq_id} carries no params")
-            s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params), processor=processor)
+            s = self.seqs[seq_id] = DraftSeq(seq_id, params, self._generator(params),
+                                             request_noise(params, self.seeded_sampling), processor=processor)
         if num_valid == 0:  # the whole context again
             s.offset = 0
             s.tokens.clear()
@@ -399,9 +405,10 @@ class DraftEngine:
         return list(zip(logits.split(rows), extra_ids.split(rows) if extra_ids is not None else [None] * len(seqs)))
 
     def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int], alternatives: bool = False,
-             confidence: bool = False
+             confidence: bool = False, positions: list[int] | None = None
              ) -> tuple[list[int], list[torch.Tensor | None], list[Alternative | None], list[float] | None]:
-        """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows.
+        """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows,
+        which draft the positions after its tokens (or per row `positions`: an SSD tree's).
         Returns the tokens, per sequence the distributions drawn from over the whole
         vocabulary (None for greedy rows), per row with `alternatives`, for a request with
         unchanged logits, the runner-up: the likeliest token other than the one picked (else
@@ -423,7 +430,8 @@ class DraftEngine:
                     qs.append(None)
                 else:
                     q = probs_from_logits(row, s.params)
-                    out += sample(q, s.generator).tolist()
+                    out += self._draw(s, q, self._at(s, start, n, positions)) if s.noise is not None \
+                        else sample(q, s.generator).tolist()
                     qs.append(q)
             elif s.params.greedy_decoding:
                 out += greedy[start:start + n]
@@ -437,6 +445,15 @@ class DraftEngine:
                 q = probs_from_logits(logits[start:start + n], s.params)
                 if self.saguaro is not None:
                     q = saguaro(q, *self.saguaro)
+                if s.noise is not None:  # the target's noise on q over the whole vocabulary (noise.py)
+                    whole = self.head.over_vocabulary(q, ids)
+                    seconds = [] if alternatives else None
+                    out += self._draw(s, whole, self._at(s, start, n, positions), seconds)
+                    qs.append(whole)
+                    if alternatives:
+                        runner_up[start:start + n] = seconds
+                    start += n
+                    continue
                 picked = sample(q, s.generator)
                 out += self.head.token_ids(picked, ids).tolist()
                 qs.append(self.head.over_vocabulary(q, ids))
@@ -444,6 +461,27 @@ class DraftEngine:
                     runner_up[start:start + n] = self._runners_up(q, picked, ids)
             start += n
         return out, qs, runner_up, top
+
+    @staticmethod
+    def _at(s: DraftSeq, start: int, n: int, positions: list[int] | None) -> list[int]:
+        """The positions that rows start..start + n - 1, s's, draft."""
+        return positions[start:start + n] if positions is not None else \
+            [s.offset + len(s.tokens) + j for j in range(n)]
+
+    @staticmethod
+    def _draw(s: DraftSeq, q: torch.Tensor, at: list[int], seconds: list[Alternative] | None = None) -> list[int]:
+        """A seeded request's picks from its rows of q [n, V] by the target's shared noise at
+        the positions `at`; with `seconds`, each row's runner-up in the same race appended to
+        it (the likeliest other winner: where the target's draw differs from the pick, most
+        often that one)."""
+        out = []
+        for j, position in enumerate(at):
+            race = s.noise.race(q[j], position)
+            top = race.topk(2).indices.tolist()
+            out.append(top[0])
+            if seconds is not None:
+                seconds.append(Alternative(top[1], float(q[j, top[0]]), float(q[j, top[1]])))
+        return out
 
     def _runners_up(self, q: torch.Tensor, picked: torch.Tensor, ids: torch.Tensor | None) -> list[Alternative]:
         """Per row of q (the head's columns), its likeliest column other than the one picked:

@@ -133,7 +133,9 @@ class SSDDraft:
             positions, batch = tree.step(i, live_t)
             hidden = engine.runner.run(inputs[live_t], positions, batch, head=False)
             groups = _runs([forks[b].seq for b in live])
-            picked, q, _, _ = engine.pick(hidden, [s for s, _ in groups], [n for _, n in groups])
+            # (A branch's row drafts the position after its fork's token and the steps before.)
+            at = [forks[b].seq.offset + forks[b].seq.confirmed + forks[b].depth + 1 + i for b in live]
+            picked, q, _, _ = engine.pick(hidden, [s for s, _ in groups], [n for _, n in groups], positions=at)
             inputs[live_t] = torch.tensor(picked, device=engine.device)
             row = 0
             for (_, n), q_group in zip(groups, q):
@@ -158,8 +160,13 @@ class SSDDraft:
             if not s.params.greedy_decoding:  # rank by the processed distribution (top-k/top-p cut)
                 rows = probs_from_logits(rows, s.params)
             sizes = self.fan_out.sizes(n, s.after_hit, trees=len(seqs))
-            top = self.engine.head.token_ids(rows.topk(min(MAX_RANK + 1, rows.shape[-1]), dim=-1).indices,
-                                             extra_ids).tolist()
+            width = min(MAX_RANK + 1, rows.shape[-1])
+            if s.noise is not None:  # the target's token at depth j is its own draw there: rank by the draft's
+                whole = self.engine.head.over_vocabulary(rows, extra_ids)
+                top = [s.noise.race(whole[j], s.offset + s.confirmed + j).topk(width).indices.tolist()
+                       for j in range(n)]
+            else:
+                top = self.engine.head.token_ids(rows.topk(width, dim=-1).indices, extra_ids).tolist()
             s.candidates = [[t for t in top[j] if j == n - 1 or t != spec[j]][:MAX_RANK] for j in range(n)]
             forks += [Fork(s, j, t) for j in range(n) for t in s.candidates[j][:sizes[j]]]
         return forks

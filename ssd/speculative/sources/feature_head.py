@@ -358,15 +358,20 @@ class FeatureHead(DraftSource):
         # A greedy pick needs no distribution unless a policy reads it (runner-up, confidence).
         q = probs_from_logits(logits, seq.params) if not greedy else \
             torch.softmax(logits, -1) if alternative or d.rule is not None else None
-        picked = logits.argmax(-1) if greedy else sample(q, self.seqs[seq.seq_id].generator)
         if not greedy:
             whole = torch.zeros(self.head.config.vocab_size, device=q.device)
             whole[ids] = q[0]
             d.qs.append(whole)
-        if alternative:
-            second = q.scatter(-1, picked.view(1, 1), -1.0).argmax(-1)
-            d.alternatives.append(Alternative(int(ids[second]), float(q[0, picked]), float(q[0, second])))
-        token = int(ids[picked])
+        if seq.noise is not None:  # the target's noise on q over the whole vocabulary (noise.py)
+            token, second = seq.noise.race(whole, seq.num_tokens + len(d.tokens)).topk(2).indices.tolist()
+            if alternative:
+                d.alternatives.append(Alternative(second, float(whole[token]), float(whole[second])))
+        else:
+            picked = logits.argmax(-1) if greedy else sample(q, self.seqs[seq.seq_id].generator)
+            if alternative:
+                second = q.scatter(-1, picked.view(1, 1), -1.0).argmax(-1)
+                d.alternatives.append(Alternative(int(ids[second]), float(q[0, picked]), float(q[0, second])))
+            token = int(ids[picked])
         d.tokens.append(token)
         if d.rule is not None:
             d.judge([float(q.amax())])

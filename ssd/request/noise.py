@@ -1,0 +1,106 @@
+"""Shared noise: the draws of a seeded request as a function of (seed, position, token id)
+alone, so that whoever computes them (the target, a draft, another process or device) gets the
+same values (docs/exactness.md, "Seeded requests").
+
+A token is drawn from p by the exponential race, argmax_v p(v) / E(v) with E(v) ~ Exp(1)
+(equivalently Gumbel-max: argmax_v log p(v) + G(v)). Here E(v) = -log U(v), where U(v) is a
+24-bit uniform from a hash of the seed, the token's absolute position in the sequence and v.
+The target's token at a position is then its own race's winner whatever was drafted; a draft
+that races its own q with the same noise proposes the same token with probability at least
+(1 - TV) / (1 + TV) (Daliri, Musco and Suresh, arXiv 2408.07978), and verification is
+equality: drafter-invariant speculative decoding.
+
+The hash is Wellons' lowbias32 on int32 tensors (multiplication wraps modulo 2**32; shifts
+are made logical by a mask), over each token id times an odd constant plus the row's key.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ssd.sampling_params import SamplingParams
+
+# How seeded sampled requests draw (EngineConfig.seeded_sampling): "shared-noise" by this
+# module's noise, so the same tokens in every mode, at any K, beside any batch; "rejection" from
+# the request's own generator, verified by rejection sampling (the same tokens at a fixed K).
+SEEDED_SAMPLING = ("shared-noise", "rejection")
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B1  # odd: ids times it are distinct modulo 2**32
+_C1, _C2 = 0x7FEB352D, 0x846CA68B  # lowbias32's multipliers
+
+
+def _int32(x: int) -> int:
+    """x modulo 2**32 as a signed 32-bit value (what an int32 tensor holds)."""
+    x &= _M32
+    return x - (1 << 32) if x >= 1 << 31 else x
+
+
+def _mix(x: int) -> int:
+    """lowbias32 on a Python int (the row keys)."""
+    x &= _M32
+    x ^= x >> 16
+    x = (x * _C1) & _M32
+    x ^= x >> 15
+    x = (x * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def _uniform_bits(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 elementwise on an int32 tensor, in place (bit for bit _mix), then its top 24
+    bits: 0..2**24 - 1."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= _int32(_C1)
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _int32(_C2)
+    x ^= (x >> 16) & 0xFFFF
+    x >>= 8
+    return x.bitwise_and_(0xFFFFFF)
+
+
+_SPREAD: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _spread(width: int, device: torch.device) -> torch.Tensor:
+    """Token ids 0..width-1 times _GOLDEN modulo 2**32 (int32), kept per width and device."""
+    key = (width, torch.device(device))
+    if key not in _SPREAD:
+        ids = torch.arange(width, dtype=torch.int64, device=device)
+        _SPREAD[key] = ((ids * _GOLDEN) & _M32).to(torch.int32)
+    return _SPREAD[key]
+
+
+@dataclass(frozen=True)
+class SharedNoise:
+    """One seeded request's noise: Exp(1) values keyed by (seed, position, token id)."""
+
+    seed: int
+
+    def key(self, position: int) -> int:
+        """A row's 32-bit key from the 64-bit seed and the position."""
+        k = _mix(_mix(self.seed & _M32) ^ (self.seed >> 32) ^ 0x5BD1E995)
+        return _mix(k ^ _mix(position + 0x68E31DA4))
+
+    def exponentials(self, position: int, width: int, device: torch.device) -> torch.Tensor:
+        """[width] float32: E at `position` for token ids 0..width-1. Each row is computed
+        alone, so its bits do not depend on which rows are computed with it."""
+        bits = _uniform_bits(_spread(width, device) + _int32(self.key(position)))
+        # E = -log U, U = (bits + 1/2) / 2**24 in (0, 1)
+        return bits.float().add_(0.5).log_().sub_(24 * math.log(2)).neg_()
+
+    def race(self, probs: torch.Tensor, position: int) -> torch.Tensor:
+        """p / E for one row of probabilities [V] over token ids 0..V-1: its argmax is the row's
+        draw at `position`."""
+        return probs.float() / self.exponentials(position, probs.shape[-1], probs.device)
+
+    def choose(self, probs: torch.Tensor, positions: list[int]) -> list[int]:
+        """One token per row of probs [N, V]: row i's draw at positions[i]."""
+        return [int(self.race(row, pos).argmax()) for row, pos in zip(probs, positions)]
+
+
+def request_noise(params: SamplingParams, seeded_sampling: str) -> SharedNoise | None:
+    """The shared noise a request draws with: a seeded sampled request's under "shared-noise",
+    else None (greedy requests draw nothing; the others use generators)."""
+    if seeded_sampling != "shared-noise" or params.greedy_decoding or params.seed is None:
+        return None
+    return SharedNoise(params.seed)

@@ -76,9 +76,10 @@ def test_the_check_command(tiny_pair, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(f'{{"prompt": "{PROMPT}"}}\n{{"prompt": "w3 w3"}}\n')
     assert main(["check", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts), "--k", "2",
-                 "--max-tokens", "8", "--samples", "200", "--ignore-eos"]) == 0
+                 "--max-tokens", "8", "--samples", "200", "--ignore-eos", "--seed", "3"]) == 0
     out = capsys.readouterr().out
-    assert out.count("equal") == 2 and out.count("sampled  prompt") == 2 and "verdict: PASS" in out
+    assert out.count("greedy   prompt") == out.count("seeded   prompt") == out.count("sampled  prompt") == 2
+    assert out.count("equal") == 4 and "verdict: PASS" in out
     assert main(["check", "--model", str(target), "--mode", "ar"]) == 2
     assert "compares --mode sd or --mode ssd" in capsys.readouterr().err
     (tmp_path / "bad.jsonl").write_text('{"text": 1}\n')

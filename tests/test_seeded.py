@@ -40,9 +40,26 @@ def _run(llm: LLM, requests=REQUESTS) -> list[list[int]]:
 def test_the_tensor_hash_is_the_reference_hash_bit_for_bit():
     noise, width = SharedNoise(2**64 - 12345), 5000
     key = noise.key(77)
-    bits = noise_module._uniform_bits(noise_module._spread(width, torch.device("cpu")) + noise_module._int32(key))
-    want = [noise_module._mix(v * noise_module._GOLDEN + key) >> 8 for v in range(width)]
+    bits = noise_module._hash(noise_module._spread(width, torch.device("cpu")) + noise_module._int32(key))
+    want = [noise_module._int32(noise_module._mix(v * noise_module._GOLDEN + key)) for v in range(width)]
     assert bits.tolist() == want
+
+
+def test_draws_over_a_whole_vocabulary_reach_its_tail():
+    """151,936 tokens of a long-tailed distribution (logits ~ N(0, 2.5^2)) cut into ten bins of
+    equal mass, likeliest first: 20,000 positions' draws fall into each a tenth of the time.
+    The last bin holds 145,000 tokens, each far less likely than the likeliest ones: it wins
+    only through the smallest E values, which a float32 -log(U) rounds away (its share fell to
+    0.057 that way)."""
+    V, bins, n = 151_936, 10, 20_000
+    p = (torch.randn(V, generator=torch.Generator().manual_seed(0)) * 2.5).softmax(-1)
+    sorted_p, order = p.sort(descending=True)
+    bin_of = torch.empty(V, dtype=torch.long)
+    bin_of[order] = (sorted_p.cumsum(0) * bins).clamp(max=bins - 0.5).long()
+    mass = torch.zeros(bins).scatter_add_(0, bin_of, p)
+    draws = torch.tensor(SharedNoise(77).choose(p.expand(n, -1), list(range(n))))
+    counts = bin_of[draws].bincount(minlength=bins).double()
+    assert fits(pooled_p_value(counts, mass)), (counts / n).tolist()
 
 
 def test_a_rows_draw_follows_its_distribution_and_positions_are_independent():
@@ -99,10 +116,10 @@ def test_sd_without_a_model_gives_ars_seeded_tokens(smollm_dir, ar_seeded, optio
 @pytest.mark.parametrize("k", [1, 4, 8, "auto"])
 def test_sd_with_a_draft_model_gives_ars_seeded_tokens_at_any_k(smollm_dir, truncated_draft, ar_seeded, k):
     with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=k, max_num_seqs=8) as llm:
-        assert _run(llm) == ar_seeded
+        outs = llm.generate([p for p, _ in REQUESTS], [sp for _, sp in REQUESTS])
+        assert [o.token_ids for o in outs] == ar_seeded
         assert [_run(llm, [r])[0] for r in REQUESTS[:3]] == ar_seeded[:3]  # alone
-        m = llm.generate(*REQUESTS[0])[0].metrics
-    assert m.accepted > 0, "the draft races the same noise: most of its tokens should be taken"
+    assert k == "auto" or sum(o.metrics.drafted for o in outs) > 0  # (auto-K may find drafting does not pay)
 
 
 def test_a_draft_racing_the_same_noise_proposes_the_targets_draws(smollm_dir, monkeypatch):
@@ -120,8 +137,9 @@ def test_a_draft_racing_the_same_noise_proposes_the_targets_draws(smollm_dir, mo
     assert coupled > apart + 0.2, (coupled, apart)
 
 
-def test_ssd_gives_ars_seeded_tokens(smollm_dir, truncated_draft, ar_seeded):
-    with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, max_num_seqs=8) as llm:
+@pytest.mark.parametrize("k", [3, "auto"])
+def test_ssd_gives_ars_seeded_tokens(smollm_dir, truncated_draft, ar_seeded, k):
+    with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=k, max_num_seqs=8) as llm:
         assert _run(llm) == ar_seeded
 
 
@@ -129,18 +147,18 @@ def test_a_head_gives_ars_seeded_tokens(smollm_dir, tmp_path, ar_seeded):
     write_authors(tmp_path / "head", ModelConfig.from_folder(smollm_dir))
     with LLM(smollm_dir, draft=str(tmp_path / "head"), mode="sd", speculate_k=3, max_num_seqs=8) as llm:
         assert isinstance(drafter(llm), FeatureHead)
-        assert _run(llm, REQUESTS[:24]) == ar_seeded[:24]
+        assert _run(llm) == ar_seeded
 
 
 def test_a_draft_of_another_vocabulary_gives_ars_seeded_tokens(smollm_dir, other_vocab, ar_seeded):
     with LLM(smollm_dir, draft=other_vocab, mode="sd", speculate_k=3, max_num_seqs=8) as llm:
         assert isinstance(drafter(llm), CrossVocab)
-        assert _run(llm, REQUESTS[:24]) == ar_seeded[:24]
+        assert _run(llm) == ar_seeded
 
 
 def test_a_small_random_draft_of_its_vocabulary_gives_ars_seeded_tokens(smollm_dir, tiny_models, ar_seeded):
     with LLM(smollm_dir, draft=tiny_models["llama"], mode="sd", speculate_k=2, max_num_seqs=8) as llm:
-        assert _run(llm, REQUESTS[:24]) == ar_seeded[:24]
+        assert _run(llm) == ar_seeded
 
 
 def test_seeded_requests_keep_their_tokens_through_preemption(smollm_dir, truncated_draft, ar_seeded):
@@ -156,3 +174,11 @@ def test_rejection_sampling_is_still_there_when_asked_for(smollm_dir, truncated_
         assert seq.noise is None and seq.generator is not None
         a, b = _run(llm, REQUESTS[:2]), _run(llm, REQUESTS[:2])  # at a fixed K: reproducible
     assert a == b
+
+
+def test_first_argmax_is_argmax_ties_included():
+    g = torch.Generator().manual_seed(3)
+    for width in (5, 2047, 151_936, 4096):
+        for _ in range(20):
+            x = torch.randint(0, 50, (width,), generator=g).float()  # many ties
+            assert noise_module.first_argmax(x) == int(x.argmax())

@@ -6,7 +6,7 @@ the verifier applies the same function to the target's and the draft's logits.
 import torch
 
 from ssd.outputs import TokenLogprob
-from ssd.request.noise import SharedNoise
+from ssd.request.noise import SharedNoise, first_argmax, keyed_exponentials
 from ssd.sampling_params import SamplingParams
 
 
@@ -50,10 +50,15 @@ def saguaro(probs: torch.Tensor, c: float, n: int) -> torch.Tensor:
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """One token per row of probs [N, V], by the exponential race (argmax p / E, E ~ Exp(1)),
-    which draws exactly from p."""
-    race = torch.empty_like(probs).exponential_(generator=generator)
-    race.clamp_min_(torch.finfo(race.dtype).tiny)  # CPU exponential_ can return exactly 0
-    return (probs / race).argmax(-1)
+    which draws exactly from p. Each row's exponentials are the shared noise's hash (noise.py)
+    under a 32-bit key the generator draws for it: one hash over the vocabulary, where the
+    generator's own exponential_ costs several times as much on a CPU (docs/decision-log.md,
+    "One seed, one answer")."""
+    keys = (torch.randint(2**32, (probs.shape[0],), generator=generator, device=probs.device) - 2**31).int()
+    race = probs.float() / keyed_exponentials(keys, probs.shape[-1])
+    if race.shape[0] == 1:
+        return torch.tensor([first_argmax(race[0])], device=probs.device)
+    return race.argmax(-1)
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,

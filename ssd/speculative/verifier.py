@@ -34,8 +34,8 @@ def verify(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor | None,
     sampled from, or None when they were not sampled from any q (placeholders, a greedy draft
     for a sampled target): each is then verified as if q were one-hot on it.
 
-    Draws K uniforms, then V exponentials (one `sample` row) from the generator, whatever the
-    outcome, so a seeded request is reproducible."""
+    Draws K uniforms, then one `sample` row's key from the generator, whatever the outcome, so
+    a seeded request is reproducible."""
     k, t = verify_many(p.unsqueeze(0), draft.unsqueeze(0), None if q is None else q.unsqueeze(0), generator)
     return Verdict(accepted=int(k[0]), token=int(t[0]))
 
@@ -76,7 +76,7 @@ def verify_with_siblings(p: torch.Tensor, draft: torch.Tensor, q: torch.Tensor |
     distributed as r. Returns the verdict and whether the sibling was taken (then `token` is s_k).
 
     Draws K uniforms, then one more uniform where the first rejected depth has a sibling, then
-    V exponentials unless the sibling was taken."""
+    one `sample` row's key unless the sibling was taken."""
     K, V = draft.shape[0], p.shape[-1]
     draft = draft.to(p.device)
     q = F.one_hot(draft, V).to(p.dtype) if q is None else q

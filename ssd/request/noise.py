@@ -13,6 +13,7 @@ equality: drafter-invariant speculative decoding.
 The hash is Wellons' lowbias32 on int32 tensors (multiplication wraps modulo 2**32; shifts
 are made logical by a mask), over each token id times an odd constant plus the row's key.
 """
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -45,30 +46,58 @@ def _mix(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def _hash(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 elementwise on an int32 tensor, in place (bit for bit _mix)."""
-    x ^= (x >> 16) & 0xFFFF
-    x *= _int32(_C1)
-    x ^= (x >> 15) & 0x1FFFF
-    x *= _int32(_C2)
-    x ^= (x >> 16) & 0xFFFF
-    return x
+def _hash(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """lowbias32 elementwise on an int32 tensor, in place (bit for bit _mix); tmp: scratch of
+    x's shape. (Shifts are arithmetic on int32: the masks make them logical.)"""
+    torch.bitwise_right_shift(x, 16, out=tmp).bitwise_and_(0xFFFF)
+    x.bitwise_xor_(tmp).mul_(_int32(_C1))
+    torch.bitwise_right_shift(x, 15, out=tmp).bitwise_and_(0x1FFFF)
+    x.bitwise_xor_(tmp).mul_(_int32(_C2))
+    torch.bitwise_right_shift(x, 16, out=tmp).bitwise_and_(0xFFFF)
+    return x.bitwise_xor_(tmp)
 
 
-def _exponentials(hashed: torch.Tensor) -> torch.Tensor:
-    """Exp(1) values (float32) from hashed int32 values."""
-    bits = (hashed >> 1) & 0x7FFFFFFF
+def _exponentials(x: torch.Tensor, tmp: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Exp(1) values (float32, into out) from x (int32: spread ids plus a row key), hashed in
+    place; tmp: int32 scratch of x's shape."""
+    _hash(x, tmp)
+    torch.bitwise_right_shift(x, 1, out=tmp).bitwise_and_(0x7FFFFFFF)
     # E = -log(1 - W), W = (bits + 1/2) / 2**31 in (0, 1): log1p keeps the small values of E
     # (where a token far less likely than the others wins) as fine as W's 31 bits; -log(U)
     # of a U near 1 would round them to a float32 step near 1 (6e-8), and a tail token that
     # needs a smaller E would never win.
-    return bits.float().add_(0.5).mul_(2.0 ** -31).neg_().log1p_().neg_()
+    return out.copy_(tmp).add_(0.5).mul_(-2.0 ** -31).log1p_().neg_()
 
 
-def keyed_exponentials(keys: torch.Tensor, width: int) -> torch.Tensor:
-    """[N, width] Exp(1) values for rows keyed by keys [N] (int32, any values): the exponentials
-    of a draw that needs no seed of its own (sampler.sample), all rows at once."""
-    return _exponentials(_hash(_spread(width, keys.device).unsqueeze(0) + keys.unsqueeze(1)))
+def keyed_race(probs: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """p / E for rows of probabilities [N, V], row i's E keyed by keys[i] (int32, any values):
+    the race of a draw that needs no seed of its own (sampler.sample)."""
+    width, device = probs.shape[-1], probs.device
+    if probs.shape[0] == 1:
+        x, tmp, out = _SCRATCH.get(width, device)
+        torch.add(_spread(width, device), keys[0], out=x)
+        return probs.float() / _exponentials(x, tmp, out)
+    x = _spread(width, device).unsqueeze(0) + keys.unsqueeze(1)
+    return probs.float() / _exponentials(x, torch.empty_like(x), torch.empty(x.shape, device=device))
+
+
+class _Scratch(threading.local):
+    """A thread's buffers for one row's noise, per width and device (a row's eight passes over
+    the vocabulary then allocate nothing; per thread, as an SSD worker may run as a thread)."""
+
+    def __init__(self):
+        self.rows: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        key = (width, torch.device(device))
+        if key not in self.rows:
+            self.rows[key] = (torch.empty(width, dtype=torch.int32, device=device),
+                              torch.empty(width, dtype=torch.int32, device=device),
+                              torch.empty(width, device=device))
+        return self.rows[key]
+
+
+_SCRATCH = _Scratch()
 
 
 _SPREAD: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -94,15 +123,13 @@ class SharedNoise:
         k = _mix(_mix(self.seed & _M32) ^ (self.seed >> 32) ^ 0x5BD1E995)
         return _mix(k ^ _mix(position + 0x68E31DA4))
 
-    def exponentials(self, position: int, width: int, device: torch.device) -> torch.Tensor:
-        """[width] float32: E at `position` for token ids 0..width-1. Each row is computed
-        alone, so its bits do not depend on which rows are computed with it."""
-        return _exponentials(_hash(_spread(width, device) + _int32(self.key(position))))
-
     def race(self, probs: torch.Tensor, position: int) -> torch.Tensor:
-        """p / E for one row of probabilities [V] over token ids 0..V-1: its argmax is the row's
-        draw at `position`."""
-        return probs.float() / self.exponentials(position, probs.shape[-1], probs.device)
+        """p / E for one row of probabilities [V] over token ids 0..V-1, E the Exp(1) values at
+        `position`: its argmax is the row's draw there. Each row is computed alone, so its bits
+        do not depend on which rows are computed with it."""
+        x, tmp, out = _SCRATCH.get(probs.shape[-1], probs.device)
+        torch.add(_spread(probs.shape[-1], probs.device), _int32(self.key(position)), out=x)
+        return probs.float() / _exponentials(x, tmp, out)
 
     def choose(self, probs: torch.Tensor, positions: list[int]) -> list[int]:
         """One token per row of probs [N, V]: row i's draw at positions[i]."""

@@ -6,7 +6,7 @@ the verifier applies the same function to the target's and the draft's logits.
 import torch
 
 from ssd.outputs import TokenLogprob
-from ssd.request.noise import SharedNoise, first_argmax, keyed_exponentials
+from ssd.request.noise import SharedNoise, first_argmax, keyed_race
 from ssd.sampling_params import SamplingParams
 
 
@@ -55,7 +55,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     generator's own exponential_ costs several times as much on a CPU (docs/decision-log.md,
     "One seed, one answer")."""
     keys = (torch.randint(2**32, (probs.shape[0],), generator=generator, device=probs.device) - 2**31).int()
-    race = probs.float() / keyed_exponentials(keys, probs.shape[-1])
+    race = keyed_race(probs, keys)
     if race.shape[0] == 1:
         return torch.tensor([first_argmax(race[0])], device=probs.device)
     return race.argmax(-1)

@@ -193,6 +193,18 @@ def test_cli_end_to_end_batched_and_sampled(tmp_path):
     assert (out / "tok_s.png").exists() and (out / "table.md").exists()
 
 
+def test_seeded_sampled_runs_are_checked_against_ar(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "Count to five."}\n')
+    r = subprocess.run([sys.executable, "-m", "ssd.cli", *BASE, "--prompts", str(prompts), "--modes", "ar,sd,ngram",
+                        "--max-tokens", "12", "--temperature", "0.8", "--seed", "7"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    rows = [line.split() for line in r.stdout.splitlines() if line.startswith("p.jsonl")]
+    assert [row[-2] for row in rows] == ["ref", "yes", "yes"], r.stdout
+    assert "every request carries seed 7" in r.stdout
+
+
 def test_structured_prompts_are_checked(smollm_dir):
     schema = {"type": "object", "required": ["city", "country"], "additionalProperties": False,
               "properties": {"city": {"type": "string"}, "country": {"type": "string"}}}

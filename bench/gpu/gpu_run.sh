@@ -27,6 +27,7 @@
 #             the target's passes captured with the layers the head reads (bench/draft_compare.py:
 #             interleaved, a drafted token's cost in target steps)
 #   owed      AR, SD and SSD at K = 4 and auto (auto-K after the start-up captures); 8B / 1B shapes
+#   seeded    AR, SD and SSD sampled at T = 0.8 with a seed (shared noise: =AR must say yes), K auto
 #   thread    SSD's worker as a thread of the target's process against a process, one GPU
 #   batches   64, 16 and 4 concurrent requests, AR / SD / SSD with K = auto, 128 tokens each
 #   host      where a decode step's host time goes at a batch of 64 (bench/gpu/host_profile.py: AR and
@@ -36,7 +37,7 @@
 set -uo pipefail
 LIKE=$1 PROMPTS=$2 OUT=$3
 PARTS=" ${*:4} "
-[ "$PARTS" = "  " ] && PARTS=" ssd32 cpudraft head owed thread batches host profile "
+[ "$PARTS" = "  " ] && PARTS=" ssd32 cpudraft head owed seeded thread batches host profile "
 BATCHES=${BATCHES:-64 16 4}  # the part batches' sizes
 # The part ssd32's target shape and the SSD draft's devices (a dry run on a CPU: qwen2.5-0.5b and cpu)
 SHAPE32=${SHAPE32:-qwen2.5-32b} DDEVS=${DDEVS:-cuda:0,cpu}
@@ -82,7 +83,7 @@ if [[ $PARTS == *" cpudraft "* || $PARTS == *" ssd32 "* ]]; then
     BUILD=$!
 fi
 TARGET=$SYN/target
-if [[ $PARTS == *" "@(cpudraft|head|owed|thread|batches|host)" "* ]]; then
+if [[ $PARTS == *" "@(cpudraft|head|owed|seeded|thread|batches|host)" "* ]]; then
     timeout 150 python3 bench/gpu/synthetic_models.py --target-like "$LIKE/target" --draft-like "$LIKE/draft" \
         --target-shape llama3.1-8b --draft-shape llama3.2-1b --out $SYN --accept 0.8 \
         $([[ $PARTS == *" cpudraft "* ]] && echo --cpu-draft-shape qwen2.5-0.5b) \
@@ -133,6 +134,9 @@ if part head 160; then
 fi
 if part owed 100; then
     bench owed-new 100 --draft $SYN/draft --modes ar,sd,ssd --max-tokens 256 --sweep k=4,auto
+fi
+if part seeded 70; then
+    bench seeded 70 --draft $SYN/draft --modes ar,sd,ssd --k auto --max-tokens 128 --temperature 0.8 --seed 1
 fi
 if part thread 90; then
     bench thread 90 --draft $SYN/draft --modes ar,ssd --k 4 --max-tokens 256 --sweep thread=on,off

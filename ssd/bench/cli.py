@@ -54,6 +54,9 @@ def add_bench_arguments(b: argparse.ArgumentParser) -> None:
                    f"modes it applies to (the others run once): {sweep_help()}; e.g. k=2,4,auto; needs ar in --modes")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0 is greedy, where every mode must match AR token for token (default: 0)")
+    b.add_argument("--seed", type=int, metavar="S",
+                   help="every request's seed: sampled requests with a seed draw by shared noise, so at a temperature "
+                        "> 0 every mode must match AR token for token too (default: none)")
     b.add_argument("--batch-size", type=int, default=1, metavar="B",
                    help="prompts per generate() call; B > 1 runs batched speculation (default: 1)")
     b.add_argument("--max-tokens", type=int, default=128, help="most new tokens per prompt (default: 128)")
@@ -169,7 +172,7 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
                      temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=args.ignore_eos,
                      batch_size=args.batch_size, chat_template=args.chat_template == "on", device=args.device,
                      dtype=args.dtype, threads=args.threads, sweep=sweep[0] if sweep else None,
-                     busy_cores=args.busy_cores,
+                     busy_cores=args.busy_cores, request_seed=args.seed,
                      draft_quantization=declared(OPTIONS["draft_quantization"]).parse(args.draft_quantization))
     spec.params()  # checks temperature and max_tokens
     return spec

@@ -156,8 +156,11 @@ def _notes(result: BenchResult, rows: Sequence[Row]) -> list[str]:
              "e2e tok/s: all tokens / generate() wall time, prefill included; TTFT: mean time to first token",
              "accept: accepted / drafted; acc len: tokens per target pass; hit: SSD cache hit rate",
              "speedup: tok/s all vs AR in the same run; =AR: token-identical to AR on every prompt"]
-    if spec.temperature > 0:
-        notes.append("=AR is n.a. at temperature > 0: sampled outputs differ by design")
+    if spec.temperature > 0 and spec.request_seed is None:
+        notes.append("=AR is n.a. at temperature > 0 without --seed: sampled outputs differ by design")
+    elif spec.temperature > 0:
+        notes.append(f"every request carries seed {spec.request_seed}: seeded sampling draws by shared noise, so "
+                     "=AR holds for sampled outputs too (peers: n.a.)")
     if any(c.is_peer for c in spec.configs) and spec.batch_size > 1:
         notes.append("peers run one prompt at a time")
     if any(r.mode.startswith("llamacpp") and not r.skipped for r in rows):

@@ -123,10 +123,16 @@ class BenchSpec:
     seed: int = 0  # of every LLM's sampling generator
     sweep: str | None = None  # the --sweep key (SWEEPS) when the configurations sweep one
     busy_cores: int = 0  # busy loops beside each configuration's turns and each peer (busy.py)
+    request_seed: int | None = None  # every request's seed: seeded sampling gives AR's tokens in every mode
 
     def params(self, max_tokens: int | None = None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, max_tokens=max_tokens or self.max_tokens,
-                              ignore_eos=self.ignore_eos)
+                              ignore_eos=self.ignore_eos, seed=self.request_seed)
+
+    @property
+    def pins_tokens(self) -> bool:
+        """Whether the engine's modes must give AR's tokens: greedy, or seeded sampling."""
+        return self.temperature == 0 or self.request_seed is not None
 
     def engine_kwargs(self, c: RunConfig) -> dict:
         kwargs = dict(device=self.device, dtype=self.dtype, threads=self.threads,
@@ -176,10 +182,11 @@ def run_bench(spec: BenchSpec, prompt_sets: dict[str, list[BenchPrompt]], progre
     for c in (c for c in spec.configs if c.is_peer):
         with busy(spec.busy_cores):
             _run_peer(result, c, prompt_ids)
-    if spec.temperature == 0:
+    if spec.pins_tokens:  # (a peer's sampled tokens are its own draws)
         ar = {(r.set, r.prompt_id): r.token_ids for r in result.records if r.config == "ar"}
+        engine = {c.label for c in spec.configs if not c.is_peer or spec.temperature == 0}
         for r in result.records:
-            if r.config != "ar" and (r.set, r.prompt_id) in ar:
+            if r.config != "ar" and r.config in engine and (r.set, r.prompt_id) in ar:
                 r.same_as_ar = r.token_ids == ar[r.set, r.prompt_id]
     return result
 

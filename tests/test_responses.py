@@ -127,6 +127,26 @@ def test_kept_responses_are_deleted_and_bounded(client):
         client.responses.create(model="m", input="Hi", previous_response_id=r.id, max_output_tokens=2)
 
 
+def test_a_responses_input_items_are_listed_and_paged(client):
+    given = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": [{"type": "input_text",
+                                                                                      "text": "Name a fruit."}]}]
+    r = client.responses.create(model="m", input=given, max_output_tokens=4)
+    page = client.responses.input_items.list(r.id)  # newest first, as OpenAI's default
+    assert [(i.role, i.content[0].text) for i in page.data] == [
+        ("user", "Name a fruit."), ("assistant", "Hello!"), ("user", "Hi"), ("system", "Be brief.")]
+    assert page.data[1].content[0].type == "output_text" and all(i.status == "completed" for i in page.data)
+    walked = [i.id for i in client.responses.input_items.list(r.id, order="asc", limit=1)]  # the SDK pages on
+    assert walked == [i.id for i in reversed(page.data)]
+    follow = client.responses.create(model="m", input="And a vegetable?", previous_response_id=r.id,
+                                     max_output_tokens=4)
+    assert [i.content[0].text for i in client.responses.input_items.list(follow.id)] == ["And a vegetable?"]
+    with pytest.raises(openai.BadRequestError, match="limit"):
+        client.responses.input_items.list(r.id, limit=500)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_unknown")
+
+
 def test_store_evicts_the_oldest():
     from ssd.serving.responses_protocol import ResponseStore
     store = ResponseStore(most=2)

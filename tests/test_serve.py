@@ -558,8 +558,18 @@ def test_a_prompt_is_scored_as_lm_evaluation_harness_asks(client, smollm):
         assert r.usage.prompt_tokens == sum(map(len, ids)) and r.usage.completion_tokens == 2 * max_tokens
     one = client.completions.create(model=MODEL, prompt=texts[0], echo=True, max_tokens=3, temperature=0)
     assert one.choices[0].text.startswith(texts[0]) and one.choices[0].logprobs is None
-    for bad, says in ((dict(prompt=ids[0], echo=True, stream=True, max_tokens=1), "stream"),
-                      (dict(prompt=ids[0], max_tokens=0), "max_tokens"),
+    # Streamed: the prompt (and its logprobs) first, then the answer, as one whole answer would have it.
+    for max_tokens in (0, 3):
+        whole = client.completions.create(model=MODEL, prompt=texts[1], echo=True, logprobs=1, max_tokens=max_tokens,
+                                          temperature=0).choices[0]
+        parts = list(client.completions.create(model=MODEL, prompt=texts[1], echo=True, logprobs=1,
+                                               max_tokens=max_tokens, temperature=0, stream=True))
+        assert "".join(p.choices[0].text for p in parts) == whole.text and parts[0].choices[0].text == texts[1]
+        streamed = [x for p in parts if p.choices[0].logprobs for x in p.choices[0].logprobs.token_logprobs]
+        offsets = [x for p in parts if p.choices[0].logprobs for x in p.choices[0].logprobs.text_offset]
+        assert streamed == whole.logprobs.token_logprobs and offsets == whole.logprobs.text_offset
+        assert parts[-1].choices[0].finish_reason == whole.finish_reason
+    for bad, says in ((dict(prompt=ids[0], max_tokens=0), "max_tokens"),
                       (dict(prompt=[[1, 2], "text", 3], max_tokens=1), "prompt"),
                       (dict(prompt=[10**9], max_tokens=1), "vocabulary")):
         with pytest.raises(openai.BadRequestError, match=says):

@@ -212,8 +212,6 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
     score_only = echo and max_tokens == 0
     if score_only:  # (one token is drawn and dropped: the engine generates at least one)
         max_tokens = 1
-    if echo and stream:
-        raise APIError(400, "'echo' is not supported with 'stream' here: send it without stream", param="echo")
     options = _get(body, "stream_options", (dict,), {})
     unknown = set(options) - {"include_usage"}
     if unknown:

@@ -67,23 +67,41 @@ def routes(gw: Gateway) -> APIRouter:
         if req.score_only:
             text, lps, m = "", [] if req.logprobs else None, dataclasses.replace(m, output_tokens=0)
         if lps is not None:
-            first = TokenLogprob(seq.token_ids[0], None, None)
-            lps = [first] + seq.prompt_logprobs[1:seq.num_prompt_tokens] + lps
+            lps = prompt_logprobs(seq) + lps
         return Choice(seq.prompt + text, "length" if req.score_only else a.last.finish_reason, m, lps)
+
+    def prompt_logprobs(seq: Sequence) -> list[TokenLogprob]:
+        """An echoed prompt's tokens' logprobs, the first null (nothing before it scores it)."""
+        return [TokenLogprob(seq.token_ids[0], None, None)] + seq.prompt_logprobs[1:seq.num_prompt_tokens]
+
+    def dropped(c: StreamChunk) -> StreamChunk:
+        """score_only's chunk: the one token drawn is not the answer's (max_tokens 0)."""
+        m = None if c.metrics is None else dataclasses.replace(c.metrics, output_tokens=0)
+        return dataclasses.replace(c, text="", token_ids=[], from_draft=[], logprobs=None, metrics=m,
+                                   finish_reason=c.finish_reason and "length")
 
     async def stream(chat: bool, rid: str, req, seqs: list[Sequence], queue: asyncio.Queue) -> AsyncIterator[str]:
         data = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
         last: list[StreamChunk | None] = [None] * len(seqs)
         offsets = [0] * len(seqs)  # completions' text_offset
+        echo = [req.echo] * len(seqs)  # (each prompt's echo goes first, once its prefill has scored it)
         try:
             if chat:
                 for i in range(len(seqs)):
                     yield data(chunk(True, rid, name, None, None, index=i, role=True))
             async for i, c in gw.chunks(queue, len(seqs)):
-                last[i] = c
                 if c.error:
+                    last[i] = c
                     yield data(APIError(500, c.error, type="server_error").body())
                     break
+                if echo[i]:
+                    echo[i], seq = False, seqs[i]
+                    lps = logprobs_json(False, llm.tokenizer, prompt_logprobs(seq)) if req.logprobs else None
+                    offsets[i] += len(seq.prompt)
+                    yield data(chunk(False, rid, name, seq.prompt, None, index=i, logprobs=lps))
+                if req.score_only:
+                    c = dropped(c)
+                last[i] = c
                 if c.text or (req.logprobs and c.logprobs):
                     lps = logprobs_json(chat, llm.tokenizer, c.logprobs, offsets[i]) if req.logprobs else None
                     offsets[i] += len(c.text)

@@ -38,6 +38,7 @@ class ResponsesRequest:
     chat: ParsedRequest  # what the engine runs
     conversation: list[dict]  # the chat without the instructions: what a follow-up continues
     echo: dict = field(default_factory=dict)  # the request's settings the response repeats
+    items: list[dict] = field(default_factory=list)  # its input as items with ids (GET .../input_items)
 
 
 def _text(where: str, content) -> str:
@@ -82,6 +83,55 @@ def parse_input(items) -> list[dict]:
             raise APIError(400, f"{at}: items of type {shown!r} are not supported (messages, function_call, "
                                 "function_call_output)", param=at)
     return chat
+
+
+def input_items(items) -> list[dict]:
+    """`input` (checked by parse_input) as the Responses API lists it back: each item with an id
+    (its own, or a new one) and a status; a message's text as parts."""
+    if isinstance(items, str):
+        items = [{"type": "message", "role": "user", "content": items}]
+    out = []
+    for item in items:
+        kind = item.get("type", "message")
+        if kind == "message":
+            content = item["content"]
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            out.append({"id": item.get("id") or new_id("msg"), "type": "message", "role": item["role"],
+                        "content": [{"type": part, "text": content}] if isinstance(content, str) else content,
+                        "status": "completed"})
+        elif kind == "function_call":
+            out.append({"id": item.get("id") or new_id("fc"), "type": "function_call", "call_id": item["call_id"],
+                        "name": item["name"], "arguments": item["arguments"], "status": "completed"})
+        else:
+            out.append({"id": item.get("id") or new_id("fco"), "type": "function_call_output",
+                        "call_id": item["call_id"], "output": item.get("output"), "status": "completed"})
+    return out
+
+
+def item_page(items: list[dict], query) -> dict:
+    """GET /v1/responses/{id}/input_items: a page of `items` by the query's `order` ("desc", the
+    default, newest first; or "asc"), `after` (an item id) and `limit` (1 to 100, default 20)."""
+    unknown = sorted(set(query) - {"order", "after", "limit", "include"})
+    if unknown:
+        raise APIError(400, f"unsupported parameter '{unknown[0]}'", param=unknown[0])
+    if query.get("include"):
+        raise APIError(400, "include: no additional fields are kept here", param="include")
+    order = query.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise APIError(400, f"order: must be 'asc' or 'desc', got {order!r}", param="order")
+    limit = query.get("limit", "20")
+    if not limit.isdigit() or not 1 <= int(limit) <= 100:
+        raise APIError(400, f"limit: must be an integer from 1 to 100, got {limit!r}", param="limit")
+    ordered = items if order == "asc" else items[::-1]
+    start = 0
+    if query.get("after") is not None:
+        ids = [i["id"] for i in ordered]
+        if query["after"] not in ids:
+            raise APIError(400, f"after: no input item with id {query['after']!r} in this response", param="after")
+        start = ids.index(query["after"]) + 1
+    page = ordered[start:start + int(limit)]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + len(page) < len(ordered)}
 
 
 def _tools(body: dict) -> tuple[list[dict] | None, object]:
@@ -163,7 +213,7 @@ def parse_request(body, served: set[str], store: "ResponseStore") -> ResponsesRe
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "user": _get(body, "user", (str,)), "truncation": "disabled",
             "service_tier": _get(body, "service_tier", (str,), "default")}
-    return ResponsesRequest(parsed, conversation, echo)
+    return ResponsesRequest(parsed, conversation, echo, input_items(body["input"]))
 
 
 def renamed(e: APIError) -> APIError:
@@ -241,13 +291,15 @@ class ResponseStore:
 
     def __init__(self, most: int = MAX_STORED):
         self.most = most
-        self.kept: OrderedDict[str, tuple[dict, list[dict]]] = OrderedDict()
+        self.kept: OrderedDict[str, tuple[dict, list[dict], list[dict]]] = OrderedDict()
 
-    def keep(self, body: dict, conversation: list[dict], text: str, calls: list[ToolCall] | None) -> None:
+    def keep(self, body: dict, conversation: list[dict], text: str, calls: list[ToolCall] | None,
+             items: list[dict] = ()) -> None:
+        """A response, the conversation it continued and its input items."""
         turn = {"role": "assistant", "content": text or None}
         if calls:
             turn["tool_calls"] = tool_calls_json(calls)
-        self.kept[body["id"]] = body, conversation + [turn]
+        self.kept[body["id"]] = body, conversation + [turn], list(items)
         while len(self.kept) > self.most:
             self.kept.popitem(last=False)
 
@@ -257,6 +309,10 @@ class ResponseStore:
                                 f"last {self.most}, and only with store: true)", param="response_id",
                            code="not_found")
         return self.kept[rid][0]
+
+    def input_items(self, rid: str) -> list[dict]:
+        self.get(rid)
+        return self.kept[rid][2]
 
     def conversation(self, rid: str) -> list[dict]:
         if rid not in self.kept:

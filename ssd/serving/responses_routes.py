@@ -1,5 +1,5 @@
 """The Responses API's routes of `ssd serve`: POST /v1/responses (streamed as its typed events,
-or not), GET and DELETE /v1/responses/{id}; request checks, shapes and the kept responses in
+or not), GET and DELETE /v1/responses/{id}, GET /v1/responses/{id}/input_items; request checks, shapes and the kept responses in
 responses_protocol.py."""
 import asyncio
 from collections.abc import AsyncIterator
@@ -37,12 +37,16 @@ def routes(gw: Gateway) -> APIRouter:
                            a.last.finish_reason, a.last.metrics,
                            {"ssd_metrics": speculation(a.last.metrics, llm.config.mode)})
         if req.echo["store"]:
-            store.keep(body, req.conversation, a.text, a.last.tool_calls)
+            store.keep(body, req.conversation, a.text, a.last.tool_calls, req.items)
         return JSONResponse(body)
 
     @router.get("/v1/responses/{rid}")
     async def get(rid: str):
         return store.get(rid)
+
+    @router.get("/v1/responses/{rid}/input_items")
+    async def items(rid: str, request: Request):
+        return rp.item_page(store.input_items(rid), request.query_params)
 
     @router.delete("/v1/responses/{rid}")
     async def delete(rid: str):
@@ -108,7 +112,7 @@ def routes(gw: Gateway) -> APIRouter:
                 final = rp.response(rid, created, name, req, output, c.finish_reason, c.metrics,
                                     {"ssd_metrics": speculation(c.metrics, llm.config.mode)})
                 if req.echo["store"]:
-                    store.keep(final, req.conversation, whole, c.tool_calls)
+                    store.keep(final, req.conversation, whole, c.tool_calls, req.items)
                 kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                 yield event(kind, response=final)
         finally:

@@ -183,3 +183,12 @@ def test_first_argmax_is_argmax_ties_included():
         for _ in range(20):
             x = torch.randint(0, 50, (width,), generator=g).float()  # many ties
             assert noise_module.first_argmax(x) == int(x.argmax())
+
+
+def test_sibling_leaves_give_ars_seeded_tokens(smollm_dir, truncated_draft, ar_seeded):
+    """A seeded round's tree: the draft's runner-up in the same race beside its pick, verified by
+    the target's draws at each node (a sibling at the first rejected depth can be taken)."""
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", draft_siblings=True, speculate_k="auto",
+             max_num_seqs=8) as llm:
+        outs = llm.generate([p for p, _ in REQUESTS], [sp for _, sp in REQUESTS])
+    assert [o.token_ids for o in outs] == ar_seeded

@@ -1,6 +1,6 @@
 """Shared noise: the draws of a seeded request as a function of (seed, position, token id)
 alone, so that whoever computes them (the target, a draft, another process or device) gets the
-same values (docs/exactness.md, "Seeded requests").
+same values (docs/exactness.md, "Seeds and generators").
 
 A token is drawn from p by the exponential race, argmax_v p(v) / E(v) with E(v) ~ Exp(1)
 (equivalently Gumbel-max: argmax_v log p(v) + G(v)). Here E(v) = -log(1 - W(v)), where W(v) is a

@@ -123,7 +123,7 @@ def _verify(seq: Sequence, prop: Proposal, br: list[Branch], rows: torch.Tensor,
             best = rows.argmax(-1).tolist() + tree[n + 1:].argmax(-1).tolist()
         return greedy_tree(best, prop.tokens, br)
     if seq.noise is not None:  # the target's own draws decide: drafter-invariant (noise.py)
-        return greedy_tree(_Draws(seq, torch.cat([rows, tree[n + 1:]]), n, br), prop.tokens, br)
+        return greedy_tree(_Draws(seq, rows, tree[n + 1:], br), prop.tokens, br)
     p = probs_from_logits(rows, seq.params)
     # The target's head may be padded past the draft's vocabulary: q is 0 there.
     q = None if prop.q is None else F.pad(prop.q.to(p.device), (0, p.shape[-1] - prop.q.shape[-1]))
@@ -145,16 +145,19 @@ class _Draws(abc.Sequence):
     computed when greedy_tree first reads it (the rows past the first rejection cost nothing):
     node i's row gives the token at the sequence's position num_tokens + depth(i)."""
 
-    def __init__(self, seq: Sequence, rows: torch.Tensor, n: int, branches: list[Branch]):
-        self.seq, self.rows, self.drawn = seq, rows, {}
-        self.depth = list(range(n + 1))
-        for b in branches:
+    def __init__(self, seq: Sequence, chain: torch.Tensor, branches: torch.Tensor, tree: list[Branch]):
+        """chain: the chain's rows as the request changes them (the newest token's and one per
+        draft); branches: a row per branch of the tree, after them."""
+        self.seq, self.chain, self.branches, self.drawn = seq, chain, branches, {}
+        self.depth = list(range(len(chain)))
+        for b in tree:
             self.depth.append(self.depth[b.parent] + 1)
 
     def __getitem__(self, node: int) -> int:
         if node not in self.drawn:
-            seq = self.seq
-            p = probs_from_logits(self.rows[node:node + 1], seq.params)
+            seq, n = self.seq, len(self.chain)
+            row = self.chain[node:node + 1] if node < n else self.branches[node - n:node - n + 1]
+            p = probs_from_logits(row, seq.params)
             self.drawn[node] = seq.noise.choose(p, [seq.num_tokens + self.depth[node]])[0]
         return self.drawn[node]
 

@@ -9,6 +9,7 @@ from ssd.exactness import pooled_p_value
 from ssd.models.config import ModelConfig
 from ssd.request import noise as noise_module
 from ssd.request.noise import SharedNoise, request_noise
+from ssd.request.sampler import sample
 from ssd.speculative.draft import draft_engine
 from ssd.speculative.sources.cross_vocab import CrossVocab
 from ssd.speculative.sources.feature_head import FeatureHead
@@ -192,3 +193,13 @@ def test_sibling_leaves_give_ars_seeded_tokens(smollm_dir, truncated_draft, ar_s
              max_num_seqs=8) as llm:
         outs = llm.generate([p for p, _ in REQUESTS], [sp for _, sp in REQUESTS])
     assert [o.token_ids for o in outs] == ar_seeded
+
+
+def test_noise_made_first_under_inference_mode_serves_outside_it():
+    """A row's buffers are first made wherever the first draw happens (a draft's pass runs under
+    inference_mode); a draw outside it then still works, and gives the same token."""
+    p = torch.softmax(torch.randn(1, 3333, generator=torch.Generator().manual_seed(1)), -1)
+    with torch.inference_mode():
+        inside = SharedNoise(8).choose(p, [4])
+    assert SharedNoise(8).choose(p, [4]) == inside
+    assert sample(p, torch.Generator().manual_seed(2)).shape == (1,)

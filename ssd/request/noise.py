@@ -91,9 +91,12 @@ class _Scratch(threading.local):
     def get(self, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         key = (width, torch.device(device))
         if key not in self.rows:
-            self.rows[key] = (torch.empty(width, dtype=torch.int32, device=device),
-                              torch.empty(width, dtype=torch.int32, device=device),
-                              torch.empty(width, device=device))
+            # Normal tensors even when first asked for under inference_mode (a draft's pass): those
+            # updated in place outside it would be refused.
+            with torch.inference_mode(False):
+                self.rows[key] = (torch.empty(width, dtype=torch.int32, device=device),
+                                  torch.empty(width, dtype=torch.int32, device=device),
+                                  torch.empty(width, device=device))
         return self.rows[key]
 
 

@@ -138,6 +138,11 @@ class SharedNoise:
         """One token per row of probs [N, V]: row i's draw at positions[i]."""
         return [first_argmax(self.race(row, pos)) for row, pos in zip(probs, positions)]
 
+    def ranked(self, probs: torch.Tensor, position: int, n: int) -> list[int]:
+        """The n tokens of one row [V] that lead its race at `position`, its draw first: where a
+        target's draw differs from a draft's, most often the draft's runner-up."""
+        return self.race(probs, position).topk(n).indices.tolist()
+
 
 _BLOCK = 1024
 

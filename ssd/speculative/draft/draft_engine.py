@@ -18,7 +18,7 @@ from ssd.errors import SSDError
 from ssd.models.decoder import DecoderLM
 from ssd.models.loader import shared_model
 from ssd.request.logits_process import LogitsProcessor
-from ssd.request.noise import SharedNoise, first_argmax, request_noise
+from ssd.request.noise import SharedNoise, request_noise
 from ssd.request.sampler import probs_from_logits, sample, saguaro
 from ssd.runner.chain_graphs import CHAIN_ROWS, ChainSteps
 from ssd.runner.kv_cache import PagedKVCache
@@ -474,13 +474,11 @@ class DraftEngine:
         the positions `at`; with `seconds`, each row's runner-up in the same race appended to
         it (the likeliest other winner: where the target's draw differs from the pick, most
         often that one)."""
+        if seconds is None:
+            return s.noise.choose(q, at)
         out = []
         for j, position in enumerate(at):
-            race = s.noise.race(q[j], position)
-            if seconds is None:
-                out.append(first_argmax(race))
-                continue
-            top = race.topk(2).indices.tolist()
+            top = s.noise.ranked(q[j], position, 2)
             out.append(top[0])
             seconds.append(Alternative(top[1], float(q[j, top[0]]), float(q[j, top[1]])))
         return out

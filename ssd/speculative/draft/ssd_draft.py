@@ -163,8 +163,7 @@ class SSDDraft:
             width = min(MAX_RANK + 1, rows.shape[-1])
             if s.noise is not None:  # the target's token at depth j is its own draw there: rank by the draft's
                 whole = self.engine.head.over_vocabulary(rows, extra_ids)
-                top = [s.noise.race(whole[j], s.offset + s.confirmed + j).topk(width).indices.tolist()
-                       for j in range(n)]
+                top = [s.noise.ranked(whole[j], s.offset + s.confirmed + j, width) for j in range(n)]
             else:
                 top = self.engine.head.token_ids(rows.topk(width, dim=-1).indices, extra_ids).tolist()
             s.candidates = [[t for t in top[j] if j == n - 1 or t != spec[j]][:MAX_RANK] for j in range(n)]

@@ -363,9 +363,12 @@ class FeatureHead(DraftSource):
             whole[ids] = q[0]
             d.qs.append(whole)
         if seq.noise is not None:  # the target's noise on q over the whole vocabulary (noise.py)
-            token, second = seq.noise.race(whole, seq.num_tokens + len(d.tokens)).topk(2).indices.tolist()
+            position = seq.num_tokens + len(d.tokens)
             if alternative:
+                token, second = seq.noise.ranked(whole, position, 2)
                 d.alternatives.append(Alternative(second, float(whole[token]), float(whole[second])))
+            else:
+                token = seq.noise.choose(whole.unsqueeze(0), [position])[0]
         else:
             picked = logits.argmax(-1) if greedy else sample(q, self.seqs[seq.seq_id].generator)
             if alternative:

@@ -1,9 +1,10 @@
 """draft_guesses: prompt lookup guesses the draft's own next tokens, fed in the same draft pass
 Every row's logits are what one pass at a time would give (batch-invariant
 kernels), so the draft's tokens are the same in fewer passes, and SD's output stays AR's.
-Greedy requests only: sampled ones take none. A pass takes as many guessed rows as pay by the
-draft's measured pass cost and the guesses' measured precision (_guess_rows); the tests of the
-mechanics fix that count at GUESS_ROWS (`every_row`)."""
+Greedy requests only: sampled ones take none; a constrained or penalised one has each guessed
+row processed after the guessed tokens before it, as a verify pass's rows are. A pass takes as
+many guessed rows as pay by the draft's measured pass cost and the guesses' measured precision
+(_guess_rows); the tests of the mechanics fix that count at GUESS_ROWS (`every_row`)."""
 import pytest
 import torch
 
@@ -98,6 +99,34 @@ def test_ssd_with_guesses_is_exact(smollm_dir, truncated_draft, ar_outputs):
     with LLM(smollm_dir, draft=truncated_draft, mode="ssd", speculate_k=3, fan_out=2, draft_guesses=True) as llm:
         outs = llm.generate([REPEATING], params)
     assert [o.token_ids for o in outs] == ar_outputs([REPEATING], params)
+
+
+def test_constrained_requests_take_guesses_and_stay_exact(smollm_dir, truncated_draft, ar_outputs, every_row):
+    """A JSON schema (its keys and punctuation repeat, which guesses find), one with penalties
+    too, and a regex: the draft picks under each row's own constraint state, so the guesses
+    it takes are its own picks and SD's output is AR's."""
+    schema = {"type": "array", "minItems": 4, "maxItems": 4, "items": {
+        "type": "object", "additionalProperties": False, "required": ["name", "count"],
+        "properties": {"name": {"type": "string", "maxLength": 12}, "count": {"type": "integer"}}}}
+    chat = [{"role": "user", "content": "List four fruits with how many of each are in a basket, as JSON."}]
+    params = [SamplingParams.greedy(max_tokens=90, json_schema=schema),
+              SamplingParams.greedy(max_tokens=90, json_schema=schema, frequency_penalty=0.5, repetition_penalty=1.2),
+              SamplingParams.greedy(max_tokens=40, regex=r"(ab|abc|b)+ (cd )+end")]
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=6, draft_guesses=True) as llm:
+        engine = drafter(llm).engine
+        guess, right = engine._guess, []
+        observe = engine.guessed.observe
+
+        def counted(s, most):
+            g = guess(s, most)
+            assert s.processor is not None
+            return g
+        engine._guess = counted
+        engine.guessed.observe = lambda n, r: right.append(r) or observe(n, r)
+        outs = llm.generate([chat] * 3, params)
+    for out, p in zip(outs, params):
+        assert out.token_ids == ar_outputs([chat], p)[0], out.text
+    assert sum(right) > 0, right  # guessed rows the draft picked itself: passes saved
 
 
 def test_sampled_requests_take_no_guesses(tiny_pair, every_row):

@@ -8,7 +8,8 @@ import torch
 from ssd import LLM, SamplingParams
 from ssd.errors import SSDError
 from ssd.exactness import pooled_p_value
-from ssd.speculative.draft.vocab import counts_path, reduced_vocabulary
+from ssd.request.logits_process import LogitsProcessor
+from ssd.speculative.draft.vocab import OUTSIDE_HEAD, counts_path, reduced_vocabulary
 from chance import fits
 from tiny_pair import NEW, PROMPT, V, exact_joint, drafter
 
@@ -73,6 +74,32 @@ def test_reduced_head_greedy_equals_ar(counts_for, smollm_dir, truncated_draft, 
     if engine is not None:
         assert engine.head.ids.numel() == 4096
         assert engine.runner.model.lm_head.out_features == 4096
+
+
+def test_reduced_head_under_a_constraint_that_allows_none_of_it(counts_for, smollm_dir, truncated_draft, ar_outputs,
+                                                               monkeypatch):
+    """A head of 64 tokens and constraints whose tokens are mostly outside it: where a row
+    allows no column of the head, the draft proposes a token the constraint allows (the lowest
+    id, DraftHead.whole), never one it forbids, with its guesses too; SD's output is AR's."""
+    counts_for(smollm_dir, {t: 1 for t in range(100, 164)})
+    outside = []
+    process = LogitsProcessor.process
+
+    def watched(self, logits, tokens, drafts=()):
+        out = process(self, logits, tokens, drafts)
+        top = out.amax(-1)
+        outside.append(int((top.isfinite() & (top <= OUTSIDE_HEAD / 2)).sum()))
+        return out
+    monkeypatch.setattr(LogitsProcessor, "process", watched)
+    params = [SamplingParams.greedy(max_tokens=40, json_schema={
+                  "type": "object", "required": ["language", "year"], "additionalProperties": False,
+                  "properties": {"language": {"type": "string"}, "year": {"type": "integer"}}}),
+              SamplingParams.greedy(max_tokens=24, regex=r"[0-9]{3}-(yes|no|maybe) [A-Z][a-z]+")]
+    prompts = ["Python as JSON:", "Answer:"]
+    with LLM(smollm_dir, draft=truncated_draft, mode="sd", speculate_k=4, draft_vocab=64, draft_guesses=True) as llm:
+        outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [ar_outputs([p], q)[0] for p, q in zip(prompts, params)]
+    assert sum(outside) > 0  # rows whose allowed tokens were all outside the head
 
 
 @pytest.mark.parametrize("tied", [pytest.param(False, marks=pytest.mark.long), True])

@@ -97,6 +97,7 @@ class Constraint:
         self.special, self.end_ids = torch.tensor(special, dtype=torch.long), torch.tensor(end_ids, dtype=torch.long)
         self.consumed: list[int] = []
         self._mask = torch.zeros(1, (vocab_size + 31) // 32, dtype=torch.int32)
+        self._allowed: torch.Tensor | None = None  # allowed() in the present state (a draft step asks twice)
 
     def fork(self) -> "Constraint":
         """An independent copy in the same state (the SD draft's)."""
@@ -113,6 +114,7 @@ class Constraint:
         if same < len(a):
             self.matcher.rollback(len(a) - same)
             del a[same:]
+            self._allowed = None
         for token in output[same:]:
             if self.matcher.is_stopped():
                 break
@@ -120,11 +122,15 @@ class Constraint:
                 raise RuntimeError(f"constraint: token {token} after {len(a)} tokens broke the grammar: "
                                    f"{self.matcher.get_error()}")
             a.append(token)
+            self._allowed = None
 
     def allowed(self) -> torch.Tensor:
         """The tokens the grammar allows next, as a bool row [vocab_size]. A special token the
         mask allows is tried, and dropped if the matcher would refuse it; a grammar left with
-        no token allows the end tokens (the request ends rather than fails)."""
+        no token allows the end tokens (the request ends rather than fails). The row is the
+        constraint's own: a caller does not change it."""
+        if self._allowed is not None:
+            return self._allowed
         import llguidance.torch
         llguidance.torch.fill_next_token_bitmask(self.matcher, self._mask, 0)
         allowed = ((self._mask.view(-1, 1) >> _BITS) & 1).view(-1)[:self.vocab_size].bool()
@@ -136,6 +142,7 @@ class Constraint:
                     allowed[t] = False
         if not allowed.any():
             allowed[self.end_ids] = True
+        self._allowed = allowed
         return allowed
 
     def advance(self, token: int) -> None:
@@ -145,6 +152,7 @@ class Constraint:
         if not self.matcher.consume_token(token):
             raise RuntimeError(f"constraint: allowed token {token} was refused: {self.matcher.get_error()}")
         self.consumed.append(token)
+        self._allowed = None
 
     @property
     def stopped(self) -> bool:

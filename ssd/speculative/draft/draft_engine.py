@@ -262,7 +262,7 @@ class DraftEngine:
                 chunks.append(Chunk(s.seq_id, s.tokens[s.fed:] + guess, s.fed, 1 + len(guess)))
                 guesses.append(guess)
             picked, q, runner_up, conf = self.pick(self.runner.forward(chunks, head=False), [seqs[b] for b in live],
-                                                   [1 + len(g) for g in guesses], alternatives, judged)
+                                                   [1 + len(g) for g in guesses], alternatives, judged, guesses=guesses)
             row, advanced = 0, []
             for i, b in enumerate(live):
                 s, guess, d = seqs[b], guesses[i], drafts[b]
@@ -352,11 +352,12 @@ class DraftEngine:
         (what followed the latest earlier occurrence of its newest n-gram): fed after the
         token the pass drafts from, each row checks the one before it, so every guessed token
         the draft would have picked itself saves a pass (a guessed row costs a few per cent of
-        a step on a CPU, bench/pass_cost.py). Greedy requests only: a sampled row's pick is a draw, which a
-        guess matches less often, and each guessed row would cost its distribution over the
-        whole vocabulary (measured slower, docs/decision-log.md, "The draft's guesses"); requests
-        whose logits the draft changes (penalties, a constraint) take none either."""
-        if not self.guesses or most <= 0 or not argmax_chain(s):
+        a step on a CPU, bench/pass_cost.py). Greedy requests only: a sampled row's pick is a
+        draw, which a guess matches less often, and each guessed row would cost its distribution
+        over the whole vocabulary (measured slower, docs/decision-log.md, "The draft's guesses").
+        A greedy request whose logits the draft changes (penalties, a constraint) has row j
+        processed after the guess's first j tokens, as a verify pass's rows are (logits_process.py)."""
+        if not self.guesses or most <= 0 or not s.params.greedy_decoding:
             return []
         s.ngrams.extend(s.tokens, s.confirmed)
         return s.ngrams.match(s.tokens, most)[0]
@@ -405,10 +406,11 @@ class DraftEngine:
         return list(zip(logits.split(rows), extra_ids.split(rows) if extra_ids is not None else [None] * len(seqs)))
 
     def pick(self, hidden: torch.Tensor, seqs: list[DraftSeq], rows: list[int], alternatives: bool = False,
-             confidence: bool = False, positions: list[int] | None = None
+             confidence: bool = False, positions: list[int] | None = None, guesses: list[list[int]] | None = None
              ) -> tuple[list[int], list[torch.Tensor | None], list[Alternative | None], list[float] | None]:
         """Draw one token per row of final hidden states; seqs[i] owns the next rows[i] rows,
-        which draft the positions after its tokens (or per row `positions`: an SSD tree's).
+        which draft the positions after its tokens (or per row `positions`: an SSD tree's), its
+        row j after guesses[i][:j] where it was fed guessed tokens (_guess).
         Returns the tokens, per sequence the distributions drawn from over the whole
         vocabulary (None for greedy rows), per row with `alternatives`, for a request with
         unchanged logits, the runner-up: the likeliest token other than the one picked (else
@@ -421,10 +423,11 @@ class DraftEngine:
         greedy_cols = logits.argmax(-1)
         greedy = self.head.token_ids(greedy_cols, extra_ids).tolist()
         runner_up: list[Alternative | None] = [None] * sum(rows)
-        for s, n in zip(seqs, rows):
-            if s.processor is not None:  # SD, one row: the request's changes over the whole vocabulary
+        for i, (s, n) in enumerate(zip(seqs, rows)):
+            if s.processor is not None:  # SD: the request's changes over the whole vocabulary
                 ids = None if extra_ids is None else extra_ids[start:start + n]
-                row = s.processor.process(self.head.whole(logits[start:start + n], ids), s.tokens)
+                row = s.processor.process(self.head.whole(logits[start:start + n], ids), s.tokens,
+                                          guesses[i] if guesses else ())
                 if s.params.greedy_decoding:
                     out += row.argmax(-1).tolist()
                     qs.append(None)

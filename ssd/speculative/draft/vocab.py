@@ -27,6 +27,9 @@ from ssd.speculative.options import AUTO_DRAFT_VOCAB
 from ssd.store import store_root
 
 MIN_DRAFT_VOCAB = 1
+# A token outside a reduced head, as a logit (DraftHead.whole): finite, so that a constraint's
+# mask can still leave it, and far below any logit a model gives (after penalties and bias too).
+OUTSIDE_HEAD = -1e30
 
 
 SHIPPED = Path(__file__).parent / "counts"
@@ -166,11 +169,14 @@ class DraftHead:
         return torch.where(index < v, out, ext.view_as(index))
 
     def whole(self, logits: torch.Tensor, extra_ids: torch.Tensor | None) -> torch.Tensor:
-        """Logits over the columns as logits over the whole vocabulary (-inf elsewhere)."""
+        """Logits over the columns as logits over the whole vocabulary, OUTSIDE_HEAD elsewhere:
+        below every column's, so a request's constraint that allows no column of a row (a JSON
+        key's one spelling, say) still has the draft propose a token it allows, the lowest id
+        (a greedy row) or any of them alike (a sampled one), where -inf would leave none."""
         if self.ids is None:
             return logits
         v = self.ids.numel()
-        out = logits.new_full((logits.shape[0], self.vocab), float("-inf")).index_copy_(1, self.ids, logits[:, :v])
+        out = logits.new_full((logits.shape[0], self.vocab), OUTSIDE_HEAD).index_copy_(1, self.ids, logits[:, :v])
         # Pads in the extra columns are -inf on token 0: the larger value wins.
         return out if extra_ids is None else out.scatter_reduce_(1, extra_ids, logits[:, v:], "amax")
 

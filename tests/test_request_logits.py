@@ -92,6 +92,29 @@ def test_a_grammar_spelling_a_special_token_ends_its_request(smollm):
     assert len(outs[1].token_ids) == 8
 
 
+@pytest.mark.parametrize("name", ["schema", "regex", "lark", "penalties", "min_tokens"])
+def test_argmax_is_the_processed_rows_argmax(smollm, name):
+    """LogitsProcessor.argmax (greedy drafting and verification) equals the argmax of process()'s
+    rows, drafts the constraint allows and forbids included: the rows whose own argmax a ban
+    leaves standing are not processed, the others are, and a request that changes logits
+    otherwise (penalties, bias) is processed whole."""
+    options = dict(OPTIONS, min_tokens=dict(min_tokens=6, max_tokens=20))[name]
+    params = SamplingParams.greedy(**options)
+    prompt = smollm.encode(CHAT)
+    ar = smollm.generate(CHAT, params)[0].token_ids  # a path the request allows
+    gen = torch.Generator().manual_seed(0)
+    for cut in range(0, len(ar) - 3, 3):
+        proc = smollm.engine.processor(params, len(prompt))
+        tokens = prompt + ar[:cut]
+        for drafts in (ar[cut:cut + 3], [ar[cut], 0, ar[cut + 2]]):  # (token 0 is forbidden by most states)
+            logits = torch.randn(4, 49152, generator=gen) * 3
+            logits[torch.arange(3), torch.tensor(drafts)] += 20 * (cut % 2)  # half the time the drafts lead
+            want = proc.process(logits, tokens, drafts).argmax(-1).tolist()
+            assert proc.argmax(logits, tokens, drafts) == want
+            assert proc.argmax(logits, tokens, drafts, raw=logits.argmax(-1).tolist()) == want
+    assert proc.bans_only == (name != "penalties")
+
+
 def test_rows_see_the_draft_tokens_before_them():
     """process() over K+1 rows gives, row by row, what one row after tokens + drafts[:i] gives."""
     params = SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.5,

@@ -9,6 +9,8 @@ target's processed rows are "the distribution" (sampler.py turns them into proba
 the SD draft proposes from its own copy (`fork`), so it never proposes a token the grammar
 forbids, and verification stays exact whatever the draft did.
 """
+from collections.abc import Iterator
+
 import torch
 
 from ssd.request.constraint import Constraint
@@ -21,6 +23,9 @@ class LogitsProcessor:
         self.params, self.num_prompt_tokens, self.constraint = params, num_prompt_tokens, constraint
         self.end_ids = sorted(end_ids | set(params.stop_token_ids))  # what min_tokens bans
         self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        # Only tokens are banned (a constraint, min_tokens): a row's argmax that is allowed stays its argmax.
+        self.bans_only = not (params.repetition_penalty != 1 or params.presence_penalty or params.frequency_penalty
+                              or params.logit_bias)
 
     def fork(self) -> "LogitsProcessor":
         """The same request's processor with a constraint state of its own (the SD draft's)."""
@@ -52,33 +57,69 @@ class LogitsProcessor:
             ids, values = self._bias_tensors(out.device)
             keep = ids < V
             out[:, ids[keep]] += values[keep]
-        # min_tokens: the rows whose token would come before the min_tokens-th ban the end tokens.
-        short = ((ends - start) < p.min_tokens).tolist() if p.min_tokens else [False] * n
-        end_ids = torch.tensor([t for t in self.end_ids if t < V], dtype=torch.long, device=out.device)
+        short, end_ids = self._short(tokens, n, V, out.device)
         if self.constraint is not None:
-            self._constrain(out, tokens, drafts, short, end_ids)
+            for i, allowed in self._allowed(tokens, drafts, n, V, short, end_ids):
+                out[i, :allowed.numel()].masked_fill_(~allowed, float("-inf"))
+                out[i, allowed.numel():] = float("-inf")
         elif any(short):
             out[torch.tensor(short, device=out.device).nonzero()[:, :1], end_ids] = float("-inf")
         return out
 
-    def _constrain(self, out: torch.Tensor, tokens: list[int], drafts: list[int], short: list[bool],
-                   end_ids: torch.Tensor) -> None:
-        c, V = self.constraint, out.shape[1]
+    def argmax(self, logits: torch.Tensor, tokens: list[int], drafts: list[int] = (),
+               raw: list[int] | None = None) -> list[int]:
+        """Each row's argmax after process(logits, tokens, drafts), where the request only bans
+        tokens (bans_only) without processing the rows whose own argmax (`raw`, if known) is
+        allowed: a ban can only lower tokens, so an allowed argmax stays the first maximum.
+        Greedy verification and drafting take this: a row over the whole vocabulary costs a
+        copy, a mask and a search a row."""
+        if not self.bans_only:
+            return self.process(logits, tokens, drafts).argmax(-1).tolist()
+        n, V = logits.shape
+        raw = logits.argmax(-1).tolist() if raw is None else list(raw)
+        short, end_ids = self._short(tokens, n, V, logits.device)
+        states = self._allowed(tokens, drafts, n, V, short, end_ids) if self.constraint is not None else (
+            (i, None) for i in range(n) if short[i])
+        for i, allowed in states:
+            if allowed is None:  # min_tokens alone
+                allowed = torch.ones(V, dtype=torch.bool, device=logits.device)
+                allowed[end_ids] = False
+            if raw[i] < allowed.numel() and allowed[raw[i]]:
+                continue
+            row = logits[i].float().masked_fill(~allowed, float("-inf")) if allowed.numel() == V else \
+                torch.cat([logits[i, :allowed.numel()].float().masked_fill(~allowed, float("-inf")),
+                           logits.new_full((V - allowed.numel(),), float("-inf"), dtype=torch.float32)])
+            raw[i] = int(row.argmax())
+        return raw
+
+    def _short(self, tokens: list[int], n: int, V: int, device: torch.device) -> tuple[list[bool], torch.Tensor]:
+        """Per row of n scored after `tokens` (and the drafts before it): whether min_tokens bans
+        the end tokens there (its token would come before the min_tokens-th); the end tokens."""
+        p = self.params
+        ends = len(tokens) + torch.arange(n)
+        short = ((ends - self.num_prompt_tokens) < p.min_tokens).tolist() if p.min_tokens else [False] * n
+        return short, torch.tensor([t for t in self.end_ids if t < V], dtype=torch.long, device=device)
+
+    def _allowed(self, tokens: list[int], drafts: list[int], n: int, V: int, short: list[bool],
+                 end_ids: torch.Tensor) -> Iterator[tuple[int, torch.Tensor]]:
+        """Under the constraint, row i's allowed tokens (at most V; min_tokens's ban in), the
+        constraint led through drafts[:i]. It stops after a draft the row forbids: the rows
+        after that draft are left unconstrained, since it is rejected (probability 0)."""
+        c = self.constraint
         c.follow(self._output(tokens))
-        for i in range(out.shape[0]):
+        for i in range(n):
             allowed = c.allowed()[:V]
             if short[i]:
                 unended = allowed.clone()
                 unended[end_ids] = False
                 # Where the grammar allows only an end token, it wins over min_tokens.
                 allowed = unended if unended.any() else allowed
-            out[i, :allowed.numel()].masked_fill_(~allowed, float("-inf"))
-            out[i, allowed.numel():] = float("-inf")
-            if i >= len(drafts) or i + 1 == out.shape[0]:
-                break
+            yield i, allowed
+            if i >= len(drafts) or i + 1 == n:
+                return
             d = drafts[i]
             if not (0 <= d < allowed.numel() and allowed[d]):
-                break
+                return
             c.advance(d)
 
     def forced(self, tokens: list[int]) -> int | None:

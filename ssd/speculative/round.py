@@ -72,10 +72,13 @@ def speculative_round(plan: Plan, source: DraftSource, target: ModelRunner, cach
         tree = logits[row:row + n + 1 + len(br)]
         row += n + 1 + len(br)
         rows = tree[:n + 1]
-        if seq.processor is not None:  # row i after the draft tokens before it, as AR would have it
+        greedy = best[first:row] if _greedy(seq) else None
+        if seq.processor is not None and seq.params.greedy_decoding and seq.params.logprobs is None:
+            # Row i after the draft tokens before it, as AR would have it: only its argmax counts.
+            greedy = seq.processor.argmax(rows, seq.token_ids, prop.tokens) + tree[n + 1:].argmax(-1).tolist()
+        elif seq.processor is not None:
             rows = seq.processor.process(rows, seq.token_ids, prop.tokens)
         # 3. verify, then 4. accept: the target's cache keeps the path that stands.
-        greedy = best[first:row] if _greedy(seq) else None
         accepted, taken, token = _verify(seq, prop, br, rows, tree, greedy)
         path = list(range(1, accepted + 1)) + [n + 1 + i for i in taken]  # the tree's nodes kept, by depth
         keep_path(cache, seq, path, n)

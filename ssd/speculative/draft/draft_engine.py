@@ -426,12 +426,12 @@ class DraftEngine:
         for i, (s, n) in enumerate(zip(seqs, rows)):
             if s.processor is not None:  # SD: the request's changes over the whole vocabulary
                 ids = None if extra_ids is None else extra_ids[start:start + n]
-                row = s.processor.process(self.head.whole(logits[start:start + n], ids), s.tokens,
-                                          guesses[i] if guesses else ())
+                whole, drafts = self.head.whole(logits[start:start + n], ids), guesses[i] if guesses else ()
                 if s.params.greedy_decoding:
-                    out += row.argmax(-1).tolist()
+                    out += s.processor.argmax(whole, s.tokens, drafts, raw=greedy[start:start + n])
                     qs.append(None)
                 else:
+                    row = s.processor.process(whole, s.tokens, drafts)
                     q = probs_from_logits(row, s.params)
                     out += self._draw(s, q, self._at(s, start, n, positions)) if s.noise is not None \
                         else sample(q, s.generator).tolist()

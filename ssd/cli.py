@@ -326,6 +326,8 @@ def _serve_args(s: argparse.ArgumentParser) -> None:
                    help="on SIGTERM/SIGINT, seconds requests in flight may take to finish before they are "
                         "cancelled (default: 30)")
     s.add_argument("--log-level", default="warning", choices=("critical", "error", "warning", "info", "debug"))
+    s.add_argument("--no-page", action="store_true",
+                   help="serve no chat page at / (by default a browser there gets one that marks accepted drafts)")
     s.set_defaults(func=_serve)
 
 
@@ -489,7 +491,7 @@ def _serve(args: argparse.Namespace) -> None:
     llm = LLM(args.model, max_num_seqs=args.max_num_seqs, **llm_kwargs(args))
     serve(llm, name=args.served_model_name or str(args.model), host=args.host, port=args.port,
           api_key=args.api_key, max_queue=args.max_queue, shutdown_timeout=args.shutdown_timeout,
-          log_level=args.log_level)
+          log_level=args.log_level, page=not args.no_page)
 
 
 def main(argv: list[str] | None = None) -> int:

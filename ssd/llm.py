@@ -1,3 +1,4 @@
+import bisect
 import dataclasses
 import functools
 import json
@@ -91,7 +92,7 @@ class LLM:
         try:
             while self.unfinished():
                 # The engine's step: outputs are read whole at the end, so no step becomes a chunk.
-                bar.update(sum(seq.finished for seq, _, _ in self.engine.step()))
+                bar.update(sum(seq.finished for seq, *_ in self.engine.step()))
         finally:
             bar.close()
             self.abort(seqs)
@@ -192,14 +193,18 @@ class LLM:
         request's content, its calls with its last tokens), logprobs, how it finished and, at
         the end, its metrics."""
         out = []
-        for seq, new, from_draft in self.engine.step():
+        for seq, new, sources, step in self.engine.step():
             text = seq.detokenizer.take(final=seq.finished)
+            pieces = _pieces(seq, seq.detokenizer.emitted - len(text), seq.detokenizer.emitted)
             calls = []
             if seq.calls is not None:
                 text, calls = seq.calls.step(new, seq.finished)
+                pieces = None
             lps = None if seq.params.logprobs is None else seq.logprobs[len(seq.logprobs) - len(new):]
-            out.append((seq, StreamChunk(text, new, from_draft, finish_reason(seq.finish_reason, calls),
-                                         seq.metrics() if seq.finished else None, lps, calls or None)))
+            metrics = seq.metrics() if seq.finished else None
+            out.append((seq, StreamChunk(text, new, [s is not None for s in sources],
+                                         finish_reason(seq.finish_reason, calls), metrics, lps, calls or None,
+                                         sources=sources, pieces=pieces, step=step)))
         return out
 
     def abort(self, seqs: list[Sequence]) -> None:
@@ -349,10 +354,30 @@ class LLM:
         text, calls = self.tool_calls(seq) or (seq.output_text, [])
         finished = finish_reason(seq.finish_reason, calls) or "length"
         return RequestOutput(seq.prompt, text, list(seq.output_ids), finished,
-                             seq.metrics(), list(seq.from_draft),
+                             seq.metrics(), seq.from_draft,
                              None if seq.params.logprobs is None else list(seq.logprobs), calls or None,
                              seq.token_ids[:seq.num_prompt_tokens],
-                             None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs))
+                             None if seq.params.prompt_logprobs is None else list(seq.prompt_logprobs),
+                             list(seq.sources))
+
+
+def _pieces(seq: Sequence, start: int, end: int) -> list[tuple[str, str | None]]:
+    """Characters start..end of seq's output text cut where the token that wrote them changes
+    source, each piece with that source (StreamChunk.pieces). Token i wrote the characters
+    between text_ends[i - 1] and text_ends[i]: what decoding it made stable, so a character
+    held back (a partial UTF-8 sequence, a possible stop string) counts as the later token's."""
+    text, ends, out = seq.detokenizer.text, seq.text_ends, []
+    i = bisect.bisect_right(ends, start)
+    while start < end:
+        stop = min(ends[i] if i < len(ends) else end, end)
+        source = seq.sources[i] if i < len(ends) else None
+        if stop > start:
+            if out and out[-1][1] == source:
+                out[-1] = (out[-1][0] + text[start:stop], source)
+            else:
+                out.append((text[start:stop], source))
+        start, i = stop, i + 1
+    return out
 
 
 def _checked(tools: Tools | list[dict] | None) -> Tools | None:

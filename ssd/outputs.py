@@ -143,6 +143,9 @@ class RequestOutput:
     prompt_token_ids: list[int] = field(default_factory=list)
     # Per prompt token (the first None), where SamplingParams.prompt_logprobs asked for them.
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # Per token: where an accepted draft proposal came from ("draft", "head", "lookup", "suffix";
+    # DraftSource.kind), None for the target's own tokens.
+    sources: list[str | None] = field(default_factory=list)
 
     def __getitem__(self, key: str):  # out["text"], as the reference engine's dicts allow
         return getattr(self, key)
@@ -159,12 +162,26 @@ class RequestOutput:
         return out
 
 
+@dataclass(frozen=True)
+class StepInfo:
+    """What one engine step did for one request: a speculative round (or a plain step, K 0)."""
+
+    k: int = 0  # draft tokens asked for
+    drafted: int = 0  # proposed
+    accepted: int = 0  # of them (and branch tokens) the target kept
+    tokens: int = 0  # tokens the request got (accepted ones and the target's own)
+    source: str | None = None  # where the drafts came from (DraftSource.kind); None: no drafts asked
+    at_s: float = 0.0  # seconds from the request's arrival to this step's tokens
+
+
 @dataclass
 class StreamChunk:
     """What one engine step made for one request: new text and tokens. The last chunk carries
     finish_reason ("stop", "length", "tool_calls", or "error" with `error` set) and metrics;
     `from_draft[i]` tells whether token_ids[i] was a draft proposal the target accepted
-    (always False in AR mode)."""
+    (always False in AR mode), `sources[i]` where it came from (RequestOutput.sources).
+    `pieces` cuts `text` by the tokens that wrote it, each piece with its tokens' source
+    (None where the request has tools: its text is then the content between calls)."""
 
     text: str
     token_ids: list[int]
@@ -174,3 +191,6 @@ class StreamChunk:
     logprobs: list[TokenLogprob] | None = None  # per token, where SamplingParams.logprobs asked for them
     tool_calls: list | None = None  # the last chunk of a request with tools: its calls (ssd.tools.ToolCall)
     error: str | None = None  # the request failed (the server's engine loop)
+    sources: list[str | None] = field(default_factory=list)
+    pieces: list[tuple[str, str | None]] | None = None
+    step: StepInfo | None = None

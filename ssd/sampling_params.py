@@ -40,7 +40,9 @@ class SamplingParams:
     no cached prompt blocks (their positions' logits were never kept).
     cache_salt: the request's tenant: it shares cached prompt blocks only with requests of the
     same salt (None: with the other unsalted ones), so no caller learns from a fast answer
-    that another caller's text was there (docs/algorithm.md, "KV caches")."""
+    that another caller's text was there (docs/algorithm.md, "KV caches").
+    speculate: False decodes this request plainly (K 0 in every round) on an engine that
+    speculates, to compare with plain decoding; its tokens are the same either way."""
 
     temperature: float = 1.0
     top_k: int = 0
@@ -62,6 +64,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     cache_salt: str | None = None
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         self.stop = _list(self.stop, str, "stop", "a string or a list of strings")
@@ -98,6 +101,8 @@ class SamplingParams:
                                             or len(self.cache_salt) > MAX_SALT):
             raise SamplingParamsError(f"cache_salt must be a non-empty string of at most {MAX_SALT} characters, "
                                       f"got {self.cache_salt!r:.80}")
+        if not isinstance(self.speculate, bool):
+            raise SamplingParamsError(f"speculate must be True or False, got {self.speculate!r}")
         given = [n for n in ("json_schema", "regex", "grammar") if getattr(self, n) is not None]
         if len(given) > 1:
             raise SamplingParamsError(f"at most one of json_schema, regex and grammar, got {' and '.join(given)}")

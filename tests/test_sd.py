@@ -61,6 +61,31 @@ def test_sd_stream_marks_tokens_from_draft(smollm_dir, truncated_draft):
     assert flags == full.from_draft and any(flags) and not all(flags)
     assert all(c.from_draft[-1] is False for c in chunks[:-1])  # each round ends on the target's token
     assert chunks[-1].metrics.rounds > 0
+    assert full.sources == ["draft" if f else None for f in full.from_draft] == [s for c in chunks for s in c.sources]
+
+
+@pytest.mark.parametrize("draft", ["model", "ngram", "suffix"])
+def test_stream_pieces_spell_the_text_by_source(smollm_dir, truncated_draft, draft):
+    """A chunk's pieces are its text cut by the tokens that wrote it, each with their source, a
+    stop string and characters of several bytes included; its step says what the round was;
+    a request with speculate=False gets the same text from plain steps."""
+    prompt, stop = ("def fibonacci(n):", "# Output") if draft == "model" else \
+        ("Repeat this line three times: héllo wörld ✓ 1 2 3 4 5 héllo wörld ✓ 1 2 3 4 5", "5 h")
+    kind = {"model": "draft", "ngram": "lookup", "suffix": "suffix"}[draft]
+    with LLM(smollm_dir, draft=truncated_draft if draft == "model" else draft, mode="sd", speculate_k=4) as sd:
+        chunks = list(sd.stream(prompt, SamplingParams.greedy(max_tokens=48, stop=[stop])))
+        plain = list(sd.stream(prompt, SamplingParams.greedy(max_tokens=48, stop=[stop], speculate=False)))
+    text = "".join(c.text for c in chunks)
+    assert text == "".join(c.text for c in plain)
+    for c in chunks:
+        assert "".join(t for t, _ in c.pieces) == c.text
+        assert {s for _, s in c.pieces} <= {None, kind} and set(c.sources) <= {None, kind}
+        assert c.step.tokens == len(c.token_ids) and c.step.accepted == sum(c.from_draft)
+        assert c.step.source in (None, kind) and c.step.drafted <= c.step.k
+    assert any(s == kind for c in chunks for _, s in c.pieces)
+    assert [c.step.at_s for c in chunks] == sorted(c.step.at_s for c in chunks)
+    assert sum(c.step.accepted for c in chunks) == chunks[-1].metrics.accepted
+    assert all(c.step.k == 0 and not any(c.from_draft) for c in plain) and plain[-1].metrics.drafted == 0
 
 
 def test_sampled_sd_is_reproducible_with_a_seed(smollm_dir, truncated_draft):

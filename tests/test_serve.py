@@ -501,6 +501,45 @@ def test_a_seeded_request_gets_ars_tokens_from_a_speculative_server(spec_server,
     assert alone.choices[0].message.content == want[1]
 
 
+def test_streamed_speculation_is_opt_in_and_marks_the_drafts(spec_server, sequential):
+    """stream_options.include_speculation: every step's chunk carries ssd_speculation, whose
+    pieces spell the chunk's content and mark the accepted drafts, and whose steps add up to
+    the answer's counters; `speculate: false` decodes the same text plainly; without the
+    option, no chunk carries the field."""
+    c = openai.OpenAI(base_url=spec_server.base_url, api_key="none", max_retries=0, timeout=120)
+    question = "Count from 1 to 20, separated by commas."  # (the truncated draft gets some of it right)
+
+    def run(**extra) -> tuple[str, list[dict], dict]:
+        text, specs, metrics = "", [], {}
+        for ch in c.chat.completions.create(model=MODEL, messages=chat(question), temperature=0, max_tokens=48,
+                                            stream=True, **extra):
+            spec = (ch.model_extra or {}).get("ssd_speculation")
+            content = ch.choices[0].delta.content if ch.choices else None
+            if spec is not None:
+                assert "".join(p["text"] for p in spec["pieces"]) == (content or "")
+                specs.append(spec)
+            text += content or ""
+            metrics.update((ch.model_extra or {}).get("ssd_metrics") or {})
+            metrics.update({"tokens": ch.usage.completion_tokens} if ch.usage else {})
+        return text, specs, metrics
+
+    text, specs, m = run(stream_options={"include_speculation": True, "include_usage": True})
+    assert text == sequential(question, 48)
+    steps = [s["step"] for s in specs]
+    assert sum(s["tokens"] for s in steps) == m["tokens"]
+    assert sum(s["accepted"] for s in steps) == m["accepted"] and sum(s["drafted"] for s in steps) == m["drafted"]
+    assert any(s["k"] > 0 for s in steps) and {s["source"] for s in steps} <= {None, "draft"}
+    marked = "".join(p["text"] for s in specs for p in s["pieces"] if p["source"] == "draft")
+    assert marked and len(marked) < len(text)
+    plain_text, plain, pm = run(stream_options={"include_speculation": True}, extra_body={"speculate": False})
+    assert plain_text == text and all(s["step"]["k"] == 0 for s in plain) and pm.get("drafted", 0) == 0
+    assert run()[1] == [] and run(stream_options={"include_usage": True})[1] == []
+    with pytest.raises(openai.BadRequestError, match="include_speculation must be a boolean"):
+        run(stream_options={"include_speculation": "yes"})
+    with pytest.raises(openai.BadRequestError, match="'speculate' must be bool"):
+        run(extra_body={"speculate": "no"})
+
+
 @pytest.mark.long
 def test_sigterm_ends_the_ssd_worker(tmp_path, truncated_draft):
     s = start_server("--model", MODEL, "--mode", "ssd", "--draft", str(truncated_draft), tmp_path=tmp_path)

@@ -12,6 +12,7 @@ import os
 import time
 import warnings
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from ssd.engine.registry import Registry
 from ssd.engine.scheduler import Scheduler, Work
 from ssd.errors import SamplingParamsError, SSDError
 from ssd.models.loader import shared_model
+from ssd.outputs import StepInfo
 from ssd.request.constraint import Grammars
 from ssd.request.logits_process import LogitsProcessor
 from ssd.request.sampler import next_token, token_logprobs
@@ -44,9 +46,9 @@ from ssd.speculative.sources.base import DraftSource
 from ssd.speculative.sources.suffix import SuffixIndex, index_file
 from ssd.store import store_root
 
-# What a step added to a sequence: its new tokens, and whether each was a draft's (LLM.step makes
-# each a StreamChunk).
-Advance = tuple[Sequence, list[int], list[bool]]
+# What a step added to a sequence: its new tokens, the source of each that was an accepted draft
+# (None: the target's), and what the step was (LLM.step makes each a StreamChunk).
+Advance = tuple[Sequence, list[int], list[str | None], StepInfo]
 
 
 class LLMEngine:
@@ -117,6 +119,7 @@ class LLMEngine:
         rounding = set(decoding)  # (Sequences compare by identity)
         filling = len(work) > len(decoding)  # prompt chunks too
         plan = self.k_policy.plan(decoding, filling, bool(self.scheduler.waiting)) if decoding else None
+        plan = None if plan is None else plan.within(decoding, self.draft_context)  # what each can take
         speculating = plan is not None and any(plan.ks)
         plain = [w for w in work if w.seq not in rounding] if speculating else work
         with self.source.placement(drafting=speculating) if self.source else nullcontext():
@@ -128,7 +131,7 @@ class LLMEngine:
             times = RoundTimes(verify_s=pass_s, timed=not filling)  # a plain round's, where there is one
             for seq, token, lps in drawn:
                 if speculating or seq not in rounding:
-                    events.append(self._append(seq, [token], [False], now, lps))
+                    events.append(self._append(seq, [token], [None], StepInfo(), now, lps))
                 else:  # a plain round
                     rounds.append(Round(seq, 0, Proposal([]), tokens=[token], times=times, logprobs=lps))
             events += self._learn(rounds) if rounds else []
@@ -261,9 +264,9 @@ class LLMEngine:
 
     def _speculate(self, seqs: list[Sequence], plan: Plan) -> list[Advance]:
         """One speculative round (ssd/speculative/round.py) for the sequences that are decoding,
-        by the K policy's plan (one that drafts for some sequence)."""
-        return self._learn(speculative_round(plan.within(seqs, self.draft_context), self.source, self.runner,
-                                             self.cache, seqs))
+        by the K policy's plan (cut to what each can take, Plan.within; one that drafts for some
+        sequence)."""
+        return self._learn(speculative_round(plan, self.source, self.runner, self.cache, seqs))
 
     def _learn(self, rounds: list[Round]) -> list[Advance]:
         """A round's records to whoever learns from them: the K policy, the draft source and each
@@ -274,20 +277,26 @@ class LLMEngine:
         events = []
         for r in rounds:
             r.seq.stats.record(r)
-            events.append(self._append(r.seq, r.tokens, r.from_draft, now, r.logprobs))
+            kind = None if not r.k else self.source.lookup.kind if r.proposal.lookup else self.source.kind
+            kept = r.accepted + r.rescued
+            step = StepInfo(r.k, r.drafted, kept, source=kind)
+            events.append(self._append(r.seq, r.tokens, [kind] * kept + [None], step, now, r.logprobs))
         return events
 
-    def _append(self, seq: Sequence, tokens: list[int], from_draft: list[bool], now: float,
+    def _append(self, seq: Sequence, tokens: list[int], sources: list[str | None], step: StepInfo, now: float,
                 logprobs: list | None = None) -> Advance:
         """Add tokens up to the first that finishes the sequence; return what was added. A
         sequence stops at an end token, a stop token or string, or where its constraint is
-        complete."""
+        complete. step: the step's record, its tokens and time filled in here."""
         for i, token in enumerate(tokens):
             seq.token_ids.append(token)
-            seq.from_draft.append(from_draft[i])
+            seq.sources.append(sources[i])
             if logprobs is not None:
                 seq.logprobs.append(logprobs[i])
             seq.detokenizer.push([token])
+            seq.text_ends.append(len(seq.detokenizer.text))
+            if seq.detokenizer.stopped:  # the text was cut at a stop string: so were the tokens' ends
+                seq.text_ends[:] = [min(e, seq.text_ends[-1]) for e in seq.text_ends]
             seq.first_token_at = seq.first_token_at or now
             seq.last_token_at = now
             p = seq.params
@@ -298,8 +307,9 @@ class LLMEngine:
                 seq.finish_reason = "length"
             if seq.finished:
                 self.finish(seq)
-                return seq, tokens[:i + 1], from_draft[:i + 1]
-        return seq, tokens, from_draft
+                tokens, sources = tokens[:i + 1], sources[:i + 1]
+                break
+        return seq, tokens, sources, replace(step, tokens=len(tokens), at_s=now - seq.arrival)
 
 
 def target_buckets(config: EngineConfig, k_max: int) -> list[int] | None:

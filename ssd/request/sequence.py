@@ -35,7 +35,10 @@ class Sequence:
     calls: object | None = field(default=None, repr=False)
     num_prompt_tokens: int = 0
     finish_reason: str | None = None
-    from_draft: list[bool] = field(default_factory=list)  # per output token
+    # Per output token: where it came from if it was an accepted draft proposal, else None
+    # (RequestOutput.sources), and the length of the output's text once it was decoded.
+    sources: list[str | None] = field(default_factory=list)
+    text_ends: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, if params.logprobs is set
     # Per prompt token (the first None), if params.prompt_logprobs is set; filled as prefill runs.
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
@@ -55,6 +58,10 @@ class Sequence:
     @property
     def output_text(self) -> str:
         return self.detokenizer.text
+
+    @property
+    def from_draft(self) -> list[bool]:
+        return [s is not None for s in self.sources]
 
     @property
     def num_tokens(self) -> int:

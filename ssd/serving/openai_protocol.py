@@ -13,10 +13,10 @@ tenant for the prefix cache).
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ssd.errors import ContextLengthError, GrammarError, SamplingParamsError, SSDError
-from ssd.outputs import RequestMetrics, TokenLogprob
+from ssd.outputs import RequestMetrics, StreamChunk, TokenLogprob
 from ssd.sampling_params import SamplingParams
 from ssd.tools import ToolCall, ToolError, Tools
 
@@ -51,7 +51,7 @@ def api_error(e: SSDError, constraint_field: str | None = None) -> APIError:
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "stop", "seed", "stream", "stream_options",
           "ignore_eos", "n", "user", "metadata", "store", "service_tier", "presence_penalty", "frequency_penalty",
           "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "response_format", "json_schema", "regex",
-          "grammar", "cache_salt"}
+          "grammar", "cache_salt", "speculate"}
 CHAT = COMMON | {"messages", "max_completion_tokens", "parallel_tool_calls", "top_logprobs", "tools", "tool_choice"}
 COMPLETION = COMMON | {"prompt"}
 # Accepted only at the value that leaves the output as it is.
@@ -74,6 +74,8 @@ class ParsedRequest:
     batch: list | None = None  # completions: the prompts of a list of them (each with its n choices)
     echo: bool = False  # completions: the prompt's text (and its logprobs) before the answer's
     score_only: bool = False  # completions: max_tokens 0 with echo, the prompt scored and nothing generated
+    # stream_options.include_speculation: each engine step's chunk carries `ssd_speculation` (speculation_json)
+    include_speculation: bool = False
 
     @property
     def prompts(self) -> list:
@@ -213,12 +215,13 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
     if score_only:  # (one token is drawn and dropped: the engine generates at least one)
         max_tokens = 1
     options = _get(body, "stream_options", (dict,), {})
-    unknown = set(options) - {"include_usage"}
+    unknown = set(options) - {"include_usage", "include_speculation"}
     if unknown:
         raise APIError(400, f"unsupported stream_options: {', '.join(sorted(unknown))}", param="stream_options")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise APIError(400, "stream_options.include_usage must be a boolean", param="stream_options")
+    include_usage, include_speculation = options.get("include_usage", False), options.get("include_speculation", False)
+    for name, value in (("include_usage", include_usage), ("include_speculation", include_speculation)):
+        if not isinstance(value, bool):
+            raise APIError(400, f"stream_options.{name} must be a boolean", param="stream_options")
     n = _get(body, "n", (int,), 1)
     if not 1 <= n <= MAX_N:
         raise APIError(400, f"'n' must be in 1..{MAX_N}, got {n}", param="n")
@@ -240,7 +243,8 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
             repetition_penalty=_get(body, "repetition_penalty", number, 1.0),
             logit_bias=_get(body, "logit_bias", (dict,)), logprobs=top if logprobs else None,
             prompt_logprobs=top if logprobs and echo else None,
-            cache_salt=_get(body, "cache_salt", (str,)), **_constraint(body))
+            cache_salt=_get(body, "cache_salt", (str,)), speculate=_get(body, "speculate", (bool,), True),
+            **_constraint(body))
     except SSDError as e:
         raise APIError(400, str(e), param=_param(str(e))) from None
     tools = None
@@ -255,7 +259,7 @@ def parse_request(body, chat: bool, served: set[str], default_max_tokens: int) -
     field = next((f for f in ("response_format", "json_schema", "regex", "grammar")
                   if body.get(f) is not None and body[f] != {"type": "text"}), None)
     return ParsedRequest(prompt, params, stream, include_usage, chat and max_tokens is None, n, logprobs, field,
-                         tools, batch, echo, score_only)
+                         tools, batch, echo, score_only, include_speculation)
 
 
 def _prompts(prompt) -> list:
@@ -335,6 +339,17 @@ def speculation(m: RequestMetrics, mode: str) -> dict:
                    mean_accepted_length=m.mean_accepted_length, mean_k=m.mean_k)
     if m.hits + m.misses:
         out.update(cache_hit_rate=m.cache_hit_rate, hits=m.hits, misses=m.misses)
+    return out
+
+
+def speculation_json(c: StreamChunk) -> dict:
+    """The extension field `ssd_speculation` of a streamed chunk (stream_options.include_speculation):
+    the chunk's text cut by where its tokens came from (`pieces`, absent for a request with
+    tools) and the engine step that made them (`step`: K asked, drafted, accepted, tokens,
+    their source, seconds since the request arrived)."""
+    out = {"step": asdict(c.step)} if c.step is not None else {}
+    if c.pieces is not None:
+        out["pieces"] = [{"text": text, "source": source} for text, source in c.pieces]
     return out
 
 

@@ -14,7 +14,7 @@ from ssd.outputs import StreamChunk, TokenLogprob
 from ssd.request.sequence import Sequence
 from ssd.serving.gateway import Answer, Gateway
 from ssd.serving.openai_protocol import (APIError, Choice, chunk, completion, logprobs_json, new_id, parse_request,
-                                         speculation, usage)
+                                         speculation, speculation_json, usage)
 
 
 def routes(gw: Gateway) -> APIRouter:
@@ -77,8 +77,8 @@ def routes(gw: Gateway) -> APIRouter:
     def dropped(c: StreamChunk) -> StreamChunk:
         """score_only's chunk: the one token drawn is not the answer's (max_tokens 0)."""
         m = None if c.metrics is None else dataclasses.replace(c.metrics, output_tokens=0)
-        return dataclasses.replace(c, text="", token_ids=[], from_draft=[], logprobs=None, metrics=m,
-                                   finish_reason=c.finish_reason and "length")
+        return dataclasses.replace(c, text="", token_ids=[], from_draft=[], sources=[], pieces=[], logprobs=None,
+                                   metrics=m, finish_reason=c.finish_reason and "length")
 
     async def stream(chat: bool, rid: str, req, seqs: list[Sequence], queue: asyncio.Queue) -> AsyncIterator[str]:
         data = lambda obj: f"data: {json.dumps(obj)}\n\n"  # noqa: E731
@@ -102,10 +102,14 @@ def routes(gw: Gateway) -> APIRouter:
                 if req.score_only:
                     c = dropped(c)
                 last[i] = c
-                if c.text or (req.logprobs and c.logprobs):
+                # With include_speculation, every step that made tokens (the text may be held back).
+                if c.text or (req.logprobs and c.logprobs) or (req.include_speculation and c.token_ids):
                     lps = logprobs_json(chat, llm.tokenizer, c.logprobs, offsets[i]) if req.logprobs else None
                     offsets[i] += len(c.text)
-                    yield data(chunk(chat, rid, name, c.text, None, index=i, logprobs=lps))
+                    out = chunk(chat, rid, name, c.text, None, index=i, logprobs=lps)
+                    if req.include_speculation:
+                        out["ssd_speculation"] = speculation_json(c)
+                    yield data(out)
                 if c.tool_calls:
                     yield data(chunk(chat, rid, name, None, None, index=i, calls=c.tool_calls))
                 if c.finish_reason:

@@ -4,7 +4,8 @@ Anthropic's APIs.
 Routes: POST /v1/chat/completions and /v1/completions, GET /v1/models and /v1/models/{id}
 (openai_routes.py), POST /v1/responses, GET and DELETE /v1/responses/{id} (responses_routes.py),
 POST /v1/messages and /v1/messages/count_tokens (Anthropic's Messages API, anthropic_routes.py),
-GET /health, GET /metrics (Prometheus); what the routes share is gateway.py. Errors use
+GET /health, GET /metrics (Prometheus), and a chat page at / (page_routes.py); what the routes
+share is gateway.py. Errors use
 OpenAI's JSON shape, and Anthropic's under /v1/messages. A client that goes away cancels its
 request. SIGTERM / SIGINT: uvicorn stops accepting and lets requests in flight finish (for up
 to --shutdown-timeout seconds, then cancels them); then the engine stops and the SSD draft
@@ -25,7 +26,7 @@ from starlette.exceptions import HTTPException
 
 from ssd.errors import SSDError
 from ssd.llm import LLM
-from ssd.serving import anthropic_protocol, anthropic_routes, openai_routes, responses_routes
+from ssd.serving import anthropic_protocol, anthropic_routes, openai_routes, page_routes, responses_routes
 from ssd.serving.engine_loop import EngineLoop
 from ssd.serving.gateway import Gateway
 from ssd.serving.metrics import ServerMetrics
@@ -54,14 +55,14 @@ class _StatusCounter:
         await self.app(scope, receive, counted)
 
 
-ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
+ROUTES = ("/", "/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/messages/count_tokens",
           "/v1/models", "/health", "/metrics")
 
 
 def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics: ServerMetrics,
-              aliases: tuple[str, ...] = ()) -> FastAPI:
+              aliases: tuple[str, ...] = (), page: bool = True) -> FastAPI:
     """The app: OpenAI's routes (openai_routes.py), Anthropic's (anthropic_routes.py), health,
-    Prometheus' metrics, and errors in OpenAI's shape."""
+    Prometheus' metrics, the chat page (page=False: none), and errors in OpenAI's shape."""
     gw = Gateway(engine, metrics, served_name, aliases, api_key)
 
     @asynccontextmanager
@@ -103,12 +104,14 @@ def build_app(engine: EngineLoop, served_name: str, api_key: str | None, metrics
     app.include_router(openai_routes.routes(gw))
     app.include_router(anthropic_routes.routes(gw))
     app.include_router(responses_routes.routes(gw))
+    if page:
+        app.include_router(page_routes.routes())
     app.add_middleware(_StatusCounter, metrics=metrics)
     return app
 
 
 def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          max_queue: int = 64, shutdown_timeout: float = 30.0, log_level: str = "warning") -> None:
+          max_queue: int = 64, shutdown_timeout: float = 30.0, log_level: str = "warning", page: bool = True) -> None:
     """Serve `llm` until SIGTERM / SIGINT; the LLM is closed on the way out (`ssd serve`).
 
     The engine steps in this (the main) thread, see engine_loop.py for why; uvicorn and its
@@ -121,7 +124,7 @@ def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api
     engine = EngineLoop(llm, max_queue)
     engine.on_step = lambda llm: metrics.engine_state(llm, engine.queued())
     metrics.engine_state(llm, 0)
-    app = build_app(engine, name, api_key, metrics, aliases=(llm.config.model.name,))
+    app = build_app(engine, name, api_key, metrics, aliases=(llm.config.model.name,), page=page)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=log_level == "debug",
                             timeout_graceful_shutdown=shutdown_timeout)
     server = uvicorn.Server(config)
@@ -137,7 +140,8 @@ def serve(llm: LLM, *, name: str, host: str = "127.0.0.1", port: int = 8000, api
         time.sleep(0.05)
     if server.started:
         key = " (API key required)" if api_key else ""
-        print(f"ssd serve: {name} ({llm.config.mode}) on http://{host}:{port}/v1{key}", file=sys.stderr, flush=True)
+        print(f"ssd serve: {name} ({llm.config.mode}) on http://{host}:{port}/v1{key}"
+              + (f"; a chat page at http://{host}:{port}/" if page else ""), file=sys.stderr, flush=True)
     try:
         engine.run(keep_going=http.is_alive)  # returns when the lifespan ends or uvicorn could not start
         http.join(shutdown_timeout + 10)

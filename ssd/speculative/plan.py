@@ -31,11 +31,12 @@ class Plan:
 
     def within(self, seqs: list[Sequence], context: int) -> "Plan":
         """Each K cut to what its sequence can take (round_k): before position `context`, and
-        no more than its tokens left allow; a lookup's tokens with it (none left: the draft's
-        sequence at K = 0)."""
+        no more than its tokens left allow, and 0 for a request that asked not to speculate; a
+        lookup's tokens with it (none left: the draft's sequence at K = 0)."""
         out = []
         for s, p in zip(seqs, self.seqs):
-            k = round_k(p.k, s.num_tokens, context, s.params.max_tokens - len(s.output_ids))
+            k = round_k(p.k if s.params.speculate else 0, s.num_tokens, context,
+                        s.params.max_tokens - len(s.output_ids))
             lookup = p.lookup[:k] if p.lookup and k else None
             tree = tuple(cut(list(p.lookup_tree), len(p.lookup), k)) if lookup else ()
             out.append(p if k == p.k else replace(p, k=k, lookup=lookup, lookup_tree=tree))

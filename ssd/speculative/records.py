@@ -152,7 +152,3 @@ class Round:
     def drafted(self) -> int:
         return len(self.proposal.tokens)
 
-    @property
-    def from_draft(self) -> list[bool]:
-        """Per token of `tokens`: proposed by the draft side?"""
-        return [True] * (self.accepted + self.rescued) + [False]

@@ -22,6 +22,9 @@ class DraftSource:
     where it keeps anything per sequence)."""
 
     capabilities = Capabilities()  # what it can do (records.py), all that the engine and the policy read of it
+    # What its accepted tokens are marked as in outputs and streams (RequestOutput.sources): "draft"
+    # (a draft model, in this process or a worker's), "head", "lookup" or "suffix".
+    kind = "draft"
     # Prompt lookup or suffix decoding beside it (a composite's, beside.py): auto-K weighs its
     # tokens against the draft's per sequence and round, and a plan says which are proposed.
     lookup: "DraftSource | None" = None

@@ -22,6 +22,7 @@ class Beside(DraftSource):
         super().__init__(draft.context)
         self.draft, self.lookup = draft, lookup
         self.capabilities, self.weights, self.suffix_index = draft.capabilities, draft.weights, lookup.suffix_index
+        self.kind = draft.kind
 
     def propose(self, seqs: list[Sequence], plans: list[SeqPlan]) -> list[Proposal]:
         asked = [b for b, p in enumerate(plans) if p.lookup is None]

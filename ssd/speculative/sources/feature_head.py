@@ -103,6 +103,8 @@ class _Tree:
 
 
 class FeatureHead(DraftSource):
+    kind = "head"
+
     def __init__(self, head: EagleHead, target_layers: int, cache_tokens: int, block_size: int,
                  device: torch.device, context: int, seed: int | None = None, dtype: torch.dtype = torch.float32,
                  graph_buckets: list[int] | None = None, max_keys: int = 0, chain_steps: int = 0):

@@ -14,6 +14,8 @@ from ssd.speculative.sources.ngram_index import NgramIndex
 
 
 class PromptLookup(DraftSource):
+    kind = "lookup"
+
     def __init__(self, ngram_min: int = 1, ngram_max: int = 4):
         """ngram_min, ngram_max: as checked by the speculation options (check_ngram_sizes)."""
         super().__init__()

@@ -169,6 +169,7 @@ class SuffixLookup(DraftSource):
     as it takes prompt lookup's."""
 
     capabilities = Capabilities(offers_trees=True)
+    kind = "suffix"
 
     @property
     def suffix_index(self) -> SuffixIndex:

@@ -7,7 +7,7 @@ import pytest
 from ssd import LLM, SamplingParams
 from ssd.config import EngineConfig
 from ssd.speculative.policy.estimators import LowQuantile
-from ssd.runner.threads import CALM_WAIT, FIRST_WAIT, MAX_WAIT, TRIAL_PASSES, ThreadChooser
+from ssd.runner.threads import ABANDON, CALM_WAIT, FIRST_WAIT, MAX_WAIT, TRIAL_PASSES, ThreadChooser
 
 # A decode step's seconds by thread count: quiet, two threads are 1.45x as fast as one; with one
 # of two cores busy, a pass at two threads waits for the thread whose core is taken.
@@ -58,6 +58,29 @@ def test_load_that_comes_is_followed_within_a_few_dozen_passes_and_calm_that_ret
     # Calm again: two threads within the longest wait at one thread.
     back = counts.index(2, 2000)
     assert back < 2000 + CALM_WAIT + 2 * TRIAL_PASSES and counts[back + MAX_WAIT // 4:].count(1) <= 2 * TRIAL_PASSES
+
+
+def test_a_trial_that_loses_at_once_costs_one_pass():
+    """Under load at one thread, each trial of two threads ends after its first pass (twice as
+    slow); on a quiet machine no trial of one thread against two is cut short, its passes
+    being within ABANDON of two threads'."""
+    def trials(chooser: ThreadChooser) -> list[int]:
+        """Filled, as trials end with the current count kept, with their passes at the other."""
+        lengths, keep = [], chooser._keep
+        chooser._keep = lambda: lengths.append(len(chooser.trial.ratios[1])) or keep()
+        return lengths
+
+    assert QUIET[1] / QUIET[2] * 1.05 < ABANDON < BUSY[2] / BUSY[1]
+    rng, chooser = random.Random(5), ThreadChooser(2, LowQuantile)
+    _run(chooser, 2 * TRIAL_PASSES + 1, lambda i: BUSY, rng)
+    busy = trials(chooser)
+    counts = _run(chooser, 3000, lambda i: BUSY, rng)
+    assert len(busy) >= 8 and busy.count(1) >= len(busy) - 1  # (a spike may let one run whole)
+    assert counts.count(2) <= len(busy) + TRIAL_PASSES
+    rng, chooser = random.Random(6), ThreadChooser(2, LowQuantile)
+    quiet = trials(chooser)
+    _run(chooser, 4000, lambda i: QUIET, rng)
+    assert len(quiet) >= 4 and quiet.count(TRIAL_PASSES) >= len(quiet) - 1  # (but where a spike fell first)
 
 
 def test_a_slowdown_that_hits_every_count_alike_changes_nothing():

@@ -7,9 +7,11 @@ threads ran slower than one. The engine cannot see the load, but it sees its pas
 pass's time over the fastest this runner ever took at its size is a ratio that a busy core
 raises. Now and then, and at once where passes run slow, the chooser tries a neighbouring
 thread count: passes alternate between the two counts (a change of load hits both alike),
-and the count whose passes ran faster stays. A trial that changes nothing waits longer
-before the next, so a quiet machine pays little for the checks; a machine that calms is
-tried again.
+and the count whose passes ran faster stays. A trial whose first pass at the other count is
+far slower than the current count runs ends there (under load, two threads' pass costs twice
+one thread's: three such passes a trial were most of what following the load cost). A trial
+that changes nothing waits longer before the next, so a quiet machine pays little for the
+checks; a machine that calms is tried again.
 
 A row's bits do not depend on the thread count (the kernels' invariance), so a count changed
 between passes changes no output. Threads a user asks for are not changed.
@@ -21,6 +23,10 @@ from typing import Protocol
 
 TRIAL_PASSES = 3  # passes at each of the two counts a trial compares
 MARGIN = 0.05  # the other count must run this much faster to be taken
+# A trial's first pass at the other count this much slower than the current count's passes
+# run (their reading) ends the trial: the other count is not taken. Above a quiet machine's one
+# thread against two (1.45x), so that no trial a quiet machine makes is cut short by it.
+ABANDON = 1.6
 FIRST_WAIT = 32  # passes before the next trial after a change ...
 WAIT_GROWTH = 4  # ... times this after each trial that changed nothing ...
 MAX_WAIT = 2048  # ... up to this many at every thread ...
@@ -88,6 +94,9 @@ class ThreadChooser:
         if self.trial is not None:
             t = self.trial
             t.ratios[t.turn].append(ratio)
+            if t.turn == 1 and len(t.ratios[1]) == 1 and self.measured and ratio > ABANDON * self.recent.value:
+                self._keep()
+                return
             t.turn = 1 - t.turn if len(t.ratios[1 - t.turn]) < TRIAL_PASSES else t.turn
             if t.done():
                 self._decide(t)
@@ -113,11 +122,16 @@ class ThreadChooser:
         return up if self.up else down
 
     def _decide(self, t: _Trial) -> None:
-        self.trial = None
         if median(t.ratios[1]) < (1 - MARGIN) * median(t.ratios[0]):
+            self.trial = None
             self.count = t.counts[1]
             self.recent, self.measured = self.reading(), 0
-            self.backoff = FIRST_WAIT
+            self.backoff = self.wait = FIRST_WAIT
         else:
-            self.backoff = min(MAX_WAIT if self.count == self.most else CALM_WAIT, self.backoff * WAIT_GROWTH)
+            self._keep()
+
+    def _keep(self) -> None:
+        """End the trial with the current count kept, and wait longer before the next."""
+        self.trial = None
+        self.backoff = min(MAX_WAIT if self.count == self.most else CALM_WAIT, self.backoff * WAIT_GROWTH)
         self.wait = self.backoff

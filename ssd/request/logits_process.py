@@ -60,8 +60,7 @@ class LogitsProcessor:
         short, end_ids = self._short(tokens, n, V, out.device)
         if self.constraint is not None:
             for i, allowed in self._allowed(tokens, drafts, n, V, short, end_ids):
-                out[i, :allowed.numel()].masked_fill_(~allowed, float("-inf"))
-                out[i, allowed.numel():] = float("-inf")
+                _ban(out[i], allowed)
         elif any(short):
             out[torch.tensor(short, device=out.device).nonzero()[:, :1], end_ids] = float("-inf")
         return out
@@ -86,9 +85,8 @@ class LogitsProcessor:
                 allowed[end_ids] = False
             if raw[i] < allowed.numel() and allowed[raw[i]]:
                 continue
-            row = logits[i].float().masked_fill(~allowed, float("-inf")) if allowed.numel() == V else \
-                torch.cat([logits[i, :allowed.numel()].float().masked_fill(~allowed, float("-inf")),
-                           logits.new_full((V - allowed.numel(),), float("-inf"), dtype=torch.float32)])
+            row = logits[i].float().clone()
+            _ban(row, allowed)
             raw[i] = int(row.argmax())
         return raw
 
@@ -150,3 +148,10 @@ class LogitsProcessor:
             self._bias = (torch.tensor(list(bias), dtype=torch.long, device=device),
                           torch.tensor(list(bias.values()), dtype=torch.float32, device=device))
         return self._bias
+
+
+def _ban(row: torch.Tensor, allowed: torch.Tensor) -> None:
+    """-inf, in place, at every token of row [V] that `allowed` (a bool row of at most V, the
+    tokens past it banned too) leaves out."""
+    row[:allowed.numel()].masked_fill_(~allowed, float("-inf"))
+    row[allowed.numel():] = float("-inf")
